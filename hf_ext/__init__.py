@@ -1,0 +1,16 @@
+"""hf-ext: a Hugging Face Trainer extension for DeepSpeed fine-tuning."""
+
+from .deepspeed_config import PRESETS, load_deepspeed_config
+from .trainer import Seq2SeqTrainer, Trainer
+from .training_args import Seq2SeqTrainingArguments, TrainingArguments
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PRESETS",
+    "Seq2SeqTrainer",
+    "Seq2SeqTrainingArguments",
+    "Trainer",
+    "TrainingArguments",
+    "load_deepspeed_config",
+]

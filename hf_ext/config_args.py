@@ -1,0 +1,52 @@
+"""HfArgumentParser + ``--config FILE.yaml``: CLI flags override the YAML, the YAML overrides dataclass defaults."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+from pathlib import Path
+
+import yaml
+from transformers import HfArgumentParser
+
+
+def parse_args_with_config(dataclass_types, argv: list[str] | None = None):
+    """Parse ``argv`` into ``dataclass_types``, taking defaults from ``--config`` (YAML) when given.
+
+    Unknown YAML keys are an error that names the key (and the closest known one); nothing is silently ignored.
+    """
+    parser = HfArgumentParser(dataclass_types)
+    parser.add_argument("--config", default=None, help="YAML file of defaults; CLI flags override it.")
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    known, _ = pre.parse_known_args(argv)
+    if known.config:
+        parser.set_defaults(**load_yaml_defaults(known.config, parser))
+    namespace_parts = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=False)
+    return namespace_parts[: len(dataclass_types)]
+
+
+def load_yaml_defaults(path: str, parser: argparse.ArgumentParser) -> dict:
+    """The YAML mapping at ``path``, checked against the parser's options (exits with a usage error otherwise)."""
+    try:
+        values = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    except FileNotFoundError:
+        _fail(parser, f"--config {path}: no such file")
+    except yaml.YAMLError as err:
+        _fail(parser, f"--config {path}: invalid YAML: {err}")
+    if not isinstance(values, dict):
+        _fail(parser, f"--config {path}: expected a mapping of option: value, got {type(values).__name__}")
+    known = {action.dest for action in parser._actions} - {"help", "config"}
+    problems = []
+    for key in values:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            problems.append(f"unknown key {key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    if problems:
+        _fail(parser, f"--config {path}: " + "; ".join(problems))
+    return values
+
+
+def _fail(parser: argparse.ArgumentParser, message: str):
+    """Exit with one clear line (no usage dump of 200 options, no traceback)."""
+    parser.exit(2, f"{parser.prog}: error: {message}\n")

@@ -1,0 +1,58 @@
+"""``Trainer`` / ``Seq2SeqTrainer`` that accept ``deepspeed=`` and compose hf-ext's features."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from transformers import Seq2SeqTrainer as _Seq2SeqTrainer
+from transformers import Trainer as _Trainer
+
+from .training_args import Seq2SeqTrainingArguments, TrainingArguments
+
+logger = logging.getLogger(__name__)
+
+
+def as_hf_ext_args(args, args_class, deepspeed=None):
+    """``args`` as hf-ext's arguments class (stock ones are converted), with ``deepspeed`` set when given."""
+    if args is None:
+        return args_class(deepspeed=deepspeed) if deepspeed is not None else None
+    if isinstance(args, args_class) and deepspeed is None:
+        return args
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init and hasattr(args, f.name)}
+    values = {k: v for k, v in values.items() if k in {f.name for f in dataclasses.fields(args_class) if f.init}}
+    if deepspeed is not None:
+        if values.get("deepspeed") not in (None, deepspeed):
+            logger.warning("`deepspeed=` passed to the trainer overrides `TrainingArguments.deepspeed`.")
+        values["deepspeed"] = deepspeed
+    return args_class(**values)
+
+
+class Trainer(_Trainer):
+    """:class:`transformers.Trainer` plus ``deepspeed=`` (a path, a dict or a preset name)."""
+
+    args_class = TrainingArguments
+
+    def __init__(self, model=None, args=None, *pos, deepspeed=None, **kwargs):
+        super().__init__(model, as_hf_ext_args(args, self.args_class, deepspeed), *pos, **kwargs)
+
+
+class Seq2SeqTrainer(_Seq2SeqTrainer):
+    """:class:`transformers.Seq2SeqTrainer` plus ``deepspeed=`` and ``generation_min_length``."""
+
+    args_class = Seq2SeqTrainingArguments
+
+    def __init__(self, model=None, args=None, *pos, deepspeed=None, **kwargs):
+        super().__init__(model, as_hf_ext_args(args, self.args_class, deepspeed), *pos, **kwargs)
+
+    def _with_min_length(self, gen_kwargs: dict) -> dict:
+        min_length = getattr(self.args, "generation_min_length", None)
+        if min_length is not None and "min_length" not in gen_kwargs and "min_new_tokens" not in gen_kwargs:
+            gen_kwargs["min_length"] = min_length
+        return gen_kwargs
+
+    def evaluate(self, *args, **gen_kwargs):
+        return super().evaluate(*args, **self._with_min_length(gen_kwargs))
+
+    def predict(self, *args, **gen_kwargs):
+        return super().predict(*args, **self._with_min_length(gen_kwargs))

@@ -1,0 +1,54 @@
+"""TrainingArguments that place a run right on any hardware and under any launcher."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from transformers import Seq2SeqTrainingArguments as _Seq2SeqTrainingArguments
+from transformers import TrainingArguments as _TrainingArguments
+
+from .deepspeed_config import PRESETS, load_deepspeed_config
+from .runtime import has_accelerator, launched_by_deepspeed, place_cpu_threads
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_LAUNCHER_PRESET = "zero2"
+
+
+class _HfExtArgsMixin:
+    """What stock ``TrainingArguments`` leaves to the user, done before and after its ``__post_init__``:
+
+    * a DeepSpeed preset name (``zero1``/``zero2``/``zero3``/``zero3_offload``) is accepted for ``deepspeed``;
+    * under DeepSpeed's launcher with no ``deepspeed`` config, the ``zero2`` preset is used (the launcher means it);
+    * on a host with no accelerator, ``use_cpu`` is switched on — otherwise torchrun / accelerate ranks each believe
+      they are alone (world size 1) and DeepSpeed's batch-size assertion fires;
+    * CPU ranks get ``cores // local ranks`` threads unless ``OMP_NUM_THREADS`` was set by the user.
+    """
+
+    def __post_init__(self):
+        if not self.deepspeed and launched_by_deepspeed():
+            logger.info(f"Launched by `deepspeed` without --deepspeed: using the {DEFAULT_LAUNCHER_PRESET!r} preset.")
+            self.deepspeed = DEFAULT_LAUNCHER_PRESET
+        if isinstance(self.deepspeed, str) and self.deepspeed in PRESETS:
+            self.deepspeed = load_deepspeed_config(self.deepspeed)
+        if not self.use_cpu and not has_accelerator():
+            self.use_cpu = True
+        super().__post_init__()
+        if self.device.type == "cpu":
+            place_cpu_threads()
+
+
+@dataclass
+class TrainingArguments(_HfExtArgsMixin, _TrainingArguments):
+    __doc__ = _TrainingArguments.__doc__
+
+
+@dataclass
+class Seq2SeqTrainingArguments(_HfExtArgsMixin, _Seq2SeqTrainingArguments):
+    __doc__ = _Seq2SeqTrainingArguments.__doc__
+
+    generation_min_length: int | None = field(
+        default=None,
+        metadata={"help": "min_length for generation during evaluation/prediction (default: the model's)."},
+    )
