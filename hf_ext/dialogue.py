@@ -83,7 +83,7 @@ def _special_affixes(tokenizer) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def _encode(tokenizer, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
 
 
 def encode_context(

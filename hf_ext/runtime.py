@@ -9,8 +9,11 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# Read once, at import, before accelerate or DeepSpeed can write it: only the user's own choice counts.
-USER_OMP_NUM_THREADS = os.environ.get("OMP_NUM_THREADS")
+# Read once, at import, before accelerate or DeepSpeed rewrite them: only the user's and the launcher's values count
+# (accelerate's PartialState overwrites LOCAL_WORLD_SIZE, with 1, under DeepSpeed's launcher).
+_LAUNCH_KEYS = ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
+LAUNCH_ENV = {key: os.environ[key] for key in _LAUNCH_KEYS if key in os.environ}
+USER_OMP_NUM_THREADS = LAUNCH_ENV.get("OMP_NUM_THREADS")
 
 
 def has_accelerator() -> bool:
@@ -28,9 +31,10 @@ def launched_by_deepspeed() -> bool:
 
 def local_world_size() -> int:
     """Processes on this node, whatever launched them (torchrun, accelerate, deepspeed, mpirun)."""
-    for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
-        if os.environ.get(key, "").isdigit():
-            return max(1, int(os.environ[key]))
+    for env in (LAUNCH_ENV, os.environ):  # the launcher's values first, then what this process learned since
+        for key in _LAUNCH_KEYS[1:]:
+            if env.get(key, "").isdigit():
+                return max(1, int(env[key]))
     return 1
 
 

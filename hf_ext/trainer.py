@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 
 from transformers import Seq2SeqTrainer as _Seq2SeqTrainer
@@ -19,8 +20,8 @@ def as_hf_ext_args(args, args_class, deepspeed=None):
         return args_class(deepspeed=deepspeed) if deepspeed is not None else None
     if isinstance(args, args_class) and deepspeed is None:
         return args
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init and hasattr(args, f.name)}
-    values = {k: v for k, v in values.items() if k in {f.name for f in dataclasses.fields(args_class) if f.init}}
+    init_fields = {f.name for f in dataclasses.fields(args_class) if f.init}
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.name in init_fields}
     if deepspeed is not None:
         if values.get("deepspeed") not in (None, deepspeed):
             logger.warning("`deepspeed=` passed to the trainer overrides `TrainingArguments.deepspeed`.")
@@ -28,22 +29,44 @@ def as_hf_ext_args(args, args_class, deepspeed=None):
     return args_class(**values)
 
 
-class Trainer(_Trainer):
-    """:class:`transformers.Trainer` plus ``deepspeed=`` (a path, a dict or a preset name)."""
+def loss_ignores_num_items(model) -> bool:
+    """True when ``forward`` takes ``**kwargs`` but averages the loss itself (BART family, BlenderBot, ...).
 
+    The stock Trainer then believes the model divides by the token count of the *global* batch, and multiplies the
+    loss by the number of processes: the logged loss and the gradients come out N times too large on N ranks.
+    """
+    if model is None or hasattr(model, "accepts_loss_kwargs"):
+        return False
+    get_base = getattr(model, "get_base_model", None)  # PEFT
+    forward = (get_base() if callable(get_base) else model).forward
+    params = inspect.signature(forward).parameters.values()
+    if not any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params):
+        return False
+    try:
+        source = inspect.getsource(forward)
+    except (OSError, TypeError):
+        return False
+    return "num_items_in_batch" not in source and "loss_function" not in source
+
+
+class _HfExtTrainerMixin:
     args_class = TrainingArguments
 
     def __init__(self, model=None, args=None, *pos, deepspeed=None, **kwargs):
         super().__init__(model, as_hf_ext_args(args, self.args_class, deepspeed), *pos, **kwargs)
+        if self.model_accepts_loss_kwargs and loss_ignores_num_items(model):
+            logger.info(f"{type(model).__name__} averages its own loss: not rescaling it by the global token count.")
+            self.model_accepts_loss_kwargs = False
 
 
-class Seq2SeqTrainer(_Seq2SeqTrainer):
+class Trainer(_HfExtTrainerMixin, _Trainer):
+    """:class:`transformers.Trainer` plus ``deepspeed=`` (a path, a dict or a preset name)."""
+
+
+class Seq2SeqTrainer(_HfExtTrainerMixin, _Seq2SeqTrainer):
     """:class:`transformers.Seq2SeqTrainer` plus ``deepspeed=`` and ``generation_min_length``."""
 
     args_class = Seq2SeqTrainingArguments
-
-    def __init__(self, model=None, args=None, *pos, deepspeed=None, **kwargs):
-        super().__init__(model, as_hf_ext_args(args, self.args_class, deepspeed), *pos, **kwargs)
 
     def _with_min_length(self, gen_kwargs: dict) -> dict:
         min_length = getattr(self.args, "generation_min_length", None)

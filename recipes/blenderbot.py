@@ -56,7 +56,7 @@ def setup_logging(args: Seq2SeqTrainingArguments) -> None:
     )
     level = args.get_process_log_level()
     for lib_logger in (logger, logging.getLogger("hf_ext")):
-        lib_logger.setLevel(level)
+        lib_logger.setLevel(logging.INFO if args.should_log else logging.WARNING)
     datasets.utils.logging.set_verbosity(level)
     transformers.utils.logging.set_verbosity(level)
 
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
     setup_logging(training_args)
     logger.info(
         f"rank {training_args.process_index}/{training_args.world_size}, device {training_args.device}, "
-        f"deepspeed {'on' if training_args.deepspeed else 'off'}, {torch.get_num_threads()} threads"
+        f"deepspeed {'on' if training_args.deepspeed_plugin else 'off'}, {torch.get_num_threads()} threads"
     )
     set_seed(training_args.seed)
 

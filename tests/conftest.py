@@ -1,0 +1,70 @@
+"""Shared fixtures: a tiny BlenderBot built once per session, and a runner for real 2-rank launches."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+RECIPE = ROOT / "recipes" / "blenderbot.py"
+TINY_YAML = ROOT / "recipes" / "configs" / "tiny.yaml"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A random-init tiny BlenderBot + tokenizer trained on the offline corpus (built by the project's builder)."""
+    from hf_ext.tiny_model import build
+
+    return build(str(tmp_path_factory.mktemp("models") / "tiny"), "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_env(**extra) -> dict:
+    env = dict(os.environ)
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    env.pop("OMP_NUM_THREADS", None)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def launcher_cmd(launcher: str, script: str | Path, nproc: int = 2) -> list[str]:
+    """The command prefix of ``launcher`` (deepspeed, torchrun, accelerate:<yaml>, python) for ``script``."""
+    port = free_port()
+    if launcher == "deepspeed":
+        return [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(port), str(script)]
+    if launcher == "torchrun":
+        return [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(port), str(script)]
+    if launcher.startswith("accelerate:"):
+        cfg = launcher.split(":", 1)[1]
+        return [str(BIN / "accelerate"), "launch", "--config_file", cfg, "--main_process_port", str(port), str(script)]
+    if launcher == "python":
+        return [sys.executable, str(script)]
+    raise ValueError(launcher)
+
+
+def run(cmd: list[str], timeout: int = 900, **env) -> subprocess.CompletedProcess:
+    """Run ``cmd`` from the repo root; fail with the tail of its output when it exits non-zero."""
+    proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(**env), capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        tail = (proc.stdout[-4000:] + "\n---stderr---\n" + proc.stderr[-8000:]).strip()
+        pytest.fail(f"{' '.join(map(str, cmd))} exited {proc.returncode}:\n{tail}")
+    return proc
