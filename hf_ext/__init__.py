@@ -1,5 +1,6 @@
 """hf-ext: a Hugging Face Trainer extension for DeepSpeed fine-tuning."""
 
+from .bleu_eval import BleuEvalCallback, BleuEvalConfig
 from .deepspeed_config import PRESETS, load_deepspeed_config
 from .trainer import Seq2SeqTrainer, Trainer
 from .training_args import Seq2SeqTrainingArguments, TrainingArguments
@@ -7,6 +8,8 @@ from .training_args import Seq2SeqTrainingArguments, TrainingArguments
 __version__ = "0.1.0"
 
 __all__ = [
+    "BleuEvalCallback",
+    "BleuEvalConfig",
     "PRESETS",
     "Seq2SeqTrainer",
     "Seq2SeqTrainingArguments",

@@ -9,7 +9,9 @@ import logging
 from transformers import Seq2SeqTrainer as _Seq2SeqTrainer
 from transformers import Trainer as _Trainer
 
+from .bleu_eval import BleuEvalCallback, BleuEvalConfig
 from .training_args import Seq2SeqTrainingArguments, TrainingArguments
+from .zero_eval import plain_eval_without_engine
 
 logger = logging.getLogger(__name__)
 
@@ -64,9 +66,28 @@ class Trainer(_HfExtTrainerMixin, _Trainer):
 
 
 class Seq2SeqTrainer(_HfExtTrainerMixin, _Seq2SeqTrainer):
-    """:class:`transformers.Seq2SeqTrainer` plus ``deepspeed=`` and ``generation_min_length``."""
+    """:class:`transformers.Seq2SeqTrainer` plus ``deepspeed=``, ``generation_min_length`` and the BLEU eval.
+
+    Every evaluation also generates and logs ``eval_bleu``, ``eval_chrf``, ``eval_gen_len`` and sample generations
+    (:class:`~hf_ext.bleu_eval.BleuEvalCallback`, switched off by ``generation_eval=False``). Eval-only runs work on
+    ZeRO-1/2 too.
+    """
 
     args_class = Seq2SeqTrainingArguments
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        callback = next((cb for cb in self.callback_handler.callbacks if isinstance(cb, BleuEvalCallback)), None)
+        if callback is None and getattr(self.args, "generation_eval", True):
+            callback = BleuEvalCallback(BleuEvalConfig.from_args(self.args))
+            self.add_callback(callback)
+        self.bleu_eval_callback = callback
+        if callback is not None and self.args.predict_with_generate and self.compute_metrics is not None:
+            logger.warning(
+                "predict_with_generate=True with compute_metrics makes every evaluation generate twice (once in the "
+                "stock loop, once for BLEU). Set predict_with_generate=False, or generation_eval=False to keep only "
+                "your compute_metrics."
+            )
 
     def _with_min_length(self, gen_kwargs: dict) -> dict:
         min_length = getattr(self.args, "generation_min_length", None)
@@ -75,7 +96,17 @@ class Seq2SeqTrainer(_HfExtTrainerMixin, _Seq2SeqTrainer):
         return gen_kwargs
 
     def evaluate(self, *args, **gen_kwargs):
-        return super().evaluate(*args, **self._with_min_length(gen_kwargs))
+        gen_kwargs = self._with_min_length(gen_kwargs)
+        callback = getattr(self, "bleu_eval_callback", None)
+        if callback is not None:
+            callback.call_gen_kwargs = dict(gen_kwargs)
+        try:
+            with plain_eval_without_engine(self):
+                return super().evaluate(*args, **gen_kwargs)
+        finally:
+            if callback is not None:
+                callback.call_gen_kwargs = {}
 
     def predict(self, *args, **gen_kwargs):
-        return super().predict(*args, **self._with_min_length(gen_kwargs))
+        with plain_eval_without_engine(self):
+            return super().predict(*args, **self._with_min_length(gen_kwargs))

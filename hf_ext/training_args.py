@@ -52,3 +52,23 @@ class Seq2SeqTrainingArguments(_HfExtArgsMixin, _Seq2SeqTrainingArguments):
         default=None,
         metadata={"help": "min_length for generation during evaluation/prediction (default: the model's)."},
     )
+    # generation eval (hf_ext.bleu_eval): BLEU/chrF and sample generations at each evaluation
+    generation_eval: bool = field(
+        default=True,
+        metadata={"help": "Generate at each evaluation and log eval_bleu/eval_chrf/eval_gen_len and samples."},
+    )
+    generation_no_repeat_ngram_size: int | None = field(
+        default=None, metadata={"help": "no_repeat_ngram_size for eval generation (default: the model's)."}
+    )
+    generation_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Examples per generate() call and rank (default: per_device_eval_batch_size)."},
+    )
+    generation_bucket_by_length: bool = field(
+        default=True,
+        metadata={"help": "Sort eval examples into length buckets before generating (output order is kept)."},
+    )
+    log_samples: int = field(
+        default=5,
+        metadata={"help": "(context, generation, reference) rows printed and logged at each evaluation."},
+    )
