@@ -96,16 +96,22 @@ def conversation_pairs(category: str, turns: list[str]) -> list[dict]:
 
 
 def load_chatterbot(seed: int = 42, val_fraction: float = 0.1, test_fraction: float = 0.1) -> datasets.DatasetDict:
-    """The offline corpus as a seeded train/validation/test split *by conversation* (no context leaks across)."""
-    conversations = chatterbot_conversations()
-    random.Random(seed).shuffle(conversations)
-    n_val = max(1, round(len(conversations) * val_fraction))
-    n_test = max(1, round(len(conversations) * test_fraction))
-    parts = {
-        "validation": conversations[:n_val],
-        "test": conversations[n_val : n_val + n_test],
-        "train": conversations[n_val + n_test :],
-    }
+    """The offline corpus as a seeded train/validation/test split *by conversation*.
+
+    Conversations that open with the same turn (the corpus repeats questions with other answers) stay in one split,
+    so no evaluation context is also a training context.
+    """
+    groups: dict[str, list[dict]] = {}
+    for conv in chatterbot_conversations():
+        groups.setdefault(conv["turns"][0].lower(), []).append(conv)
+    keys = sorted(groups)
+    random.Random(seed).shuffle(keys)
+    n_total = sum(len(g) for g in groups.values())
+    targets = {"validation": n_total * val_fraction, "test": n_total * test_fraction}
+    parts: dict[str, list[dict]] = {split: [] for split in SPLITS}
+    for key in keys:
+        split = next((s for s in ("validation", "test") if len(parts[s]) < targets[s]), "train")
+        parts[split].extend(groups[key])
     out = {}
     for split in SPLITS:
         rows = [pair for conv in parts[split] for pair in conversation_pairs(conv["category"], conv["turns"])]

@@ -56,5 +56,39 @@ def place_cpu_threads() -> int:
     threads = max(1, usable_cores() // local_world_size())
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
-        logger.info(f"Using {threads} CPU threads per rank ({usable_cores()} cores, {local_world_size()} local ranks).")
+        logger.info(
+            f"Using {threads} CPU threads per rank ({usable_cores()} cores, {local_world_size()} local ranks)."
+        )
     return threads
+
+
+def _detect_launcher(env) -> str:
+    if "CROSS_RANK" in env and "LOCAL_SIZE" in env:
+        return "deepspeed"
+    if any(key.startswith("ACCELERATE_") for key in env) and "LOCAL_RANK" in env:
+        return "accelerate"
+    if "TORCHELASTIC_RUN_ID" in env:
+        return "torchrun"
+    if "OMPI_COMM_WORLD_SIZE" in env or "PMI_SIZE" in env:
+        return "mpi"
+    return "python"
+
+
+#: what started this process: deepspeed, accelerate, torchrun, mpi or python (read at import, like LAUNCH_ENV)
+LAUNCHER = _detect_launcher(os.environ)
+
+
+def run_summary(trainer) -> dict:
+    """Where and how a trainer ran: launcher, world size, engine, ZeRO stage, threads (for logs and checks)."""
+    import torch.distributed as dist
+
+    engine = trainer.model_wrapped
+    stage = getattr(engine, "zero_optimization_stage", None)
+    return {
+        "launcher": LAUNCHER,
+        "world_size": dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1,
+        "engine": type(engine).__name__,
+        "zero_stage": stage() if callable(stage) else None,
+        "device": str(trainer.args.device),
+        "torch_threads": torch.get_num_threads(),
+    }

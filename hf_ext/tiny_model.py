@@ -25,7 +25,7 @@ SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 
 SIZES: dict[str, dict] = {
     "tiny": dict(vocab=1024, d_model=32, encoder_layers=2, decoder_layers=2, heads=2, ffn=64),
-    "small": dict(vocab=4096, d_model=192, encoder_layers=2, decoder_layers=4, heads=4, ffn=768),
+    "small": dict(vocab=4096, d_model=160, encoder_layers=2, decoder_layers=2, heads=4, ffn=640),
     "400m": dict(vocab=8008, d_model=1280, encoder_layers=2, decoder_layers=12, heads=32, ffn=5120),
 }
 

@@ -27,6 +27,7 @@ from hf_ext.config_args import parse_args_with_config
 from hf_ext.data import DataArguments, load_dialogue_dataset, tokenize_dataset
 from hf_ext.dialogue import encode_texts
 from hf_ext.plotting import plot_training_curves
+from hf_ext.runtime import run_summary
 from hf_ext.tiny_model import SIZES, build
 
 logger = logging.getLogger("recipes.blenderbot")
@@ -52,7 +53,9 @@ class ModelArguments:
 
 def setup_logging(args: Seq2SeqTrainingArguments) -> None:
     logging.basicConfig(
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", handlers=[logging.StreamHandler()]
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        handlers=[logging.StreamHandler()],
     )
     level = args.get_process_log_level()
     for lib_logger in (logger, logging.getLogger("hf_ext")):
@@ -84,7 +87,9 @@ def print_samples(model_dir: str, eval_raw: datasets.Dataset, data_args: DataArg
         rows.append({"context": example["texts"], "reply": reply, "reference": example["labels"]})
     print("\n=== sample replies (validation) ===")
     for i, row in enumerate(rows, 1):
-        print(f"[{i}] context:   {row['context'][-160:]}\n    reply:     {row['reply']}\n    reference: {row['reference']}")
+        print(
+            f"[{i}] context:   {row['context'][-160:]}\n    reply:     {row['reply']}\n    reference: {row['reference']}"
+        )
     return rows
 
 
@@ -110,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 3. data: texts/labels -> left-truncated input_ids + labels
     raw = load_dialogue_dataset(data_args)
-    logger.info(f"Dialogue pairs: {({split: len(ds) for split, ds in raw.items()})}")
+    logger.info(f"Dialogue pairs: { ({split: len(ds) for split, ds in raw.items()}) }")
     with training_args.main_process_first(desc="tokenizing"):
         train_dataset = tokenize_dataset(raw["train"], tokenizer, data_args, "Tokenizing train")
         eval_dataset = tokenize_dataset(raw["validation"], tokenizer, data_args, "Tokenizing validation")
@@ -137,8 +142,10 @@ def main(argv: list[str] | None = None) -> dict:
         trainer.save_model()
         metrics.update(result.metrics)
         metrics["train_samples"] = len(train_dataset)
+        metrics["run"] = run_summary(trainer)
+        logger.info(f"Ran on {metrics['run']}")
         trainer.log_metrics("train", result.metrics)
-        trainer.save_metrics("train", result.metrics)
+        trainer.save_metrics("train", {**result.metrics, "run": metrics["run"]})
         trainer.save_state()
     if training_args.do_eval:
         eval_metrics = trainer.evaluate(**generation_kwargs(training_args))

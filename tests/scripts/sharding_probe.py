@@ -1,0 +1,49 @@
+"""Train one epoch of a tiny BlenderBot and record, per rank, which examples each step's batch held."""
+
+import json
+import os
+import sys
+
+import torch.distributed as dist
+from transformers import AutoTokenizer, BlenderbotForConditionalGeneration, DataCollatorForSeq2Seq
+
+from hf_ext import Seq2SeqTrainer, Seq2SeqTrainingArguments
+from hf_ext.data import DataArguments, load_dialogue_dataset, tokenize_dataset
+
+model_dir, out_dir, deepspeed = sys.argv[1], sys.argv[2], sys.argv[3]
+args = Seq2SeqTrainingArguments(
+    output_dir=out_dir,
+    per_device_train_batch_size=4,
+    num_train_epochs=1,
+    report_to=[],
+    save_strategy="no",
+    logging_steps=1000,
+    seed=7,
+    deepspeed=deepspeed,
+)
+tokenizer = AutoTokenizer.from_pretrained(model_dir)
+data_args = DataArguments(n_train=48, max_source_length=64)
+raw = load_dialogue_dataset(data_args)["train"]
+dataset = tokenize_dataset(raw, tokenizer, data_args)
+model = BlenderbotForConditionalGeneration.from_pretrained(model_dir)
+collate = DataCollatorForSeq2Seq(tokenizer, model=model)
+seen = []
+
+
+def recording_collator(features):
+    seen.extend(tokenizer.decode(f["input_ids"], skip_special_tokens=True) for f in features)
+    return collate(features)
+
+
+trainer = Seq2SeqTrainer(model=model, args=args, train_dataset=dataset, data_collator=recording_collator)
+trainer.train()
+rank = dist.get_rank() if dist.is_initialized() else 0
+with open(os.path.join(out_dir, f"seen-rank{rank}.json"), "w") as f:
+    json.dump(
+        {
+            "seen": seen,
+            "all": [tokenizer.decode(x, skip_special_tokens=True) for x in dataset["input_ids"]],
+            "engine": type(trainer.model_wrapped).__name__,
+        },
+        f,
+    )
