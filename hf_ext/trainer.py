@@ -9,6 +9,7 @@ import logging
 from transformers import Seq2SeqTrainer as _Seq2SeqTrainer
 from transformers import Trainer as _Trainer
 
+from . import checkpoints, saving
 from .bleu_eval import BleuEvalCallback, BleuEvalConfig
 from .training_args import Seq2SeqTrainingArguments, TrainingArguments
 from .zero_eval import plain_eval_without_engine
@@ -59,6 +60,23 @@ class _HfExtTrainerMixin:
         if self.model_accepts_loss_kwargs and loss_ignores_num_items(model):
             logger.info(f"{type(model).__name__} averages its own loss: not rescaling it by the global token count.")
             self.model_accepts_loss_kwargs = False
+
+    # --- saving (hf_ext.saving, hf_ext.checkpoints) ---
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        resume_from_checkpoint = checkpoints.resolve_resume_from_checkpoint(self, resume_from_checkpoint)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if not saving.handles(self):
+            return super().save_model(output_dir, _internal_call)
+        saving.save_trainer_model(self, output_dir or self.args.output_dir, checkpoint=_internal_call)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_checkpoint(self, model, trial):
+        # Private override: no public hook chooses the directory a checkpoint is written to, and crash safety needs
+        # it written elsewhere and renamed when complete. The stock steps are kept, in order, in hf_ext.checkpoints.
+        checkpoints.save_checkpoint_atomically(self, model, trial)
 
 
 class Trainer(_HfExtTrainerMixin, _Trainer):
