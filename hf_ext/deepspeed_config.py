@@ -1,26 +1,586 @@
-"""DeepSpeed configs: presets and loading (path, dict or preset name)."""
+"""DeepSpeed configs: presets, loading, and resolution of every ``"auto"`` against TrainingArguments and the model.
+
+:func:`resolve_deepspeed_config` does what transformers' ``HfTrainerDeepSpeedConfig`` does when it fills ``"auto"``
+(batch sizes, accumulation, clipping, optimizer and scheduler values, precision, the hidden-size based bucket sizes)
+and also what it leaves to crash late or to go silently wrong:
+
+* the normalizations of :mod:`hf_ext.ds_normalize` (deprecated spellings, string booleans, float literals, ...);
+* precision: ``"auto"`` (or no fp16/bf16 section) with TrainingArguments saying nothing picks from the hardware
+  (bf16, else fp16, on an accelerator; fp32 on CPU); a precision the config enables explicitly is adopted by
+  TrainingArguments when they say nothing; fp16/bf16 the hardware lacks is an error;
+* batch-size keys and ``gradient_clipping`` missing from the config are added from TrainingArguments (DeepSpeed would
+  otherwise use accumulation 1 and no clipping while the Trainer assumes the arguments' values);
+* a top-level ``"gradient_checkpointing": true`` (ignored by DeepSpeed) turns on activation checkpointing;
+* ZeRO-3-only keys at stage < 3 are warned about (``"auto"`` ones dropped);
+* explicit values that disagree with TrainingArguments are all collected and raised at once, each with its fix;
+* an ``"auto"`` nothing can fill is an error naming the key: after resolution no ``"auto"`` is left;
+* the result is checked with DeepSpeed's own config models: unknown keys at any level (with "did you mean"),
+  wrong types, and DeepSpeed's own consistency checks.
+"""
 
 from __future__ import annotations
 
 import json
+import math
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
-PRESET_DIR = Path(__file__).parent / "presets"
-PRESETS: tuple[str, ...] = tuple(sorted(p.stem for p in PRESET_DIR.glob("*.json")))
+from . import ds_schema
+from .ds_loading import PRESET_DIR, PRESETS, describe, load, preset_path
+from .ds_normalize import GATHER_KEY, normalize
+from .ds_record import Change, DeepSpeedConfigError, Problem, Report, logger, short
 
+__all__ = [
+    "PRESETS",
+    "PRESET_DIR",
+    "RESOLVED_CONFIG_NAME",
+    "Change",
+    "DeepSpeedConfigError",
+    "Hardware",
+    "Problem",
+    "Resolution",
+    "explain_deepspeed_config",
+    "fill_model_keys",
+    "load_deepspeed_config",
+    "preset_path",
+    "resolve_deepspeed_config",
+]
 
-def preset_path(name: str) -> Path:
-    """The JSON template of a preset (``zero1``, ``zero2``, ``zero3``, ``zero3_offload``)."""
-    if name not in PRESETS:
-        raise ValueError(f"Unknown DeepSpeed preset {name!r}; choose one of {', '.join(PRESETS)} or give a path.")
-    return PRESET_DIR / f"{name}.json"
+RESOLVED_CONFIG_NAME = "deepspeed_config.resolved.json"
+HIDDEN_SIZE_KEYS = (
+    "zero_optimization.reduce_bucket_size",
+    "zero_optimization.stage3_prefetch_bucket_size",
+    "zero_optimization.stage3_param_persistence_threshold",
+)
+STEP_KEYS = ("scheduler.params.total_num_steps", "scheduler.params.warmup_num_steps")
 
 
 def load_deepspeed_config(config: str | Path | dict) -> dict:
-    """A DeepSpeed config as a fresh dict, from a dict, a JSON path or a preset name."""
-    if isinstance(config, dict):
-        return json.loads(json.dumps(config))
-    config = str(config)
-    if config in PRESETS:
-        config = str(preset_path(config))
-    return json.loads(Path(config).read_text(encoding="utf-8"))
+    """A DeepSpeed config as a fresh dict, from a dict, a JSON/YAML path or a preset name (nothing resolved)."""
+    return load(config, Report())
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Where training runs and which half precisions it supports (as DeepSpeed's accelerator reports them)."""
+
+    device: str
+    fp16: bool
+    bf16: bool
+
+    @classmethod
+    def detect(cls, use_cpu: bool = False) -> Hardware:
+        from .runtime import has_accelerator
+
+        if use_cpu or not has_accelerator():
+            from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+            accelerator = CPU_Accelerator()
+        else:
+            from deepspeed.accelerator import get_accelerator
+
+            accelerator = get_accelerator()
+        return cls(
+            accelerator.device_name(), bool(accelerator.is_fp16_supported()), bool(accelerator.is_bf16_supported())
+        )
+
+    def default_precision(self) -> str | None:
+        """bf16, else fp16, on an accelerator; full fp32 on CPU (where half precision trains slower, not faster)."""
+        if self.device == "cpu":
+            return None
+        return "bf16" if self.bf16 else "fp16" if self.fp16 else None
+
+
+@dataclass
+class Resolution:
+    """The resolved config and the record of how it was obtained."""
+
+    config: dict
+    origin: str
+    changes: list[Change] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
+    args_updates: dict = field(default_factory=dict)  # TrainingArguments values the config implies
+
+    def table(self) -> str:
+        """Every filled/normalized key, its value and where the value came from, as an aligned text table."""
+        rows = [("key", "value", "action", "source")]
+        rows += [(c.key, short(c.value), c.action, c.source) for c in self.changes]
+        widths = [min(60, max(len(r[i]) for r in rows)) for i in range(3)]
+        return "\n".join(
+            "  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths)) + "  " + row[3] for row in rows
+        ).rstrip()
+
+
+def launch_world_size() -> int:
+    """The world size the launcher announced (``WORLD_SIZE``; 1 when run as a plain script)."""
+    value = os.environ.get("WORLD_SIZE", "")
+    return int(value) if value.isdigit() and int(value) > 0 else 1
+
+
+def resolve_deepspeed_config(config, training_args, model=None, world_size: int | None = None, **kwargs) -> dict:
+    """Resolve a DeepSpeed config against ``training_args`` (and ``model`` for the hidden-size based keys).
+
+    Args:
+        config: a path to a JSON file or an accelerate YAML, a dict, or a preset name (``zero1``, ``zero2``,
+            ``zero3``, ``zero3_offload``).
+        training_args: the :class:`transformers.TrainingArguments` of the run.
+        model: a model, its config, or a path/hub id of one; needed when bucket sizes are ``"auto"``.
+        world_size: number of ranks; defaults to ``training_args.world_size``.
+        **kwargs: ``num_training_steps`` (defaults to ``training_args.max_steps`` when > 0) and ``hardware``
+            (a :class:`Hardware`, detected when omitted); see :func:`explain_deepspeed_config`.
+
+    Returns:
+        The resolved config: no ``"auto"`` left, validated by DeepSpeed's own config models. Use
+        :func:`explain_deepspeed_config` for the record of every filled or normalized key and its source.
+
+    Raises:
+        DeepSpeedConfigError: with every problem found (mismatches with ``training_args``, unknown keys, invalid
+            values, unfillable ``"auto"``), one line each with its fix.
+    """
+    return explain_deepspeed_config(config, training_args, model, world_size, **kwargs).config
+
+
+def explain_deepspeed_config(
+    config,
+    training_args,
+    model=None,
+    world_size: int | None = None,
+    *,
+    num_training_steps: int | None = None,
+    hardware: Hardware | None = None,
+    defer: bool = False,
+    raise_errors: bool = True,
+) -> Resolution:
+    """Like :func:`resolve_deepspeed_config`, but returns the whole :class:`Resolution` record.
+
+    ``defer=True`` leaves the ``"auto"`` values that need the model or the number of training steps in place when
+    those are unknown (they are filled at train start); ``raise_errors=False`` returns problems in
+    ``Resolution.problems`` instead of raising.
+    """
+    report = Report()
+    origin = describe(config)
+    try:
+        raw = load(config, report)
+    except DeepSpeedConfigError as err:
+        if raise_errors:
+            err.origin = err.origin or origin
+            raise
+        return Resolution({}, origin, report.changes, report.warnings, err.problems)
+    resolved, normal = normalize(raw)
+    report.extend(normal)
+    resolution = Resolution(resolved, origin)
+    args = training_args
+    world = world_size if world_size is not None else args.world_size
+    _gradient_checkpointing(resolved, report, resolution)
+    _fill_from_args(resolved, args, world, report)
+    _precision(resolved, args, hardware or Hardware.detect(getattr(args, "use_cpu", False)), report, resolution)
+    stage = _stage(resolved)
+    _stage3_only(resolved, stage, report)
+    if stage == 3:
+        _gather_default(resolved, report)
+    if model is not None:
+        try:
+            report.changes += fill_model_keys(resolved, model)
+        except DeepSpeedConfigError as err:
+            report.problems += err.problems
+    steps = num_training_steps
+    if steps is None and not defer and args.max_steps > 0:
+        steps = args.max_steps
+    if steps is not None:
+        _fill_steps(resolved, args, steps, report)
+    _leftover_autos(resolved, report, defer)
+    _validate(resolved, report)
+    resolution.changes, resolution.warnings, resolution.problems = report.changes, report.warnings, report.problems
+    for message in report.warnings:
+        logger.warning(message)
+    if report.problems and raise_errors:
+        raise DeepSpeedConfigError(report.problems, origin)
+    return resolution
+
+
+# --- helpers on dotted keys -------------------------------------------------------------------------------------
+
+
+def _node(config: dict, key: str, create: bool = False) -> tuple[dict | None, str]:
+    *parents, leaf = key.split(".")
+    node = config
+    for part in parents:
+        if not isinstance(node.get(part), dict):
+            if not create:
+                return None, leaf
+            node[part] = {}
+        node = node[part]
+    return node, leaf
+
+
+def get_value(config: dict, key: str, default=None):
+    node, leaf = _node(config, key)
+    return default if node is None else node.get(leaf, default)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b or a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
+    return a == b
+
+
+def _fill(config, report, key, value, source, args_field=None, args_fix=None, add=False, match=True):
+    """Replace ``"auto"`` at ``key`` by ``value``; add it when missing and ``add``; else compare when ``match``."""
+    node, leaf = _node(config, key, create=add)
+    if node is None:
+        return
+    if leaf not in node:
+        if add:
+            node[leaf] = value
+            report.change(key, value, f"{source} (missing in the config)", "added")
+        return
+    current = node[leaf]
+    if current == "auto":
+        node[leaf] = value
+        report.change(key, value, source)
+    elif match and not _same(current, value):
+        fix = f'set {key} to "auto"'
+        if args_fix:
+            flags = " ".join(f"--{k} {short(v)}" for k, v in args_fix.items())
+            fix += f", or pass {flags}"
+        report.problem(key, f"is {short(current)} but {args_field} is {short(value)}", fix, args_fix)
+
+
+def _stage(config: dict) -> int:
+    stage = get_value(config, "zero_optimization.stage", 0)
+    return stage if isinstance(stage, int) else 0
+
+
+# --- resolution steps -------------------------------------------------------------------------------------------
+
+
+def _gradient_checkpointing(config: dict, report: Report, resolution: Resolution):
+    if "gradient_checkpointing" not in config:
+        return
+    value = config.pop("gradient_checkpointing")
+    if value is True:
+        resolution.args_updates["activation_checkpointing"] = True
+        report.change("gradient_checkpointing", True, "TrainingArguments.activation_checkpointing=True", "moved")
+        report.warn(
+            'DeepSpeed ignores a top-level "gradient_checkpointing": true; activation checkpointing is turned on '
+            "in the model instead (TrainingArguments.activation_checkpointing=True). Set that argument and drop the "
+            "key to silence this."
+        )
+    else:
+        report.change("gradient_checkpointing", value, "top-level key DeepSpeed ignores", "removed")
+
+
+def _fill_from_args(config: dict, args, world: int, report: Report):
+    micro, accum = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    _fill(config, report, "train_micro_batch_size_per_gpu", micro, "TrainingArguments.per_device_train_batch_size",
+          "per_device_train_batch_size", {"per_device_train_batch_size": get_value(config, "train_micro_batch_size_per_gpu")}, add=True)  # fmt: skip
+    _fill(config, report, "gradient_accumulation_steps", accum, "TrainingArguments.gradient_accumulation_steps",
+          "gradient_accumulation_steps", {"gradient_accumulation_steps": config.get("gradient_accumulation_steps")}, add=True)  # fmt: skip
+    _fill(config, report, "train_batch_size", world * micro * accum,
+          f"world size {world} x per_device_train_batch_size {micro} x gradient_accumulation_steps {accum}",
+          "world_size x per_device_train_batch_size x gradient_accumulation_steps", add=True)  # fmt: skip
+    _fill(config, report, "gradient_clipping", args.max_grad_norm, "TrainingArguments.max_grad_norm",
+          "max_grad_norm", {"max_grad_norm": config.get("gradient_clipping")}, add=True)  # fmt: skip
+    if "zero_optimization" not in config:
+        config["zero_optimization"] = {"stage": 0}
+        report.change("zero_optimization.stage", 0, "DeepSpeed's default (accelerate refuses a config without it)", "added")  # fmt: skip
+    params = get_value(config, "optimizer.params")
+    lr = args.learning_rate
+    if isinstance(params, dict):
+        _fill(config, report, "optimizer.params.lr", lr, "TrainingArguments.learning_rate", "learning_rate",
+              {"learning_rate": params.get("lr")})  # fmt: skip
+        betas = params.get("betas")
+        beta_fix = {"adam_beta1": betas[0], "adam_beta2": betas[1]} if isinstance(betas, list) and len(betas) == 2 else None  # fmt: skip
+        _fill(config, report, "optimizer.params.betas", [args.adam_beta1, args.adam_beta2],
+              "TrainingArguments.adam_beta1/adam_beta2", "[adam_beta1, adam_beta2]", beta_fix)  # fmt: skip
+        _fill(config, report, "optimizer.params.eps", args.adam_epsilon, "TrainingArguments.adam_epsilon",
+              "adam_epsilon", {"adam_epsilon": params.get("eps")})  # fmt: skip
+        _fill(config, report, "optimizer.params.weight_decay", args.weight_decay, "TrainingArguments.weight_decay",
+              "weight_decay", {"weight_decay": params.get("weight_decay")})  # fmt: skip
+    if isinstance(get_value(config, "scheduler.params"), dict):
+        _fill(config, report, "scheduler.params.warmup_min_lr", 0, "0, as transformers does", match=False)
+        _fill(config, report, "scheduler.params.warmup_max_lr", lr, "TrainingArguments.learning_rate",
+              "learning_rate", {"learning_rate": get_value(config, "scheduler.params.warmup_max_lr")})  # fmt: skip
+    if getattr(args, "save_on_each_node", False):
+        _fill(
+            config, report, "checkpoint.use_node_local_storage", True, "TrainingArguments.save_on_each_node", add=True
+        )
+
+
+def _precision(config: dict, args, hardware: Hardware, report: Report, resolution: Resolution):
+    asked = "bf16" if (args.bf16 or args.bf16_full_eval) else "fp16" if (args.fp16 or args.fp16_full_eval) else None
+    current = {}
+    for name in ("fp16", "bf16"):
+        section = config.get(name)
+        if section is not None and not isinstance(section, dict):
+            report.problem(name, f'must be a section like {{"enabled": true}}, got {short(section)}')
+            return
+        current[name] = (section or {}).get("enabled", "auto")
+    if asked:
+        source, flag = f"TrainingArguments.{asked}", f"--{asked}"
+        chosen = asked
+        for name in ("fp16", "bf16"):
+            if current[name] not in ("auto", name == asked):
+                report.problem(
+                    f"{name}.enabled",
+                    f"is {short(current[name])} but TrainingArguments asks for {asked} ({flag})",
+                    f'set {name}.enabled to "auto", or drop {flag}',
+                )
+    else:
+        explicit = [name for name in ("fp16", "bf16") if current[name] is True]
+        if len(explicit) == 2:
+            report.problem("fp16.enabled", "fp16 and bf16 are both enabled", "enable at most one of them")
+            return
+        if explicit:
+            chosen, source = explicit[0], "the config (TrainingArguments said nothing)"
+            resolution.args_updates[chosen] = True
+        else:
+            chosen = hardware.default_precision()
+            source = f"hardware: {hardware.device}" + ("" if chosen else " (full fp32)")
+            if chosen:
+                resolution.args_updates[chosen] = True
+    if chosen and not getattr(hardware, chosen):
+        report.problem(
+            f"{chosen}.enabled",
+            f"{chosen} is requested ({source}) but this {hardware.device} host has no {chosen} support",
+            f'set {chosen}.enabled to "auto" (or false), or train where {chosen} is supported',
+        )
+    for name in ("fp16", "bf16"):
+        wanted = name == chosen
+        if current[name] == "auto" or name not in config:
+            config.setdefault(name, {})["enabled"] = wanted
+            report.change(f"{name}.enabled", wanted, source)
+    if "bf16" in resolution.args_updates or "fp16" in resolution.args_updates:
+        report.change(f"TrainingArguments.{chosen}", True, source, "filled")
+
+
+def _stage3_only(config: dict, stage: int, report: Report):
+    zero = config.get("zero_optimization")
+    if stage >= 3 or not isinstance(zero, dict):
+        return
+    for key in [k for k in zero if k in ds_schema.STAGE3_ONLY_KEYS]:
+        if zero[key] == "auto":
+            zero.pop(key)
+            report.change(f"zero_optimization.{key}", "auto", f"ZeRO-3-only key at stage {stage}", "removed")
+        elif key != GATHER_KEY or zero[key] is True:
+            report.warn(f"zero_optimization.{key} only matters at ZeRO stage 3; it has no effect at stage {stage}")
+
+
+def _gather_default(config: dict, report: Report):
+    zero = config["zero_optimization"]
+    if zero.get(GATHER_KEY) == "auto":
+        zero[GATHER_KEY] = True
+        report.change(f"zero_optimization.{GATHER_KEY}", True, "hf-ext default, so that save_model() writes weights")
+    elif zero.get(GATHER_KEY) is not True:
+        report.warn(
+            f"zero_optimization.{GATHER_KEY} is not true: under ZeRO-3, save_model() will not write usable weights "
+            "(only the DeepSpeed checkpoint). Set it to true to save a loadable model."
+        )
+
+
+def hidden_size_of(model) -> int | None:
+    """The hidden size transformers uses for the bucket sizes: ``hidden_size``, else ``max(hidden_sizes)``, also in
+    ``text_config``. ``model`` is a model, a config, or a path / hub id."""
+    if isinstance(model, (str, Path)):
+        from transformers import AutoConfig
+
+        model = AutoConfig.from_pretrained(str(model))
+    config = getattr(model, "config", model)
+    for cfg in (config, getattr(config, "text_config", None)):
+        if cfg is None:
+            continue
+        if getattr(cfg, "hidden_size", None):
+            return int(cfg.hidden_size)
+        if getattr(cfg, "hidden_sizes", None):
+            return int(max(cfg.hidden_sizes))
+    return None
+
+
+def fill_model_keys(config: dict, model) -> list[Change]:
+    """Fill the hidden-size based ``"auto"`` keys of ``config`` in place (integers, as DeepSpeed requires)."""
+    auto_keys = [k for k in HIDDEN_SIZE_KEYS if get_value(config, k) == "auto"]
+    if not auto_keys:
+        return []
+    hidden = hidden_size_of(model)
+    if hidden is None:
+        raise DeepSpeedConfigError(
+            [
+                Problem(k, '"auto" needs the model\'s hidden size, which its config does not have', "set an integer")
+                for k in auto_keys
+            ]  # fmt: skip
+        )
+    values = {
+        "zero_optimization.reduce_bucket_size": hidden * hidden,
+        "zero_optimization.stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+        "zero_optimization.stage3_param_persistence_threshold": 10 * hidden,
+    }
+    formulas = {
+        "zero_optimization.reduce_bucket_size": f"hidden_size^2 (h={hidden})",
+        "zero_optimization.stage3_prefetch_bucket_size": f"int(0.9 x hidden_size^2) (h={hidden})",
+        "zero_optimization.stage3_param_persistence_threshold": f"10 x hidden_size (h={hidden})",
+    }
+    changes = []
+    for key in auto_keys:
+        node, leaf = _node(config, key)
+        node[leaf] = values[key]
+        changes.append(Change(key, values[key], f"model: {formulas[key]}"))
+    return changes
+
+
+def _fill_steps(config: dict, args, steps: int, report: Report):
+    if not isinstance(get_value(config, "scheduler.params"), dict):
+        return
+    _fill(config, report, "scheduler.params.total_num_steps", steps, "number of training steps",
+          "the number of training steps")  # fmt: skip
+    warmup = max(1, args.get_warmup_steps(steps))
+    _fill(config, report, "scheduler.params.warmup_num_steps", warmup, "TrainingArguments warmup (at least 1)",
+          "TrainingArguments warmup", {"warmup_steps": get_value(config, "scheduler.params.warmup_num_steps")})  # fmt: skip
+
+
+def _walk(node, prefix=""):
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _walk(value, f"{prefix}{key}.")
+    else:
+        yield prefix[:-1], node
+
+
+def _leftover_autos(config: dict, report: Report, defer: bool):
+    for key, value in _walk(config):
+        if value != "auto" or key.split(".")[0] not in ds_schema.known_top_level_keys():
+            continue  # unknown keys are reported once, as unknown
+        if key in HIDDEN_SIZE_KEYS:
+            if defer:
+                report.change(key, "auto", "model: filled when the Trainer gets the model", "deferred")
+            else:
+                report.problem(key, '"auto" needs the model\'s hidden size', "pass the model (--model PATH)")
+        elif key in STEP_KEYS:
+            if defer:
+                report.change(key, "auto", "number of training steps: filled at train start", "deferred")
+            else:
+                report.problem(key, '"auto" needs the number of training steps', "pass --max_steps N")
+        else:
+            report.problem(key, '"auto" here has no source to fill it from', "replace it with a value")
+
+
+def _validate(config: dict, report: Report):
+    for key in config:
+        if key not in ds_schema.known_top_level_keys():
+            report.problem(
+                key,
+                f"unknown top-level key{ds_schema.did_you_mean(key, ds_schema.known_top_level_keys())}; DeepSpeed "
+                "would silently ignore it",
+                "fix or remove it",
+            )
+    for section in ds_schema.section_models():
+        if isinstance(config.get(section), dict):
+            for key, message in ds_schema.section_problems(section, config[section]):
+                report.problem(key, message)
+    _validate_named(config, "optimizer", ("type", "params", "legacy_fusion"), _optimizer_names(), report)
+    _validate_named(config, "scheduler", ("type", "params"), _scheduler_names(), report)
+    if not report.problems:
+        for key, message in ds_schema.validate_with_deepspeed(config):
+            report.problem(key, message)
+
+
+def _optimizer_names() -> set[str]:
+    import torch
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+
+    return set(DEEPSPEED_OPTIMIZERS) | {n for n in dir(torch.optim) if n[0].isupper()}
+
+
+def _scheduler_names() -> set[str]:
+    from deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES
+
+    return set(VALID_LR_SCHEDULES)
+
+
+def _validate_named(config: dict, section: str, allowed: tuple, names: set[str], report: Report):
+    value = config.get(section)
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        report.problem(section, f"must be a section with a type and params, got {short(value)}")
+        return
+    for key in value:
+        if key not in allowed:
+            report.problem(
+                f"{section}.{key}", f"unknown key{ds_schema.did_you_mean(key, allowed)}", "fix or remove it"
+            )
+    kind = value.get("type")
+    lowered = {n.lower() for n in names}
+    if not isinstance(kind, str) or (kind not in names and kind.lower() not in lowered):
+        report.problem(
+            f"{section}.type",
+            f"unknown {section} {kind!r}{ds_schema.did_you_mean(str(kind), names)}",
+            f"use one of {', '.join(sorted(names)[:12])}, ...",
+        )
+
+
+def write_resolved_config(config: dict, output_dir: str | Path, reference: dict | None = None) -> Path:
+    """Write ``config`` as ``output_dir/deepspeed_config.resolved.json``.
+
+    Non-finite numbers (accelerate sets ``steps_per_print`` to infinity to mute DeepSpeed) are not JSON: they are
+    replaced by the value in ``reference`` (the resolved config before accelerate touched it), or left out.
+    """
+    clean = json.loads(json.dumps(config, default=str), parse_constant=lambda _: None)
+    for key, value in list(clean.items()):
+        if value is None and key in config:
+            if reference is not None and key in reference:
+                clean[key] = reference[key]
+            else:
+                clean.pop(key)
+    path = Path(output_dir) / RESOLVED_CONFIG_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(clean, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def _trainer_callback_base():
+    from transformers import TrainerCallback
+
+    return TrainerCallback
+
+
+class ResolvedDeepSpeedConfigCallback(_trainer_callback_base()):
+    """Writes the DeepSpeed config the engine was started with to ``output_dir/deepspeed_config.resolved.json``.
+
+    Runs at train start on the main process only, after transformers has filled the last values that need the
+    model and the number of steps. Usable with the stock :class:`transformers.Trainer` too.
+    """
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        hf_config = getattr(args, "hf_deepspeed_config", None)
+        if hf_config is None or not state.is_world_process_zero:
+            return
+        reference = getattr(getattr(args, "hf_ext_deepspeed", None), "config", None)
+        path = write_resolved_config(hf_config.config, args.output_dir, reference)
+        left = [key for key, value in _walk(hf_config.config) if value == "auto"]
+        if left:
+            logger.error(f'DeepSpeed started with "auto" left in: {", ".join(left)}')
+        logger.info(f"Resolved DeepSpeed config written to {path}")
+
+
+def attach_to_trainer(trainer) -> None:
+    """Finish an hf-ext resolved config once the trainer has its model: fill the hidden-size based ``"auto"`` keys
+    (integers) in the config the engine will start from, and write the resolved file at train start."""
+    resolution = getattr(trainer.args, "hf_ext_deepspeed", None)
+    plugin = getattr(getattr(trainer, "accelerator", None), "state", None)
+    plugin = getattr(plugin, "deepspeed_plugin", None)
+    if resolution is None or plugin is None:
+        return
+    changes = fill_model_keys(plugin.hf_ds_config.config, trainer.model)
+    resolution.changes += changes
+    for change in changes:
+        logger.info(f"DeepSpeed {change.key} = {change.value} ({change.source})")
+    if not any(isinstance(cb, ResolvedDeepSpeedConfigCallback) for cb in trainer.callback_handler.callbacks):
+        trainer.add_callback(ResolvedDeepSpeedConfigCallback())

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from transformers import Seq2SeqTrainingArguments as _Seq2SeqTrainingArguments
 from transformers import TrainingArguments as _TrainingArguments
 
-from .deepspeed_config import PRESETS, load_deepspeed_config
+from .deepspeed_config import DeepSpeedConfigError, Problem, explain_deepspeed_config, launch_world_size
 from .runtime import has_accelerator, launched_by_deepspeed, place_cpu_threads
 
 logger = logging.getLogger(__name__)
@@ -19,7 +19,11 @@ DEFAULT_LAUNCHER_PRESET = "zero2"
 class _HfExtArgsMixin:
     """What stock ``TrainingArguments`` leaves to the user, done before and after its ``__post_init__``:
 
-    * a DeepSpeed preset name (``zero1``/``zero2``/``zero3``/``zero3_offload``) is accepted for ``deepspeed``;
+    * ``deepspeed`` may be a preset name (``zero1``/``zero2``/``zero3``/``zero3_offload``), a JSON path, an
+      accelerate YAML or a dict; it is resolved by :func:`hf_ext.explain_deepspeed_config` (every ``"auto"`` that
+      does not need the model or the step count filled, spellings normalized, everything validated by DeepSpeed's
+      own config models, all mismatches with these arguments raised at once). The record is kept in
+      ``hf_ext_deepspeed``;
     * under DeepSpeed's launcher with no ``deepspeed`` config, the ``zero2`` preset is used (the launcher means it);
     * on a host with no accelerator, ``use_cpu`` is switched on — otherwise torchrun / accelerate ranks each believe
       they are alone (world size 1) and DeepSpeed's batch-size assertion fires;
@@ -30,13 +34,24 @@ class _HfExtArgsMixin:
         if not self.deepspeed and launched_by_deepspeed():
             logger.info(f"Launched by `deepspeed` without --deepspeed: using the {DEFAULT_LAUNCHER_PRESET!r} preset.")
             self.deepspeed = DEFAULT_LAUNCHER_PRESET
-        if isinstance(self.deepspeed, str) and self.deepspeed in PRESETS:
-            self.deepspeed = load_deepspeed_config(self.deepspeed)
         if not self.use_cpu and not has_accelerator():
             self.use_cpu = True
+        if self.deepspeed:
+            self._resolve_deepspeed()
         super().__post_init__()
+        stock_mismatches = getattr(getattr(self, "hf_deepspeed_config", None), "mismatches", None)
+        if stock_mismatches:  # e.g. the launcher's world size differs from the one the distributed state reports
+            raise DeepSpeedConfigError([Problem("", m.lstrip("- ")) for m in stock_mismatches], "TrainingArguments")
         if self.device.type == "cpu":
             place_cpu_threads()
+
+    def _resolve_deepspeed(self):
+        resolution = explain_deepspeed_config(self.deepspeed, self, world_size=launch_world_size(), defer=True)
+        for name, value in resolution.args_updates.items():
+            logger.info(f"TrainingArguments.{name} = {value!r}, as the DeepSpeed config implies.")
+            setattr(self, name, value)
+        self.deepspeed = resolution.config
+        self.hf_ext_deepspeed = resolution
 
 
 @dataclass

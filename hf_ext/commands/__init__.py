@@ -1,0 +1,1 @@
+"""``hf-ext`` command modules (see :mod:`hf_ext.cli`)."""
