@@ -9,7 +9,7 @@ import logging
 from transformers import Seq2SeqTrainer as _Seq2SeqTrainer
 from transformers import Trainer as _Trainer
 
-from . import checkpoints, saving
+from . import checkpoints, deepspeed_config, saving
 from .bleu_eval import BleuEvalCallback, BleuEvalConfig
 from .training_args import Seq2SeqTrainingArguments, TrainingArguments
 from .zero_eval import plain_eval_without_engine
@@ -57,6 +57,7 @@ class _HfExtTrainerMixin:
 
     def __init__(self, model=None, args=None, *pos, deepspeed=None, **kwargs):
         super().__init__(model, as_hf_ext_args(args, self.args_class, deepspeed), *pos, **kwargs)
+        deepspeed_config.attach_to_trainer(self)  # model-dependent "auto" keys; resolved config file at train start
         if self.model_accepts_loss_kwargs and loss_ignores_num_items(model):
             logger.info(f"{type(model).__name__} averages its own loss: not rescaling it by the global token count.")
             self.model_accepts_loss_kwargs = False
