@@ -8,7 +8,7 @@ STAMP := $(VENV)/.hf-ext-installed
 DEMO_DIR ?= runs/demo
 NPROC ?= 2
 
-.PHONY: setup demo test test-fast lint clean
+.PHONY: setup demo test test-fast lint clean browser
 
 setup: $(STAMP)
 
@@ -24,7 +24,18 @@ demo: setup
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/deepspeed --num_gpus $(NPROC) recipes/blenderbot.py \
 		--config recipes/configs/demo.yaml --output_dir $(DEMO_DIR)
 
-test: setup
+# Debian's chromium for the Chat-E browser test (no browser download by playwright)
+browser:
+	@test -x /usr/bin/chromium || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			apt-get update && apt-get install -y chromium || \
+				echo "Installing Debian's chromium failed (see above); the Chat-E browser test will be skipped."; \
+		else \
+			echo "/usr/bin/chromium is missing and cannot be installed here (needs root and apt-get):" \
+				"run 'sudo apt-get update && sudo apt-get install -y chromium', or the browser test will be skipped."; \
+		fi; }
+
+test: setup browser
 	$(BIN)/python -m pytest tests
 
 test-fast: setup

@@ -1,0 +1,309 @@
+"""Chat-E's Gradio UI: a thin layer that lays out Blocks and wires events to a :class:`~app.engine.ChatEngine`.
+
+Everything a reply depends on travels with the request (the session's chat, the context mode, the settings), so
+sessions never share a history. Messages are shown as text: they are HTML-escaped for display and unescaped (an
+exact inverse) before they reach the model.
+"""
+
+from __future__ import annotations
+
+import functools
+import html
+import inspect
+import logging
+from typing import Any
+
+from .engine import MAX_MESSAGE_CHARS, ChatEngine, GenerationSettings, clip_message, message_text, normalize_mode
+
+logger = logging.getLogger(__name__)
+
+TITLE = "Chat-E"
+UI_MODES = ("persona", "emotion", "domain", "free")
+EXAMPLES = {
+    "persona": "My name is Chat-E. I'm helpful, creative, clever, sarcastic and very friendly.",
+    "emotion": "happy",
+    "domain": "vacation ideas",
+}
+CONTEXT_LABELS = {
+    "persona": "Persona (a few sentences about the bot)",
+    "emotion": "Emotion (how the conversation feels)",
+    "domain": "Domain (what the conversation is about)",
+    "free": "No context in free chat",
+}
+APOLOGY = "Sorry, something went wrong while I was thinking of a reply. Please try again."
+#: generation runs share this queue group, limited by ``concurrency_limit``
+GENERATE_GROUP = "generate"
+
+
+def import_gradio():
+    try:
+        import gradio
+    except ImportError as err:
+        raise ImportError(
+            "Chat-E needs gradio: pip install 'hf-ext[app]' (or pip install 'gradio>=6.31,<7')."
+        ) from err
+    return gradio
+
+
+# ---- display <-> model text ----------------------------------------------------------------------------------------
+
+
+def to_display(text: str) -> str:
+    """Text as the chat window shows it: HTML-escaped, so markup and scripts appear as typed."""
+    return html.escape(text, quote=False).replace("\n", "<br>")
+
+
+def from_display(content: Any) -> str:
+    """The inverse of :func:`to_display` for a chat message's content."""
+    return html.unescape(message_text(content).replace("<br>", "\n"))
+
+
+def chat_messages(chat: list | None) -> list[dict]:
+    """The chat window's value as plain ``{"role", "content"}`` messages (content as displayed)."""
+    return [{"role": m["role"], "content": message_text(m.get("content"))} for m in chat or [] if m.get("role")]
+
+
+def model_history(chat: list[dict]) -> list[dict]:
+    """The chat window's messages with their text as typed, for the engine."""
+    return [{"role": m["role"], "content": from_display(m["content"])} for m in chat]
+
+
+# ---- handlers (plain functions of their inputs: no state is shared between sessions) --------------------------------
+
+
+class Handlers:
+    """The UI's event handlers and the ``chat`` API function, over one engine."""
+
+    def __init__(self, engine: ChatEngine, settings: GenerationSettings | None = None):
+        self.engine = engine
+        self.settings = settings or engine.default_settings()
+
+    def add_message(self, message: str | None, chat: list | None):
+        """Append the user's message to the chat and clear the box; an empty message changes nothing."""
+        gr = import_gradio()
+        chat = chat_messages(chat)
+        if not message or not message.strip():
+            return gr.update(), chat
+        message, clipped = clip_message(message)
+        if clipped:
+            gr.Warning(f"Your message was cut to its first {MAX_MESSAGE_CHARS:,} characters.")
+        chat.append({"role": "user", "content": to_display(message)})
+        return "", chat
+
+    def respond(
+        self,
+        chat: list | None,
+        mode: str,
+        context: str | None,
+        num_beams: float,
+        do_sample: bool,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: float,
+        min_new_tokens: float,
+    ):
+        """Stream the bot's reply to the last user message of the chat (nothing to do when there is none)."""
+        chat = chat_messages(chat)
+        if not chat or chat[-1]["role"] != "user":
+            yield chat
+            return
+        settings = self.settings.replace(
+            num_beams=int(num_beams),
+            do_sample=bool(do_sample),
+            temperature=float(temperature),
+            top_p=float(top_p),
+            max_new_tokens=int(max_new_tokens),
+            min_new_tokens=int(min_new_tokens),
+        )
+        history = model_history(chat)
+        chat.append({"role": "assistant", "content": ""})
+        reply = ""
+        try:
+            pieces = self.engine.stream_chat(
+                history[-1]["content"], history[:-1], normalize_mode(mode), context, settings
+            )
+            for piece in pieces:
+                reply += piece
+                chat[-1]["content"] = to_display(reply)
+                yield [dict(m) for m in chat]
+        except Exception:
+            logger.exception("generation failed (mode=%s, %d messages)", mode, len(history))
+            chat[-1]["content"] = APOLOGY
+        if not chat[-1]["content"]:
+            chat[-1]["content"] = to_display(reply) or "…"
+        yield chat
+
+    @staticmethod
+    def regenerate(chat: list | None) -> list[dict]:
+        """Drop the bot's last reply so that :meth:`respond` answers the last user message again."""
+        chat = chat_messages(chat)
+        while chat and chat[-1]["role"] != "user":
+            chat.pop()
+        return chat
+
+    @staticmethod
+    def undo(chat: list | None):
+        """Remove the last exchange and put the user's message back in the box."""
+        chat = chat_messages(chat)
+        while chat and chat[-1]["role"] != "user":
+            chat.pop()
+        message = from_display(chat.pop()["content"]) if chat else ""
+        return chat, message
+
+    @staticmethod
+    def clear():
+        return [], ""
+
+    @staticmethod
+    def mode_changed(mode: str, context: str | None):
+        """Fit the context box to the mode: free chat has none; an empty box or another mode's example gets this
+        mode's example."""
+        gr = import_gradio()
+        if mode == "free":
+            return gr.update(value="", interactive=False, label=CONTEXT_LABELS["free"], placeholder="")
+        value = context or ""
+        if not value.strip() or value in EXAMPLES.values():
+            value = EXAMPLES.get(mode, "")
+        return gr.update(value=value, interactive=True, label=CONTEXT_LABELS.get(mode, "Context"))
+
+    def api_chat(self, message: str, history: list[dict], mode: str, context: str) -> str:
+        """Chat-E's reply to ``message``.
+
+        Args:
+            message: the user's newest message (an empty one gets an empty reply and no model call).
+            history: the conversation so far, oldest first, as ``{"role": "user" | "assistant", "content": str}``.
+            mode: ``persona``, ``emotion``, ``domain`` or ``free``.
+            context: the persona sentences, emotion or domain (ignored in free chat).
+        """
+        gr = import_gradio()
+        if not message or not str(message).strip():
+            return ""
+        try:
+            mode = normalize_mode(mode)
+        except ValueError as err:
+            raise gr.Error(str(err)) from err
+        if history is not None and not isinstance(history, list):
+            raise gr.Error("history should be a list of {'role': ..., 'content': ...} messages, oldest first.")
+        message = clip_message(str(message))[0]
+        try:
+            return self.engine.chat(message, history or [], mode, context, self.settings)
+        except Exception:
+            logger.exception("generation failed (api, mode=%s, %d messages)", mode, len(history or []))
+            return APOLOGY
+
+
+# ---- layout ----------------------------------------------------------------------------------------------------
+
+
+def build_app(engine: ChatEngine, settings: GenerationSettings | None = None, concurrency_limit: int = 2):
+    """The Chat-E Blocks for ``engine``; ``settings`` are the defaults shown in the settings accordion and used by
+    the ``chat`` API endpoint. Generation runs at most ``concurrency_limit`` at a time."""
+    gr = import_gradio()
+    handlers = Handlers(engine, settings)
+    s = handlers.settings
+    max_tokens = engine.max_positions - 1
+    generate = dict(concurrency_limit=concurrency_limit, concurrency_id=GENERATE_GROUP)
+    ui = dict(api_visibility="undocumented")
+
+    with gr.Blocks(title=TITLE, analytics_enabled=False) as demo:
+        gr.Markdown(f"# {TITLE}")
+        gr.Markdown(
+            "A BlenderBot fine-tuned on MuDoConv. Give it a persona, an emotion or a domain, or chat freely.",
+        )
+        gr.Markdown(f"**Model:** `{engine.describe()}`", elem_id="model-line")
+        with gr.Row():
+            with gr.Column(scale=1, min_width=260):
+                mode = gr.Radio(list(UI_MODES), value="persona", label="Context mode", elem_id="mode")
+                context = gr.Textbox(
+                    value=EXAMPLES["persona"], label=CONTEXT_LABELS["persona"], lines=3, elem_id="context"
+                )
+                gr.Examples(
+                    examples=[[m, EXAMPLES[m]] for m in ("persona", "emotion", "domain")],
+                    inputs=[mode, context],
+                    label="Context examples",
+                )
+                with gr.Accordion("Generation settings", open=False, elem_id="settings"):
+                    gr.Markdown("Replies stream token by token with 1 beam; beam search shows them when done.")
+                    num_beams = gr.Slider(1, 10, value=s.num_beams, step=1, label="num_beams")
+                    do_sample = gr.Checkbox(value=s.do_sample, label="do_sample")
+                    temperature = gr.Slider(0.05, 2.0, value=s.temperature, step=0.05, label="temperature")
+                    top_p = gr.Slider(0.05, 1.0, value=s.top_p, step=0.05, label="top_p")
+                    max_new_tokens = gr.Slider(
+                        1, max_tokens, value=min(s.max_new_tokens, max_tokens), step=1, label="max_new_tokens"
+                    )
+                    min_new_tokens = gr.Slider(
+                        0, max_tokens, value=min(s.min_new_tokens, max_tokens), step=1, label="min_new_tokens"
+                    )
+            with gr.Column(scale=3):
+                chatbot = gr.Chatbot(
+                    label=TITLE,
+                    elem_id="chatbot",
+                    height=460,
+                    render_markdown=False,
+                    feedback_options=None,
+                    buttons=["copy", "copy_all"],
+                    placeholder="Pick a context on the left, then say hello.",
+                )
+                with gr.Row():
+                    message = gr.Textbox(
+                        show_label=False,
+                        placeholder="Type a message and press Enter",
+                        scale=6,
+                        autofocus=True,
+                        elem_id="message",
+                    )
+                    send = gr.Button("Send", variant="primary", scale=1, min_width=80, elem_id="send")
+                with gr.Row():
+                    regenerate = gr.Button("Regenerate", size="sm", elem_id="regenerate")
+                    undo = gr.Button("Undo", size="sm", elem_id="undo")
+                    clear = gr.Button("Clear", size="sm", elem_id="clear")
+
+        reply_inputs = [
+            chatbot,
+            mode,
+            context,
+            num_beams,
+            do_sample,
+            temperature,
+            top_p,
+            max_new_tokens,
+            min_new_tokens,
+        ]
+        mode.change(handlers.mode_changed, [mode, context], [context], queue=False, **ui)
+        gr.on(
+            [message.submit, send.click],
+            handlers.add_message,
+            [message, chatbot],
+            [message, chatbot],
+            queue=False,
+            api_name="add_message",
+            **ui,
+        ).then(handlers.respond, reply_inputs, [chatbot], api_name="respond", **generate, **ui)
+        gr.on([regenerate.click, chatbot.retry], handlers.regenerate, [chatbot], [chatbot], queue=False, **ui).then(
+            handlers.respond, reply_inputs, [chatbot], **generate, **ui
+        )
+        gr.on([undo.click, chatbot.undo], handlers.undo, [chatbot], [chatbot, message], queue=False, **ui)
+        clear.click(handlers.clear, None, [chatbot, message], queue=False, **ui)
+        chatbot.clear(lambda: "", None, [message], queue=False, **ui)
+        gr.api(typed(handlers.api_chat), api_name="chat", **generate)
+
+    demo.queue(default_concurrency_limit=concurrency_limit, max_size=256)
+    return demo
+
+
+def typed(method):
+    """``method`` with its annotations evaluated (this module's are strings), for gradio's API schema."""
+
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        return method(*args, **kwargs)
+
+    call.__signature__ = inspect.signature(method, eval_str=True)
+    return call
+
+
+def theme():
+    """Gradio's default look with the system's fonts, so the page makes no request outside this server."""
+    gr = import_gradio()
+    system = ["ui-sans-serif", "system-ui", "sans-serif"]
+    return gr.themes.Default(font=system, font_mono=["ui-monospace", "monospace"])
