@@ -117,3 +117,22 @@ def test_tokenized_rows_fit_and_end_in_eos(tiny_tokenizer):
     assert max(len(x) for x in ds["input_ids"]) <= 32 and max(len(x) for x in ds["labels"]) <= 16
     eos = tiny_tokenizer.eos_token_id
     assert all(x[-1] == eos for x in ds["input_ids"]) and all(y[-1] == eos for y in ds["labels"])
+
+
+def test_decoder_inputs_start_at_bos_not_pad(tiny_model_dir, tiny_tokenizer):
+    """The recipe lets the model shift the labels itself: decoder inputs start at <s> (1), as BlenderBot expects."""
+    import torch
+    from transformers import BlenderbotForConditionalGeneration, DataCollatorForSeq2Seq
+
+    args = DataArguments(n_train=8)
+    ds = tokenize_dataset(load_dialogue_dataset(args)["train"], tiny_tokenizer, args)
+    model = BlenderbotForConditionalGeneration.from_pretrained(tiny_model_dir).eval()
+    batch = DataCollatorForSeq2Seq(tiny_tokenizer, model=model)([ds[i] for i in range(4)])
+    assert "decoder_input_ids" not in batch
+    labels = batch["labels"]
+    starts_at_bos = torch.cat([torch.ones_like(labels[:, :1]), labels[:, :-1]], dim=1)
+    starts_at_bos = starts_at_bos.masked_fill(starts_at_bos.eq(-100), tiny_tokenizer.pad_token_id)
+    with torch.no_grad():
+        implicit = model(**batch).logits
+        explicit = model(**{k: v for k, v in batch.items() if k != "labels"}, decoder_input_ids=starts_at_bos).logits
+    assert torch.allclose(implicit, explicit)
