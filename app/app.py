@@ -24,11 +24,11 @@ EXAMPLES = {
     "emotion": "happy",
     "domain": "vacation ideas",
 }
-CONTEXT_LABELS = {
-    "persona": "Persona (a few sentences about the bot)",
-    "emotion": "Emotion (how the conversation feels)",
-    "domain": "Domain (what the conversation is about)",
-    "free": "No context in free chat",
+CONTEXT_HINTS = {
+    "persona": "Persona: a few sentences about the bot.",
+    "emotion": "Emotion: how the conversation feels.",
+    "domain": "Domain: what the conversation is about.",
+    "free": "Free chat has no context.",
 }
 APOLOGY = "Sorry, something went wrong while I was thinking of a reply. Please try again."
 #: generation runs share this queue group, limited by ``concurrency_limit``
@@ -160,11 +160,11 @@ class Handlers:
         mode's example."""
         gr = import_gradio()
         if mode == "free":
-            return gr.update(value="", interactive=False, label=CONTEXT_LABELS["free"], placeholder="")
+            return gr.update(value="", interactive=False, info=CONTEXT_HINTS["free"])
         value = context or ""
         if not value.strip() or value in EXAMPLES.values():
             value = EXAMPLES.get(mode, "")
-        return gr.update(value=value, interactive=True, label=CONTEXT_LABELS.get(mode, "Context"))
+        return gr.update(value=value, interactive=True, info=CONTEXT_HINTS.get(mode, ""))
 
     def api_chat(self, message: str, history: list[dict], mode: str, context: str) -> str:
         """Chat-E's reply to ``message``.
@@ -215,11 +215,16 @@ def build_app(engine: ChatEngine, settings: GenerationSettings | None = None, co
             with gr.Column(scale=1, min_width=260):
                 mode = gr.Radio(list(UI_MODES), value="persona", label="Context mode", elem_id="mode")
                 context = gr.Textbox(
-                    value=EXAMPLES["persona"], label=CONTEXT_LABELS["persona"], lines=3, elem_id="context"
+                    value=EXAMPLES["persona"],
+                    label="Context",
+                    info=CONTEXT_HINTS["persona"],
+                    lines=3,
+                    elem_id="context",
                 )
                 gr.Examples(
-                    examples=[[m, EXAMPLES[m]] for m in ("persona", "emotion", "domain")],
+                    examples=[[m, EXAMPLES[m]] for m in EXAMPLES],
                     inputs=[mode, context],
+                    example_labels=[f"{m}: {EXAMPLES[m]}" for m in EXAMPLES],
                     label="Context examples",
                 )
                 with gr.Accordion("Generation settings", open=False, elem_id="settings"):

@@ -231,6 +231,7 @@ class ChatEngine:
             raise ModelLoadError(f"Could not load the model in {path}: {_one_line(err)}") from err
 
         model = model.to(device).eval()
+        parameters = sum(p.numel() for p in model.parameters())
         if quantize == "int8":
             model = quantize_int8(model)
         engine = cls(model, tokenizer, name=str(path))
@@ -238,7 +239,7 @@ class ChatEngine:
             "path": str(path),
             "kind": "base + adapter" if found["kind"] == "adapter" else "model",
             "base": str(found["base"]) if found["base"] else None,
-            "parameters": sum(p.numel() for p in model.parameters()),
+            "parameters": parameters,
             "dtype": dtype,
             "quantize": quantize,
             "load_seconds": round(time.perf_counter() - started, 2),
