@@ -13,6 +13,7 @@ import sys
 # "module:parser function" of every top-level command.
 COMMANDS = [
     "hf_ext.commands.ds:ds_command_parser",
+    "hf_ext.commands.export:export_command_parser",
 ]
 
 

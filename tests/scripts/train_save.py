@@ -17,7 +17,7 @@ from contextlib import nullcontext
 
 import torch
 import transformers
-from transformers import BlenderbotForConditionalGeneration, default_data_collator
+from transformers import AutoTokenizer, BlenderbotForConditionalGeneration, default_data_collator
 
 import hf_ext
 from hf_ext.deepspeed_config import load_deepspeed_config
@@ -108,6 +108,7 @@ def main() -> None:
         args=args,
         train_dataset=synthetic_dataset(opts.n, model.config.vocab_size),
         data_collator=default_data_collator,
+        processing_class=AutoTokenizer.from_pretrained(opts.model),
     )
 
     kill_at = os.environ.get("HF_EXT_TEST_KILL_AT_STEP")
