@@ -33,6 +33,8 @@ def describe_model_dir(path: str | Path) -> dict:
     if not path.is_dir():
         raise ModelLoadError(f"{path} is not a directory; pass the directory the recipe saved the model in.")
     if (path / "adapter_config.json").is_file():
+        if not any(path.glob("adapter_model.*")):
+            raise ModelLoadError(f"{path} has an adapter_config.json but no adapter_model.safetensors (or .bin).")
         base = _read_json(path / "adapter_config.json").get("base_model_name_or_path")
         if not base:
             raise ModelLoadError(f"{path / 'adapter_config.json'} has no base_model_name_or_path.")
@@ -41,6 +43,10 @@ def describe_model_dir(path: str | Path) -> dict:
         return {"kind": "adapter", "path": path, "base": Path(base) if Path(base).exists() else base}
     if (path / "config.json").is_file():
         _read_json(path / "config.json")
+        if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+            raise ModelLoadError(
+                f"{path} has a config.json but no weights (*.safetensors or *.bin): was the save interrupted?"
+            )
         return {"kind": "model", "path": path, "base": None}
     raise ModelLoadError(
         f"{path} is not a model directory: expected config.json (a saved or exported model) or adapter_config.json "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import threading
 
 import pytest
@@ -203,12 +204,18 @@ def test_load_errors_name_the_path(tmp_path, tiny_model_dir):
         ChatEngine.from_pretrained(tmp_path / "empty")
     (tmp_path / "weightless").mkdir()
     (tmp_path / "weightless" / "config.json").write_text(json.dumps({"model_type": "blenderbot"}))
-    with pytest.raises(ModelLoadError, match=str(tmp_path / "weightless")):
+    with pytest.raises(ModelLoadError, match="no weights"):
         ChatEngine.from_pretrained(tmp_path / "weightless")
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(tiny_model_dir, corrupt)
+    (corrupt / "model.safetensors").write_bytes(b"\0" * 64)
+    with pytest.raises(ModelLoadError, match=f"Could not load the model in {corrupt}"):
+        ChatEngine.from_pretrained(corrupt)
     (tmp_path / "orphan").mkdir()
     (tmp_path / "orphan" / "adapter_config.json").write_text(
         json.dumps({"base_model_name_or_path": str(tmp_path / "no-base"), "peft_type": "LORA"})
     )
+    (tmp_path / "orphan" / "adapter_model.safetensors").write_bytes(b"")
     with pytest.raises(ModelLoadError, match="no-base"):
         ChatEngine.from_pretrained(tmp_path / "orphan")
 
