@@ -241,6 +241,12 @@ def test_regenerate_undo_and_display_helpers():
         assert from_display(to_display(text)) == text
 
 
+def test_int8_with_bf16_is_refused_with_the_fix(tiny_model_dir):
+    cmd = chat_e_cmd(tiny_model_dir, free_port(), "--dtype", "bf16", "--quantize", "int8")
+    proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "drop --dtype bf16 or --quantize int8" in proc.stderr
+
+
 def test_python_dash_m_app_help():
     proc = subprocess.run([sys.executable, "-m", "app", "--help"], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0
