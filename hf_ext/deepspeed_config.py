@@ -20,6 +20,7 @@ and also what it leaves to crash late or to go silently wrong:
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import os
@@ -481,7 +482,12 @@ def _validate(config: dict, report: Report):
     for section in ds_schema.section_models():
         if isinstance(config.get(section), dict):
             for key, message in ds_schema.section_problems(section, config[section]):
-                report.problem(key, message)
+                fix = (
+                    'set it to "auto" (from the model\'s hidden size) or a positive integer'
+                    if key in HIDDEN_SIZE_KEYS
+                    else ""
+                )
+                report.problem(key, message, fix)
     _validate_named(config, "optimizer", ("type", "params", "legacy_fusion"), _optimizer_names(), report)
     _validate_named(config, "scheduler", ("type", "params"), _scheduler_names(), report)
     if not report.problems:
@@ -489,20 +495,21 @@ def _validate(config: dict, report: Report):
             report.problem(key, message)
 
 
-def _optimizer_names() -> set[str]:
+def _optimizer_names() -> tuple[set[str], set[str]]:
+    """(names DeepSpeed matches case-insensitively, torch.optim names it looks up as written)."""
     import torch
     from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
 
-    return set(DEEPSPEED_OPTIMIZERS) | {n for n in dir(torch.optim) if n[0].isupper()}
+    return set(DEEPSPEED_OPTIMIZERS), {n for n in dir(torch.optim) if n[0].isupper() and n != "Optimizer"}
 
 
-def _scheduler_names() -> set[str]:
+def _scheduler_names() -> tuple[set[str], set[str]]:
     from deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES
 
-    return set(VALID_LR_SCHEDULES)
+    return set(), set(VALID_LR_SCHEDULES)
 
 
-def _validate_named(config: dict, section: str, allowed: tuple, names: set[str], report: Report):
+def _validate_named(config: dict, section: str, allowed: tuple, names: tuple[set[str], set[str]], report: Report):
     value = config.get(section)
     if value is None:
         return
@@ -515,13 +522,13 @@ def _validate_named(config: dict, section: str, allowed: tuple, names: set[str],
                 f"{section}.{key}", f"unknown key{ds_schema.did_you_mean(key, allowed)}", "fix or remove it"
             )
     kind = value.get("type")
-    lowered = {n.lower() for n in names}
-    if not isinstance(kind, str) or (kind not in names and kind.lower() not in lowered):
-        report.problem(
-            f"{section}.type",
-            f"unknown {section} {kind!r}{ds_schema.did_you_mean(str(kind), names)}",
-            f"use one of {', '.join(sorted(names)[:12])}, ...",
-        )
+    any_case, exact = names
+    if not isinstance(kind, str) or (kind.lower() not in any_case and kind not in exact):
+        choices = sorted(any_case | exact)
+        close = difflib.get_close_matches(str(kind), choices, n=1, cutoff=0.6)
+        close = close or difflib.get_close_matches(str(kind).lower(), choices, n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        report.problem(f"{section}.type", f"unknown {section} {kind!r}{hint}", f"use one of {', '.join(choices)}")
 
 
 def write_resolved_config(config: dict, output_dir: str | Path, reference: dict | None = None) -> Path:

@@ -42,6 +42,8 @@ class _HfExtArgsMixin:
         stock_mismatches = getattr(getattr(self, "hf_deepspeed_config", None), "mismatches", None)
         if stock_mismatches:  # e.g. the launcher's world size differs from the one the distributed state reports
             raise DeepSpeedConfigError([Problem("", m.lstrip("- ")) for m in stock_mismatches], "TrainingArguments")
+        if self.deepspeed:
+            _start_deepspeed_comm()
         if self.device.type == "cpu":
             place_cpu_threads()
 
@@ -52,6 +54,23 @@ class _HfExtArgsMixin:
             setattr(self, name, value)
         self.deepspeed = resolution.config
         self.hf_ext_deepspeed = resolution
+
+
+def _start_deepspeed_comm():
+    """Bring up DeepSpeed's comm layer on the process group TrainingArguments just created.
+
+    On CPU (``use_cpu``) accelerate starts torch.distributed but not DeepSpeed's comm; ``zero.Init`` in
+    ``from_pretrained`` then believes the world size is 1 and DeepSpeed's batch-size assertion fails.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    import deepspeed
+    import deepspeed.comm as ds_comm
+
+    if not ds_comm.is_initialized():
+        deepspeed.init_distributed(dist_backend=dist.get_backend())
 
 
 @dataclass
