@@ -33,6 +33,8 @@ CONTEXT_HINTS = {
 APOLOGY = "Sorry, something went wrong while I was thinking of a reply. Please try again."
 #: generation runs share this queue group, limited by ``concurrency_limit``
 GENERATE_GROUP = "generate"
+#: Send, Regenerate, Undo, Clear: locked with the message box while a reply is generated
+N_BUTTONS = 4
 
 
 def import_gradio():
@@ -79,16 +81,17 @@ class Handlers:
         self.settings = settings or engine.default_settings()
 
     def add_message(self, message: str | None, chat: list | None):
-        """Append the user's message to the chat and clear the box; an empty message changes nothing."""
+        """Append the user's message to the chat, clear the box and lock the controls until the reply is done (so a
+        session never has two replies under way); an empty message changes nothing."""
         gr = import_gradio()
         chat = chat_messages(chat)
         if not message or not message.strip():
-            return gr.update(), chat
+            return gr.update(), chat, *[gr.update()] * N_BUTTONS
         message, clipped = clip_message(message)
         if clipped:
             gr.Warning(f"Your message was cut to its first {MAX_MESSAGE_CHARS:,} characters.")
         chat.append({"role": "user", "content": to_display(message)})
-        return "", chat
+        return gr.update(value="", interactive=False), chat, *[gr.update(interactive=False)] * N_BUTTONS
 
     def respond(
         self,
@@ -205,6 +208,12 @@ def build_app(engine: ChatEngine, settings: GenerationSettings | None = None, co
     generate = dict(concurrency_limit=concurrency_limit, concurrency_id=GENERATE_GROUP)
     ui = dict(api_visibility="undocumented")
 
+    def unlock():
+        return [gr.update(interactive=True)] * (1 + N_BUTTONS)
+
+    def lock():
+        return [gr.update(interactive=False)] * (1 + N_BUTTONS)
+
     with gr.Blocks(title=TITLE, analytics_enabled=False) as demo:
         gr.Markdown(f"# {TITLE}")
         gr.Markdown(
@@ -275,17 +284,23 @@ def build_app(engine: ChatEngine, settings: GenerationSettings | None = None, co
             min_new_tokens,
         ]
         mode.change(handlers.mode_changed, [mode, context], [context], queue=False, **ui)
+        buttons = [send, regenerate, undo, clear]
+        assert len(buttons) == N_BUTTONS
         gr.on(
             [message.submit, send.click],
             handlers.add_message,
             [message, chatbot],
-            [message, chatbot],
+            [message, chatbot, *buttons],
             queue=False,
             api_name="add_message",
             **ui,
-        ).then(handlers.respond, reply_inputs, [chatbot], api_name="respond", **generate, **ui)
-        gr.on([regenerate.click, chatbot.retry], handlers.regenerate, [chatbot], [chatbot], queue=False, **ui).then(
-            handlers.respond, reply_inputs, [chatbot], **generate, **ui
+        ).then(handlers.respond, reply_inputs, [chatbot], api_name="respond", **generate, **ui).then(
+            unlock, None, [message, *buttons], queue=False, **ui
+        )
+        gr.on([regenerate.click, chatbot.retry], lock, None, [message, *buttons], queue=False, **ui).then(
+            handlers.regenerate, [chatbot], [chatbot], queue=False, **ui
+        ).then(handlers.respond, reply_inputs, [chatbot], **generate, **ui).then(
+            unlock, None, [message, *buttons], queue=False, **ui
         )
         gr.on([undo.click, chatbot.undo], handlers.undo, [chatbot], [chatbot, message], queue=False, **ui)
         clear.click(handlers.clear, None, [chatbot, message], queue=False, **ui)

@@ -129,8 +129,9 @@ def test_concurrent_sessions_do_not_share_history(server, reference):
 
 def test_ui_events_stream_a_reply(server, reference):
     c = client(server)
-    box, chat = c.predict("Hello there!", [], api_name="/add_message")
-    assert box == "" and chat[-1]["role"] == "user"
+    box, chat, *_ = c.predict("Hello there!", [], api_name="/add_message")
+    assert box == {"__type__": "update", "value": "", "interactive": False}  # cleared and locked until the reply
+    assert chat[-1]["role"] == "user"
     chat = c.predict(chat, "persona", PERSONA, 1, False, 1.0, 1.0, 8, 1, api_name="/respond")
     assert [m["role"] for m in chat] == ["user", "assistant"]
     reply = from_display(chat[-1]["content"])
@@ -145,7 +146,7 @@ def test_empty_message_makes_no_model_call(server):
     before = server.generations()
     assert c.predict("", [], "free", "", api_name="/chat") == ""
     assert c.predict("  \n\t ", [{"role": "user", "content": "hi"}], "persona", PERSONA, api_name="/chat") == ""
-    box, chat = c.predict("   ", [], api_name="/add_message")
+    box, chat, *_ = c.predict("   ", [], api_name="/add_message")
     assert chat == []
     assert c.predict(chat, "free", "", 1, False, 1.0, 1.0, 8, 1, api_name="/respond") == []
     assert c.predict("hi", [], "free", "", api_name="/chat")  # a real message is answered ...
@@ -161,7 +162,7 @@ def test_huge_message_is_truncated_and_answered(server):
     assert isinstance(reply, str) and reply != APOLOGY
     input_tokens = [int(n) for n in re.findall(r"generate: .*input_tokens=(\d+)", server.log())]
     assert len(input_tokens) == before + 1 and input_tokens[-1] <= 128
-    _, chat = c.predict(message, [], api_name="/add_message")
+    _, chat, *_ = c.predict(message, [], api_name="/add_message")
     assert message_text(chat[-1]["content"]) == to_display(message[:MAX_MESSAGE_CHARS])
     chat = c.predict(chat, "free", "", 1, False, 1.0, 1.0, 8, 1, api_name="/respond")
     assert chat[-1]["role"] == "assistant" and from_display(chat[-1]["content"]) not in ("", APOLOGY)
@@ -170,7 +171,7 @@ def test_huge_message_is_truncated_and_answered(server):
 def test_html_is_shown_as_text(server, reference):
     c = client(server)
     message = '<b>bold</b><img src=x onerror="alert(1)"><script>alert(2)</script> & more'
-    _, chat = c.predict(message, [], api_name="/add_message")
+    _, chat, *_ = c.predict(message, [], api_name="/add_message")
     shown = message_text(chat[-1]["content"])
     assert "<" not in shown and "&lt;script&gt;" in shown and from_display(shown) == message
     chat = c.predict(chat, "free", "", 1, False, 1.0, 1.0, 8, 1, api_name="/respond")
@@ -210,7 +211,7 @@ def test_generation_error_apologises_and_the_server_stays_up(broken_server):
     srv = broken_server
     c = client(srv)
     assert c.predict("hi", [], "free", "", api_name="/chat") == APOLOGY
-    _, chat = c.predict("hello", [], api_name="/add_message")
+    _, chat, *_ = c.predict("hello", [], api_name="/add_message")
     chat = c.predict(chat, "emotion", "happy", 1, False, 1.0, 1.0, 8, 1, api_name="/respond")
     assert chat[-1]["role"] == "assistant" and from_display(chat[-1]["content"]) == APOLOGY
     log = srv.log()
