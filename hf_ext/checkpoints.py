@@ -10,6 +10,8 @@ import re
 import shutil
 from pathlib import Path
 
+from .peft_checkpoint import is_peft_model, save_trainable_state
+
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_MARKER = "hf_ext_checkpoint.json"
@@ -139,8 +141,11 @@ def save_checkpoint_atomically(trainer, model, trial=None) -> str:
         if best_step == state.global_step or best_dir.exists():
             state.best_model_checkpoint = str(best_dir)
     if not args.save_only_model:
-        trainer._save_optimizer_and_scheduler(str(tmp))
-        trainer._save_scaler(str(tmp))
+        if is_peft_model(trainer.model):  # world-size-independent, adapter-sized: no ZeRO checkpoint
+            save_trainable_state(trainer, tmp)
+        else:
+            trainer._save_optimizer_and_scheduler(str(tmp))
+            trainer._save_scaler(str(tmp))
         trainer._save_rng_state(str(tmp))
     if args.should_save:
         exportable = [

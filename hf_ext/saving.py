@@ -428,8 +428,12 @@ def save_trainer_model(trainer, output_dir: str | Path, *, checkpoint: bool = Fa
       a mid-run ``checkpoint`` skips the weights (the ZeRO checkpoint the Trainer writes next holds them, and
       ``hf-ext export`` consolidates them).
     """
+    from .peft_checkpoint import is_peft_model, save_adapter
+
     args = trainer.args
     model = trainer.model
+    if is_peft_model(model):
+        return save_adapter(trainer, output_dir)
     is_main = args.should_save
     max_shard_size = getattr(args, "save_max_shard_size", None) or DEFAULT_MAX_SHARD_SIZE
     gather_bytes = getattr(args, "save_gather_bytes", None) or DEFAULT_GATHER_BYTES
@@ -469,7 +473,4 @@ def handles(trainer) -> bool:
 
     if is_torch_xla_available() or is_sagemaker_mp_enabled() or getattr(trainer, "is_fsdp_enabled", False):
         return False
-    model = trainer.model
-    if hasattr(model, "peft_config") or not hasattr(model, "config"):
-        return False  # adapters: hf_ext.peft_checkpoint; arbitrary nn.Modules: the stock path
-    return True
+    return hasattr(trainer.model, "config")  # arbitrary nn.Modules: the stock path

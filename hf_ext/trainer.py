@@ -9,8 +9,9 @@ import logging
 from transformers import Seq2SeqTrainer as _Seq2SeqTrainer
 from transformers import Trainer as _Trainer
 
-from . import checkpoints, deepspeed_config, saving
+from . import checkpoints, deepspeed_config, peft_checkpoint, saving
 from .bleu_eval import BleuEvalCallback, BleuEvalConfig
+from .memory import MemoryPlanCallback
 from .training_args import Seq2SeqTrainingArguments, TrainingArguments
 from .zero_eval import plain_eval_without_engine
 
@@ -58,6 +59,7 @@ class _HfExtTrainerMixin:
     def __init__(self, model=None, args=None, *pos, deepspeed=None, **kwargs):
         super().__init__(model, as_hf_ext_args(args, self.args_class, deepspeed), *pos, **kwargs)
         deepspeed_config.attach_to_trainer(self)  # model-dependent "auto" keys; resolved config file at train start
+        self.add_callback(MemoryPlanCallback())  # plan at train start, measured peak at train end
         if self.model_accepts_loss_kwargs and loss_ignores_num_items(model):
             logger.info(f"{type(model).__name__} averages its own loss: not rescaling it by the global token count.")
             self.model_accepts_loss_kwargs = False
@@ -65,7 +67,15 @@ class _HfExtTrainerMixin:
     # --- saving (hf_ext.saving, hf_ext.checkpoints) ---
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         resume_from_checkpoint = checkpoints.resolve_resume_from_checkpoint(self, resume_from_checkpoint)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        with peft_checkpoint.deepspeed_resume(self, resume_from_checkpoint):
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        # Private override: the stock loader only knows per-rank optimizer files; an hf-ext PEFT checkpoint holds
+        # the trainable state by parameter name, loadable on any world size (hf_ext.peft_checkpoint).
+        if peft_checkpoint.is_trainable_state_checkpoint(checkpoint):
+            return peft_checkpoint.load_trainable_state(self, checkpoint)
+        return super()._load_optimizer_and_scheduler(checkpoint)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         if not saving.handles(self):

@@ -3,6 +3,9 @@
     deepspeed --num_gpus 2 tests/scripts/train_save.py --model DIR --out DIR --stage 3 [--gather on|off|misnamed]
         [--resume true|PATH] [--dump FILE] [--stock_save DIR] [--max_shard_size 20KB]
 
+With --lora, LoRA (r=4) on q_proj/v_proj (+ --modules_to_save NAME); dropout is off so that runs on different
+world sizes compare within float tolerance. --no_ds runs without DeepSpeed (launch it with plain python).
+
 HF_EXT_TEST_KILL_AT_STEP=N makes rank 1 SIGKILL itself while the checkpoint of step N is being written (after the
 model and the optimizer state went into the temporary directory, before the RNG and trainer state).
 """
@@ -25,8 +28,10 @@ from hf_ext.deepspeed_config import load_deepspeed_config
 GATHER_KEY = "stage3_gather_16bit_weights_on_model_save"
 
 
-def ds_config(stage: int, gather: str) -> dict:
+def ds_config(stage: int, gather: str, own_scheduler: bool = True) -> dict:
     config = load_deepspeed_config(f"zero{stage}")
+    if not own_scheduler:  # transformers' schedule, as in a run without DeepSpeed
+        config.pop("scheduler")
     zero = config["zero_optimization"]
     zero.pop(GATHER_KEY, None)
     if stage == 3:
@@ -78,12 +83,16 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=32)
     parser.add_argument("--save_steps", type=int, default=4)
     parser.add_argument("--save_total_limit", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=2, help="per-device batch size")
+    parser.add_argument("--lora", action="store_true")
+    parser.add_argument("--modules_to_save", default=None)
+    parser.add_argument("--no_ds", action="store_true")
     parser.add_argument("--local_rank", type=int, default=-1)
     opts = parser.parse_args()
 
     args = hf_ext.Seq2SeqTrainingArguments(
         output_dir=opts.out,
-        per_device_train_batch_size=2,
+        per_device_train_batch_size=opts.batch,
         num_train_epochs=opts.epochs,
         learning_rate=1e-3,
         save_strategy="steps",
@@ -92,17 +101,28 @@ def main() -> None:
         logging_steps=1,
         report_to=[],
         seed=0,
-        deepspeed=ds_config(opts.stage, opts.gather),
+        deepspeed=None if opts.no_ds else ds_config(opts.stage, opts.gather, own_scheduler=not opts.lora),
+        optim="adamw_torch",
         disable_tqdm=True,
     )
     args.save_max_shard_size = opts.max_shard_size
-    import deepspeed
+    if not opts.no_ds:
+        import deepspeed
 
-    # torch.distributed is up (TrainingArguments did it) but DeepSpeed's comm layer is not yet on CPU: without it
-    # zero.Init in from_pretrained believes the world size is 1 and its batch-size check fails.
-    deepspeed.init_distributed(dist_backend="gloo")
+        # torch.distributed is up (TrainingArguments did it) but DeepSpeed's comm layer is not yet on CPU: without
+        # it zero.Init in from_pretrained believes the world size is 1 and its batch-size check fails.
+        deepspeed.init_distributed(dist_backend="gloo")
     transformers.set_seed(0)
-    model = BlenderbotForConditionalGeneration.from_pretrained(opts.model)
+    no_dropout = dict(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0) if opts.lora else {}
+    model = BlenderbotForConditionalGeneration.from_pretrained(opts.model, **no_dropout)
+    if opts.lora:
+        from peft import LoraConfig, get_peft_model
+
+        modules_to_save = [opts.modules_to_save] if opts.modules_to_save else None
+        lora = LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], modules_to_save=modules_to_save
+        )
+        model = get_peft_model(model, lora)
     trainer = hf_ext.Seq2SeqTrainer(
         model=model,
         args=args,
