@@ -146,6 +146,7 @@ def typed_fields(kind: str) -> frozenset[str]:
     if kind == "int":
         paths.update(
             {
+                "zero_optimization.stage",
                 "train_batch_size",
                 "train_micro_batch_size_per_gpu",
                 "gradient_accumulation_steps",

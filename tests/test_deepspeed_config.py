@@ -216,13 +216,13 @@ def test_gather_aliases_become_the_key_transformers_reads(alias):
 def test_bfloat16_section_string_booleans_float_literals_and_whitespace(args):
     raw = {
         "bfloat16": {"enabled": "True"},
-        "zero_optimization": {" stage ": 3, "sub_group_size": 1e9, "overlap_comm": "false"},
+        "zero_optimization": {" stage ": "3", "sub_group_size": 1e9, "overlap_comm": "false"},
         "wall_clock_breakdown": "false",
     }
     assert hf_view(raw).is_true("wall_clock_breakdown")  # transformers reads the string "false" as true
     config = resolve_deepspeed_config(raw, args, world_size=1)
     assert config["bf16"] == {"enabled": True} and "bfloat16" not in config
-    assert config["zero_optimization"]["stage"] == 3
+    assert config["zero_optimization"]["stage"] == 3 and hf_view(config).is_zero3()
     assert type(config["zero_optimization"]["sub_group_size"]) is int
     assert config["zero_optimization"]["overlap_comm"] is False and config["wall_clock_breakdown"] is False
 
