@@ -175,8 +175,10 @@ def explain_deepspeed_config(
     args = training_args
     world = world_size if world_size is not None else args.world_size
     _gradient_checkpointing(resolved, report, resolution)
+    hardware = hardware or Hardware.detect(getattr(args, "use_cpu", False))
+    _memory_autos(resolved, args, model, world, hardware, report, resolution)
     _fill_from_args(resolved, args, world, report)
-    _precision(resolved, args, hardware or Hardware.detect(getattr(args, "use_cpu", False)), report, resolution)
+    _precision(resolved, args, hardware, report, resolution)
     stage = _stage(resolved)
     _stage3_only(resolved, stage, report)
     if stage == 3:
@@ -275,6 +277,13 @@ def _gradient_checkpointing(config: dict, report: Report, resolution: Resolution
         )
     else:
         report.change("gradient_checkpointing", value, "top-level key DeepSpeed ignores", "removed")
+
+
+def _memory_autos(config: dict, args, model, world: int, hardware: Hardware, report: Report, resolution: Resolution):
+    """ZeRO stage / offload devices / micro-batch ``"auto"``: chosen by the memory planner (hf_ext.plan_auto)."""
+    from .plan_auto import resolve_auto
+
+    resolve_auto(config, args, model, world, hardware, report, resolution)
 
 
 def _fill_from_args(config: dict, args, world: int, report: Report):

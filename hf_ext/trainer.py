@@ -11,6 +11,7 @@ from transformers import Trainer as _Trainer
 
 from . import checkpoints, deepspeed_config, peft_checkpoint, saving
 from .bleu_eval import BleuEvalCallback, BleuEvalConfig
+from .memory import MemoryPlanCallback
 from .training_args import Seq2SeqTrainingArguments, TrainingArguments
 from .zero_eval import plain_eval_without_engine
 
@@ -58,6 +59,7 @@ class _HfExtTrainerMixin:
     def __init__(self, model=None, args=None, *pos, deepspeed=None, **kwargs):
         super().__init__(model, as_hf_ext_args(args, self.args_class, deepspeed), *pos, **kwargs)
         deepspeed_config.attach_to_trainer(self)  # model-dependent "auto" keys; resolved config file at train start
+        self.add_callback(MemoryPlanCallback())  # plan at train start, measured peak at train end
         if self.model_accepts_loss_kwargs and loss_ignores_num_items(model):
             logger.info(f"{type(model).__name__} averages its own loss: not rescaling it by the global token count.")
             self.model_accepts_loss_kwargs = False

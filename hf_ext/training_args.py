@@ -9,6 +9,8 @@ from transformers import Seq2SeqTrainingArguments as _Seq2SeqTrainingArguments
 from transformers import TrainingArguments as _TrainingArguments
 
 from .deepspeed_config import DeepSpeedConfigError, Problem, explain_deepspeed_config, launch_world_size
+from .memory import return_freed_memory_to_os
+from .plan_auto import MemoryPlanArguments
 from .runtime import has_accelerator, launched_by_deepspeed, place_cpu_threads
 
 logger = logging.getLogger(__name__)
@@ -46,6 +48,7 @@ class _HfExtArgsMixin:
             _start_deepspeed_comm()
         if self.device.type == "cpu":
             place_cpu_threads()
+            return_freed_memory_to_os()  # hf_ext.memory: ZeRO's temporaries otherwise stay in glibc's heap
 
     def _resolve_deepspeed(self):
         resolution = explain_deepspeed_config(self.deepspeed, self, world_size=launch_world_size(), defer=True)
@@ -74,12 +77,12 @@ def _start_deepspeed_comm():
 
 
 @dataclass
-class TrainingArguments(_HfExtArgsMixin, _TrainingArguments):
+class TrainingArguments(_HfExtArgsMixin, _TrainingArguments, MemoryPlanArguments):
     __doc__ = _TrainingArguments.__doc__
 
 
 @dataclass
-class Seq2SeqTrainingArguments(_HfExtArgsMixin, _Seq2SeqTrainingArguments):
+class Seq2SeqTrainingArguments(_HfExtArgsMixin, _Seq2SeqTrainingArguments, MemoryPlanArguments):
     __doc__ = _Seq2SeqTrainingArguments.__doc__
 
     generation_min_length: int | None = field(

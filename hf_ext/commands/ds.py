@@ -11,6 +11,7 @@ traceback. A new ``ds`` subcommand is one ``<name>_command_parser`` function plu
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import sys
@@ -44,6 +45,7 @@ def doctor_command_parser(subparsers):
 
 
 SUBCOMMANDS = [resolve_command_parser, doctor_command_parser]
+SUBCOMMANDS.append(importlib.import_module("hf_ext.commands.plan").plan_command_parser)  # hf-ext ds plan
 
 
 def ds_command_parser(subparsers=None):

@@ -1,0 +1,146 @@
+"""One training run whose per-rank memory is measured (used by scripts/bench_memory.py and tests/test_planner.py).
+
+    deepspeed --num_gpus 2 scripts/memory_worker.py --model DIR --config zero3 --out result.json
+    torchrun --nproc_per_node 2 scripts/memory_worker.py --model DIR --config ddp --out result.json
+
+``--config`` is ``ddp`` (plain DistributedDataParallel, no DeepSpeed) or anything hf-ext's ``deepspeed=`` accepts
+(a preset name such as ``zero2`` / ``zero3_offload`` / ``auto``, a JSON path). ``--path stock`` builds stock
+``transformers`` arguments and trainer (the preset JSON handed to them as is), ``--path hf-ext`` hf-ext's.
+
+Each rank writes ``OUT.rank<N>.json``: its RSS before the model exists (``baseline_bytes``), the peak RSS from
+there to the end of training (``peak_bytes``), the process's lifetime peak (``lifetime_peak_bytes``), and the
+DeepSpeed config the engine ran with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import transformers
+from transformers import AutoModelForSeq2SeqLM, default_data_collator
+
+import hf_ext
+from hf_ext.deepspeed_config import load_deepspeed_config
+from hf_ext.memory import current_rss, peak_rss, reset_peak_rss
+
+
+def synthetic_dataset(n: int, vocab: int, seq_len: int, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        {
+            "input_ids": torch.randint(4, vocab, (seq_len,), generator=g).tolist(),
+            "attention_mask": [1] * seq_len,
+            "labels": torch.randint(4, vocab, (seq_len,), generator=g).tolist(),
+        }
+        for _ in range(n)
+    ]
+
+
+class PhaseRecorder(transformers.TrainerCallback):
+    """Peak RSS reached by the end of each phase (engine built, each step), for the breakdown in the results."""
+
+    def __init__(self):
+        self.phases: list[tuple[str, int, int]] = []
+
+    def _mark(self, name):
+        self.phases.append((name, peak_rss(), current_rss()))
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._mark("engine_ready")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._mark(f"step{state.global_step}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--config", default="zero2", help="ddp, or a DeepSpeed preset name / JSON path")
+    parser.add_argument("--path", default="hf-ext", choices=["hf-ext", "stock"])
+    parser.add_argument("--batch", default="2", help="per-device micro-batch, or auto")
+    parser.add_argument("--seq_len", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--activation_checkpointing", action="store_true")
+    parser.add_argument("--memory_per_device", default=None)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--local_rank", type=int, default=-1)
+    opts = parser.parse_args()
+
+    batch = opts.batch if opts.batch == "auto" else int(opts.batch)
+    common = dict(
+        output_dir=opts.out + ".run",
+        per_device_train_batch_size=batch,
+        max_steps=opts.steps,
+        learning_rate=1e-4,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        disable_tqdm=True,
+        activation_checkpointing=opts.activation_checkpointing,
+    )
+    deepspeed = None if opts.config == "ddp" else opts.config
+    if opts.path == "stock":
+        if deepspeed is not None:
+            deepspeed = load_deepspeed_config(deepspeed)  # the preset's JSON, "auto"s left to transformers
+        args = transformers.TrainingArguments(use_cpu=not torch.cuda.is_available(), deepspeed=deepspeed, **common)
+        trainer_class = transformers.Trainer
+    else:
+        extra = {}
+        if opts.memory_per_device or "auto" in (opts.config, opts.batch):
+            extra = {
+                "memory_per_device": opts.memory_per_device,
+                "plan_model": opts.model,
+                "plan_seq_len": opts.seq_len,
+            }
+        args = hf_ext.TrainingArguments(deepspeed=deepspeed, **common, **extra)
+        trainer_class = hf_ext.Trainer
+    if deepspeed is not None:
+        import deepspeed as ds
+
+        ds.init_distributed(dist_backend="gloo" if args.device.type == "cpu" else None)
+    startup_peak, baseline = peak_rss(), current_rss()
+    reset_peak_rss()
+
+    transformers.set_seed(0)
+    model = AutoModelForSeq2SeqLM.from_pretrained(opts.model)
+    after_load = peak_rss()
+    trainer = trainer_class(
+        model=model,
+        args=args,
+        train_dataset=synthetic_dataset(64, model.config.vocab_size, opts.seq_len),
+        data_collator=default_data_collator,
+    )
+    phases = PhaseRecorder()
+    trainer.add_callback(phases)
+    trainer.train()
+    peak = peak_rss()
+    engine_config = getattr(getattr(args, "hf_deepspeed_config", None), "config", None)
+    plan = getattr(args, "hf_ext_memory_plan", None)
+    result = {
+        "rank": args.process_index,
+        "world_size": args.world_size,
+        "config": opts.config,
+        "path": opts.path,
+        "batch": args.per_device_train_batch_size,
+        "seq_len": opts.seq_len,
+        "activation_checkpointing": opts.activation_checkpointing,
+        "baseline_bytes": baseline,
+        "load_peak_bytes": after_load,
+        "peak_bytes": peak,
+        "increment_bytes": peak - baseline,
+        "startup_peak_bytes": startup_peak,
+        "phases": [(name, hwm - baseline, rss - baseline) for name, hwm, rss in phases.phases],
+        "zero_stage": (engine_config or {}).get("zero_optimization", {}).get("stage"),
+        "offload_optimizer": (engine_config or {}).get("zero_optimization", {}).get("offload_optimizer"),
+        "plan": plan.to_dict() if plan is not None else None,
+        "final_loss": trainer.state.log_history[-2].get("loss") if len(trainer.state.log_history) > 1 else None,
+    }
+    with open(f"{opts.out}.rank{args.process_index}.json", "w") as f:
+        json.dump(result, f, indent=2, default=str)
+
+
+if __name__ == "__main__":
+    main()
