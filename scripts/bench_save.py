@@ -1,0 +1,212 @@
+#!/usr/bin/env python
+"""Saving benchmark: stock ``Trainer.save_model`` vs hf-ext's streaming save, and LoRA checkpoints stock vs hf-ext.
+
+    python scripts/bench_save.py --size 400m --out runs/bench_save.json [--max_shard_size 200MB]
+
+Builds a random-init BlenderBot of the given shape (hf_ext.tiny_model), then runs two 2-rank ZeRO-3 jobs under
+``deepspeed --num_gpus 2`` (one optimizer step each, so the engine exists):
+
+* full model: rank-0 peak extra RSS (sampled every 2 ms above the RSS before the call) and wall time of hf-ext's
+  ``save_model`` and of the stock ``transformers.Trainer.save_model`` on the same trainer — hf-ext first, so that
+  memory the stock call keeps in the allocator cannot inflate hf-ext's number;
+* LoRA (r=8 on q/v): bytes and wall time of a checkpoint written by the stock ``Trainer._save_checkpoint`` and by
+  hf-ext's.
+
+Prints a Markdown table and writes the numbers as JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class PeakRSS:
+    """Peak resident memory of this process above its level at ``__enter__``, sampled by a thread."""
+
+    def __init__(self, interval: float = 0.002):
+        import psutil
+
+        self.process, self.interval = psutil.Process(), interval
+
+    def __enter__(self):
+        gc.collect()
+        self.base = self.peak = self.process.memory_info().rss
+        self.running = True
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def _sample(self):
+        while self.running:
+            self.peak = max(self.peak, self.process.memory_info().rss)
+            time.sleep(self.interval)
+
+    def __exit__(self, *exc):
+        self.running = False
+        self.thread.join()
+        self.peak = max(self.peak, self.process.memory_info().rss)
+
+    @property
+    def extra(self) -> int:
+        return self.peak - self.base
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def worker(opts) -> None:
+    import torch
+    import transformers
+    from transformers import BlenderbotForConditionalGeneration, default_data_collator
+
+    import hf_ext
+    from hf_ext.deepspeed_config import load_deepspeed_config
+
+    config = load_deepspeed_config("zero3")
+    config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    args = hf_ext.Seq2SeqTrainingArguments(
+        output_dir=opts.workdir,
+        per_device_train_batch_size=1,
+        max_steps=1,
+        save_strategy="no",
+        report_to=[],
+        deepspeed=config,
+        disable_tqdm=True,
+    )
+    args.save_max_shard_size = opts.max_shard_size
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = BlenderbotForConditionalGeneration.from_pretrained(opts.model)
+    if opts.mode == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    data = [{"input_ids": [5] * 8, "attention_mask": [1] * 8, "labels": [6] * 4 + [2]}] * 2
+    trainer = hf_ext.Seq2SeqTrainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator)
+    trainer.train()
+    work = Path(opts.workdir)
+    result = {}
+
+    def timed(name, fn, out):
+        trainer.accelerator.wait_for_everyone()
+        with PeakRSS() as rss:
+            start = time.perf_counter()
+            fn(out)
+            trainer.accelerator.wait_for_everyone()
+            seconds = time.perf_counter() - start
+        result[name] = {"seconds": round(seconds, 3), "rank0_extra_rss_bytes": rss.extra}
+        if args.process_index == 0:
+            result[name]["bytes"] = dir_bytes(out)
+
+    if opts.mode == "full":
+        timed("hf_ext_save_model", trainer.save_model, work / "hf_ext")
+        gc.collect()
+        timed(
+            "stock_save_model", lambda out: transformers.Seq2SeqTrainer.save_model(trainer, str(out)), work / "stock"
+        )
+        if args.process_index == 0:
+            shards = sorted((work / "hf_ext").glob("model*.safetensors"))
+            result["largest_shard_bytes"] = max(p.stat().st_size for p in shards)
+            result["shards"] = len(shards)
+            result["parameters"] = sum(
+                int(torch.tensor(getattr(p, "ds_shape", p.shape)).prod()) for p in trainer.model.parameters()
+            )
+    else:
+        step = trainer.state.global_step
+
+        def checkpoint(save, out):
+            trainer.args.output_dir = str(out)
+            save(trainer.model_wrapped, None)
+            return out / f"checkpoint-{step}"
+
+        timed("hf_ext_lora_checkpoint", lambda out: checkpoint(trainer._save_checkpoint, out), work / "lora_hf_ext")
+        # the stock checkpoint, with the stock save_model inside it
+        trainer.save_model = types.MethodType(transformers.Seq2SeqTrainer.save_model, trainer)
+        timed(
+            "stock_lora_checkpoint",
+            lambda out: checkpoint(lambda m, t: transformers.Trainer._save_checkpoint(trainer, m, t), out),
+            work / "lora_stock",
+        )
+    if args.process_index == 0:
+        Path(opts.result).write_text(json.dumps(result, indent=2) + "\n")
+
+
+def launch(model: Path, mode: str, workdir: Path, max_shard_size: str) -> dict:
+    result = workdir / f"{mode}.json"
+    bin_dir = Path(sys.executable).parent
+    cmd = [str(bin_dir / "deepspeed"), "--num_gpus", "2", "--master_port", str(29500 + os.getpid() % 1000)]
+    cmd += [__file__, "--worker", "--mode", mode, "--model", str(model), "--workdir", str(workdir / mode)]
+    cmd += ["--result", str(result), "--max_shard_size", max_shard_size]
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+    subprocess.run(cmd, check=True, env=env, cwd=ROOT)
+    return json.loads(result.read_text())
+
+
+def table(full: dict, lora: dict) -> str:
+    mib = 2**20
+    ours, stock = full["hf_ext_save_model"], full["stock_save_model"]
+    rows = [
+        "| save | rank-0 peak extra RSS | wall time | output |",
+        "|---|---|---|---|",
+        f"| stock `Trainer.save_model` | {stock['rank0_extra_rss_bytes'] / mib:.0f} MiB | {stock['seconds']:.1f} s "
+        f"| {stock['bytes'] / mib:.0f} MiB |",
+        f"| hf-ext streaming save | {ours['rank0_extra_rss_bytes'] / mib:.0f} MiB "
+        f"({ours['rank0_extra_rss_bytes'] / full['largest_shard_bytes']:.2f} × largest shard of "
+        f"{full['largest_shard_bytes'] / mib:.0f} MiB) | {ours['seconds']:.1f} s | {ours['bytes'] / mib:.0f} MiB in "
+        f"{full['shards']} shards |",
+        f"| stock LoRA checkpoint | | {lora['stock_lora_checkpoint']['seconds']:.1f} s "
+        f"| {lora['stock_lora_checkpoint']['bytes'] / mib:.1f} MiB |",
+        f"| hf-ext LoRA checkpoint | | {lora['hf_ext_lora_checkpoint']['seconds']:.1f} s "
+        f"| {lora['hf_ext_lora_checkpoint']['bytes'] / mib:.1f} MiB |",
+    ]
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", default="400m", help="model shape from hf_ext.tiny_model.SIZES")
+    parser.add_argument("--max_shard_size", default="200MB")
+    parser.add_argument("--out", default=None, help="JSON file for the results")
+    parser.add_argument("--workdir", default=None, help="scratch directory (default: runs/bench_save)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", default="full", help=argparse.SUPPRESS)
+    parser.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
+    opts = parser.parse_args()
+    if opts.worker:
+        return worker(opts)
+
+    workdir = Path(opts.workdir or ROOT / "runs" / "bench_save")
+    workdir.mkdir(parents=True, exist_ok=True)
+    model = workdir / f"model-{opts.size}"
+    if not (model / "config.json").exists():
+        from hf_ext.tiny_model import build
+
+        build(str(model), opts.size, seed=0)
+    full = launch(model, "full", workdir, opts.max_shard_size)
+    lora = launch(model, "lora", workdir, opts.max_shard_size)
+    report = {"size": opts.size, "world_size": 2, "zero_stage": 3, "max_shard_size": opts.max_shard_size}
+    report.update(full=full, lora=lora)
+    print(table(full, lora))
+    if opts.out:
+        Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(opts.out).write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
