@@ -8,7 +8,7 @@ STAMP := $(VENV)/.hf-ext-installed
 DEMO_DIR ?= runs/demo
 NPROC ?= 2
 
-.PHONY: setup demo test test-fast lint clean browser
+.PHONY: setup demo serve test test-fast lint clean browser
 
 setup: $(STAMP)
 
@@ -23,6 +23,11 @@ demo: setup
 	$(BIN)/python scripts/make_tiny_blenderbot.py --size small --output_dir runs/models/small
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/deepspeed --num_gpus $(NPROC) recipes/blenderbot.py \
 		--config recipes/configs/demo.yaml --output_dir $(DEMO_DIR)
+	@echo
+	@echo "Chat with it:  $(BIN)/chat-e --model $(DEMO_DIR)    (then open http://127.0.0.1:7860)"
+
+serve:
+	$(BIN)/chat-e --model $(DEMO_DIR)
 
 # Debian's chromium for the Chat-E browser test (no browser download by playwright)
 browser:

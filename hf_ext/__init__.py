@@ -1,30 +1,40 @@
-"""hf-ext: a Hugging Face Trainer extension for DeepSpeed fine-tuning."""
+"""hf-ext: a Hugging Face Trainer extension for DeepSpeed fine-tuning.
 
-from .bleu_eval import BleuEvalCallback, BleuEvalConfig
-from .deepspeed_config import (
-    PRESETS,
-    DeepSpeedConfigError,
-    ResolvedDeepSpeedConfigCallback,
-    explain_deepspeed_config,
-    load_deepspeed_config,
-    resolve_deepspeed_config,
-)
-from .trainer import Seq2SeqTrainer, Trainer
-from .training_args import Seq2SeqTrainingArguments, TrainingArguments
+Names are imported on first use, so that light users (the Chat-E app, ``hf_ext.dialogue``) do not pay for importing
+transformers' Trainer and DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "BleuEvalCallback",
-    "BleuEvalConfig",
-    "DeepSpeedConfigError",
-    "PRESETS",
-    "ResolvedDeepSpeedConfigCallback",
-    "Seq2SeqTrainer",
-    "Seq2SeqTrainingArguments",
-    "Trainer",
-    "TrainingArguments",
-    "explain_deepspeed_config",
-    "load_deepspeed_config",
-    "resolve_deepspeed_config",
-]
+_EXPORTS = {
+    "BleuEvalCallback": ".bleu_eval",
+    "BleuEvalConfig": ".bleu_eval",
+    "DeepSpeedConfigError": ".deepspeed_config",
+    "PRESETS": ".deepspeed_config",
+    "ResolvedDeepSpeedConfigCallback": ".deepspeed_config",
+    "explain_deepspeed_config": ".deepspeed_config",
+    "load_deepspeed_config": ".deepspeed_config",
+    "resolve_deepspeed_config": ".deepspeed_config",
+    "Seq2SeqTrainer": ".trainer",
+    "Trainer": ".trainer",
+    "Seq2SeqTrainingArguments": ".training_args",
+    "TrainingArguments": ".training_args",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'hf_ext' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted([*globals(), *_EXPORTS])
