@@ -1,8 +1,9 @@
 """Memory planner: per-rank peak memory for each ZeRO stage / offload / micro-batch, and the choice of the least
 sharded configuration that fits.
 
-Per-rank peak = **model states** + **DeepSpeed buffers** + the larger of **activations** (forward + backward) and the
-**optimizer-step transient**, plus a measured **runtime overhead** (trainer, engine, communication). All in bytes.
+Per-rank peak = **model states** + **DeepSpeed buffers** + **activations** (forward + backward) + the
+**optimizer-step transient** (for DDP: the larger of the last two), plus a measured **runtime overhead** (trainer,
+engine, communication) on CPU. All in bytes.
 
 Model states, Adam, Ψ parameters (Ψ_t trainable), N ranks, partitions of ``ceil(Ψ/N)`` elements:
 
@@ -50,9 +51,9 @@ ERROR_FLOOR = 64 * MiB
 PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OPTIMIZER_BYTES = {"fp32": 8, "bf16": 12, "fp16": 12}  # Adam m + v (+ fp32 master under mixed precision)
 FP32 = 4
-#: per-rank runtime overhead above the process baseline, measured on CPU (2 ranks, gloo): Trainer + accelerate +
-#: the engine, communication buffers, data loader. DDP's is smaller (no DeepSpeed engine).
-RUNTIME_OVERHEAD = {"ddp": 100 * MiB, "deepspeed": 130 * MiB}
+#: per-rank runtime overhead above the process baseline, measured on CPU (2 ranks, gloo, DeepSpeed 0.19.8,
+#: transformers 5.23) with a near-empty model: Trainer, accelerate, the engine, communication and data loading.
+RUNTIME_OVERHEAD = {"ddp": 85 * MiB, 0: 20 * MiB, 1: 95 * MiB, 2: 95 * MiB, 3: 40 * MiB}
 GPU_RESERVE = 1 * GiB  # CUDA context + allocator fragmentation
 
 
@@ -324,6 +325,8 @@ def buffer_bytes(candidate: Candidate, facts: ModelFacts, world_size: int, preci
     s = zero_settings(zero, facts.hidden_size)
     if candidate.stage >= 1 and precision == "fp32":
         out["fp32_master_copy"] = FP32 * t_part
+    if candidate.stage in (1, 2) and precision == "fp32":
+        out["fp32_gradient_partition_copy"] = FP32 * t_part  # measured on CPU: the reduced partition kept twice
     if candidate.stage in (1, 2) and s["contiguous_gradients"]:
         out["reduce_buckets"] = min(s["reduce_bucket_size"], facts.trainable) * p * (2 if s["overlap_comm"] else 1)
     if candidate.stage == 3:
@@ -334,13 +337,18 @@ def buffer_bytes(candidate: Candidate, facts: ModelFacts, world_size: int, preci
     return out
 
 
-def step_transient_bytes(candidate: Candidate, facts: ModelFacts, world_size: int) -> int:
-    """Temporaries of the optimizer step: torch AdamW's foreach sqrt(v) over the partition it updates, plus
-    DeepSpeed's flattened fp32 gradient of that partition (ZeRO 1-3) or of all gradients for its all-reduce (0)."""
+def step_transient_bytes(candidate: Candidate, facts: ModelFacts, world_size: int, device: str = "cpu") -> int:
+    """Temporaries after the backward pass: the optimizer's ``sqrt(v)`` (torch AdamW runs per tensor on CPU, on a
+    whole tensor list on GPUs) and DeepSpeed's flattened fp32 gradients — of the rank's partition (ZeRO 1-3) or of
+    all gradients for the all-reduce (ZeRO-0)."""
     if candidate.offload_optimizer:
         return 0
-    part = math.ceil(facts.trainable / max(1, world_size)) if candidate.stage >= 1 else facts.trainable
-    return FP32 * part * (1 if candidate.ddp else 2)
+    per_tensor = FP32 * (facts.largest_param if device == "cpu" else facts.trainable)
+    if candidate.ddp:
+        return per_tensor
+    if candidate.stage == 0:
+        return FP32 * facts.trainable + per_tensor
+    return 2 * FP32 * math.ceil(facts.trainable / max(1, world_size))
 
 
 @dataclass
@@ -365,7 +373,14 @@ class Plan:
 
     @property
     def device_bytes(self) -> int:
-        return self.states.device + sum(self.buffers.values()) + max(self.activations, self.step_transient)
+        # DDP steps after backward has freed the activations; DeepSpeed's flattened gradients and optimizer
+        # temporaries were measured on top of the activation peak (its hooks reduce while backward still runs)
+        transient = (
+            max(self.activations, self.step_transient)
+            if self.candidate.ddp
+            else self.activations + self.step_transient
+        )
+        return self.states.device + sum(self.buffers.values()) + transient
 
     @property
     def total_bytes(self) -> int:
@@ -407,7 +422,7 @@ class Plan:
         ]
         lines += [f"  {name:<28} {gb(value):>12}" for name, value in self.components().items() if value]
         low, high = self.band
-        lines.append(f"  {'peak (max of activations and step)':<28} {gb(self.total_bytes):>12}  band {gb(low)} .. {gb(high)}")  # fmt: skip
+        lines.append(f"  {'predicted peak':<28} {gb(self.total_bytes):>12}  band {gb(low)} .. {gb(high)}")  # fmt: skip
         if self.budget is not None:
             lines.append(f"  {'+ process baseline':<28} {gb(self.baseline):>12}")
             lines.append(f"  {'budget':<28} {gb(self.budget):>12}  {'fits' if self.fits else 'does NOT fit'}")
@@ -462,8 +477,8 @@ def plan(
         states=states,
         buffers=buffer_bytes(candidate, facts, world_size, precision, zero),
         activations=activations.at(micro_batch, precision),
-        step_transient=step_transient_bytes(candidate, facts, world_size),
-        overhead=RUNTIME_OVERHEAD["ddp" if candidate.ddp else "deepspeed"] if device == "cpu" else 0,
+        step_transient=step_transient_bytes(candidate, facts, world_size, device),
+        overhead=RUNTIME_OVERHEAD["ddp" if candidate.ddp else candidate.stage] if device == "cpu" else 0,
         offload_counts=device == "cpu",
         budget=budget,
         baseline=baseline,
