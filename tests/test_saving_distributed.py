@@ -213,7 +213,14 @@ def test_export_round_trip(zero3_reference, tiny_model_dir, tmp_path):
 
     zero_only = tmp_path / "zero_only"
     zero_only.mkdir()
-    for name in ("global_step16", "latest", "config.json", "generation_config.json"):
+    for name in (
+        "global_step16",
+        "latest",
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ):
         src = zero3_reference / "out" / "checkpoint-16" / name
         (shutil.copytree if src.is_dir() else shutil.copy)(src, zero_only / name)
     cli = run(

@@ -87,6 +87,9 @@ def _load_tokenizer(*candidates):
     for candidate in candidates:
         if candidate is None:
             continue
+        files = ("tokenizer_config.json", "tokenizer.json", "vocab.json", "spiece.model", "tokenizer.model")
+        if Path(candidate).is_dir() and not any((Path(candidate) / name).is_file() for name in files):
+            continue  # transformers would build a default tokenizer from config.json alone
         try:
             return AutoTokenizer.from_pretrained(str(candidate))
         except (OSError, ValueError, TypeError):
