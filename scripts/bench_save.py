@@ -67,8 +67,6 @@ def dir_bytes(path: Path) -> int:
 
 
 def worker(opts) -> None:
-    import torch
-    import transformers
     from transformers import BlenderbotForConditionalGeneration, default_data_collator
 
     import hf_ext
@@ -96,52 +94,90 @@ def worker(opts) -> None:
         model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
     data = [{"input_ids": [5] * 8, "attention_mask": [1] * 8, "labels": [6] * 4 + [2]}] * 2
     trainer = hf_ext.Seq2SeqTrainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator)
-    trainer.train()
     work = Path(opts.workdir)
     result = {}
-
-    def timed(name, fn, out):
-        trainer.accelerator.wait_for_everyone()
-        with PeakRSS() as rss:
-            start = time.perf_counter()
-            fn(out)
-            trainer.accelerator.wait_for_everyone()
-            seconds = time.perf_counter() - start
-        result[name] = {"seconds": round(seconds, 3), "rank0_extra_rss_bytes": rss.extra}
-        if args.process_index == 0:
-            result[name]["bytes"] = dir_bytes(out)
-
-    if opts.mode == "full":
-        timed("hf_ext_save_model", trainer.save_model, work / "hf_ext")
-        gc.collect()
-        timed(
-            "stock_save_model", lambda out: transformers.Seq2SeqTrainer.save_model(trainer, str(out)), work / "stock"
-        )
-        if args.process_index == 0:
-            shards = sorted((work / "hf_ext").glob("model*.safetensors"))
-            result["largest_shard_bytes"] = max(p.stat().st_size for p in shards)
-            result["shards"] = len(shards)
-            result["parameters"] = sum(
-                int(torch.tensor(getattr(p, "ds_shape", p.shape)).prod()) for p in trainer.model.parameters()
-            )
+    if opts.mode == "full":  # measure as soon as the engine exists: no Adam state, so the 400M shape fits in RAM
+        trainer.add_callback(_MeasureAtTrainBegin(lambda: measure_full(trainer, args, work, result)))
+        try:
+            trainer.train()
+        except _Measured:
+            pass
     else:
-        step = trainer.state.global_step
-
-        def checkpoint(save, out):
-            trainer.args.output_dir = str(out)
-            save(trainer.model_wrapped, None)
-            return out / f"checkpoint-{step}"
-
-        timed("hf_ext_lora_checkpoint", lambda out: checkpoint(trainer._save_checkpoint, out), work / "lora_hf_ext")
-        # the stock checkpoint, with the stock save_model inside it
-        trainer.save_model = types.MethodType(transformers.Seq2SeqTrainer.save_model, trainer)
-        timed(
-            "stock_lora_checkpoint",
-            lambda out: checkpoint(lambda m, t: transformers.Trainer._save_checkpoint(trainer, m, t), out),
-            work / "lora_stock",
-        )
+        trainer.train()
+        measure_lora(trainer, args, work, result)
     if args.process_index == 0:
         Path(opts.result).write_text(json.dumps(result, indent=2) + "\n")
+
+
+class _Measured(Exception):
+    pass
+
+
+class _MeasureAtTrainBegin:
+    def __init__(self, measure):
+        self.measure = measure
+
+    def __getattr__(self, name):
+        if name.startswith("on_"):
+            return lambda *args, **kwargs: None
+        raise AttributeError(name)
+
+    def on_train_begin(self, *args, **kwargs):
+        self.measure()
+        raise _Measured
+
+
+def timed(trainer, args, result, name, fn, out):
+    trainer.accelerator.wait_for_everyone()
+    with PeakRSS() as rss:
+        start = time.perf_counter()
+        fn(out)
+        trainer.accelerator.wait_for_everyone()
+        seconds = time.perf_counter() - start
+    result[name] = {"seconds": round(seconds, 3), "rank0_extra_rss_bytes": rss.extra}
+    if args.process_index == 0:
+        result[name]["bytes"] = dir_bytes(out)
+
+
+def measure_full(trainer, args, work, result):
+    import torch
+    import transformers
+
+    timed(trainer, args, result, "hf_ext_save_model", trainer.save_model, work / "hf_ext")
+    gc.collect()
+    stock = lambda out: transformers.Seq2SeqTrainer.save_model(trainer, str(out))  # noqa: E731
+    timed(trainer, args, result, "stock_save_model", stock, work / "stock")
+    if args.process_index == 0:
+        shards = sorted((work / "hf_ext").glob("model*.safetensors"))
+        result["largest_shard_bytes"] = max(p.stat().st_size for p in shards)
+        result["shards"] = len(shards)
+        result["parameters"] = sum(
+            int(torch.tensor(getattr(p, "ds_shape", p.shape)).prod()) for p in trainer.model.parameters()
+        )
+
+
+def measure_lora(trainer, args, work, result):
+    import transformers
+
+    step = trainer.state.global_step
+
+    def checkpoint(save, out):
+        trainer.args.output_dir = str(out)
+        save(trainer.model_wrapped, None)
+        return out / f"checkpoint-{step}"
+
+    timed(
+        trainer,
+        args,
+        result,
+        "hf_ext_lora_checkpoint",
+        lambda out: checkpoint(trainer._save_checkpoint, out),
+        work / "lora_hf_ext",
+    )
+    # the stock checkpoint, with the stock save_model inside it
+    trainer.save_model = types.MethodType(transformers.Seq2SeqTrainer.save_model, trainer)
+    stock = lambda out: checkpoint(lambda m, t: transformers.Trainer._save_checkpoint(trainer, m, t), out)  # noqa: E731
+    timed(trainer, args, result, "stock_lora_checkpoint", stock, work / "lora_stock")
 
 
 def launch(model: Path, mode: str, workdir: Path, max_shard_size: str) -> dict:
