@@ -21,6 +21,7 @@ import datasets
 import torch
 import transformers
 from transformers import AutoTokenizer, BlenderbotForConditionalGeneration, DataCollatorForSeq2Seq, set_seed
+from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from hf_ext import Seq2SeqTrainer, Seq2SeqTrainingArguments
 from hf_ext.config_args import parse_args_with_config
@@ -76,6 +77,8 @@ def generation_kwargs(args: Seq2SeqTrainingArguments) -> dict:
 
 def print_samples(model_dir: str, eval_raw: datasets.Dataset, data_args: DataArguments, args, n: int) -> list[dict]:
     """Reload the saved model (proving the output loads) and print replies to the first ``n`` validation contexts."""
+    # rank 0 alone: a plain load, not a ZeRO-3 partitioned one that would wait for the other ranks
+    unset_hf_deepspeed_config()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = BlenderbotForConditionalGeneration.from_pretrained(model_dir).to(args.device).eval()
     rows = []

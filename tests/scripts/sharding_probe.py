@@ -10,7 +10,7 @@ from transformers import AutoTokenizer, BlenderbotForConditionalGeneration, Data
 from hf_ext import Seq2SeqTrainer, Seq2SeqTrainingArguments
 from hf_ext.data import DataArguments, load_dialogue_dataset, tokenize_dataset
 
-model_dir, out_dir, deepspeed = sys.argv[1], sys.argv[2], sys.argv[3]
+model_dir, out_dir, deepspeed = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
 args = Seq2SeqTrainingArguments(
     output_dir=out_dir,
     per_device_train_batch_size=4,
