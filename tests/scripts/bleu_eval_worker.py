@@ -93,7 +93,7 @@ def main() -> None:
     result["engine_after_eval_only"] = trainer.deepspeed is not None
     if cli.train_steps:
         trainer.train()
-        result["log_history"] = trainer.state.log_history
+        result["log_history"] = [dict(entry) for entry in trainer.state.log_history]
         result["best_metric"] = trainer.state.best_metric
         result["best_model_checkpoint"] = trainer.state.best_model_checkpoint
         result["final"] = trainer.evaluate()
