@@ -104,6 +104,7 @@ class MemoryPlanCallback(_callback_base()):
     def __init__(self, plan=None):
         self.plan = plan
         self.baseline = 0
+        self.peak_before_train = 0
         self.result: dict = {}
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -111,6 +112,7 @@ class MemoryPlanCallback(_callback_base()):
             self.plan = getattr(args, "hf_ext_memory_plan", None)
         if self.plan is not None and state.is_world_process_zero:
             logger.info("Memory plan (per rank):\n" + self.plan.describe())
+        self.peak_before_train = measured_peak()  # model loading and engine set-up, for whoever measures those
         self.baseline = reset_peak()
 
     def on_train_end(self, args, state, control, **kwargs):

@@ -218,7 +218,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq_len", type=int, default=32)
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--margin_gib", type=float, default=2.0, help="free RAM kept beyond the two ranks' needs")
+    parser.add_argument("--margin_gib", type=float, default=1.0, help="free RAM kept beyond the two ranks' needs")
     parser.add_argument("--out", default="runs/bench_memory.json")
     parser.add_argument("--docs", default="docs/benchmarks.md")
     parser.add_argument("--png", default="docs/memory.png")
@@ -236,7 +236,7 @@ def main(argv=None) -> dict:
     for name in opts.configs:
         plan = pred["plans"][name]
         for path in opts.paths:
-            need = 2 * (plan.band[1] + 700 * 2**20) + int(opts.margin_gib * GiB)  # two ranks + their baselines
+            need = 2 * (plan.total_bytes + 600 * 2**20) + int(opts.margin_gib * GiB)  # two ranks + baselines
             free = available()
             row = {"config": name, "path": path, "predicted_increment_bytes": plan.total_bytes, "band": plan.band}
             if free < need:

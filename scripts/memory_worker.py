@@ -23,7 +23,7 @@ from transformers import AutoModelForSeq2SeqLM, default_data_collator
 
 import hf_ext
 from hf_ext.deepspeed_config import load_deepspeed_config
-from hf_ext.memory import current_rss, peak_rss, reset_peak_rss
+from hf_ext.memory import MemoryPlanCallback, current_rss, peak_rss, reset_peak_rss
 
 
 def synthetic_dataset(n: int, vocab: int, seq_len: int, seed: int = 0) -> list[dict]:
@@ -117,6 +117,10 @@ def main() -> None:
     trainer.add_callback(phases)
     trainer.train()
     peak = peak_rss()
+    # hf-ext's MemoryPlanCallback restarts the kernel's peak at train start; it keeps the peak reached before
+    plan_callback = next((cb for cb in trainer.callback_handler.callbacks if isinstance(cb, MemoryPlanCallback)), None)
+    if plan_callback is not None:
+        peak = max(peak, plan_callback.peak_before_train)
     engine_config = getattr(getattr(args, "hf_deepspeed_config", None), "config", None)
     plan = getattr(args, "hf_ext_memory_plan", None)
     result = {
