@@ -140,7 +140,8 @@ def main() -> None:
         "zero_stage": (engine_config or {}).get("zero_optimization", {}).get("stage"),
         "offload_optimizer": (engine_config or {}).get("zero_optimization", {}).get("offload_optimizer"),
         "plan": plan.to_dict() if plan is not None else None,
-        "final_loss": trainer.state.log_history[-2].get("loss") if len(trainer.state.log_history) > 1 else None,
+        "final_loss": next((e["loss"] for e in reversed(trainer.state.log_history) if "loss" in e), None),
+        "memory_log": [e for e in trainer.state.log_history if "memory_peak_gib" in e],
     }
     with open(f"{opts.out}.rank{args.process_index}.json", "w") as f:
         json.dump(result, f, indent=2, default=str)

@@ -294,10 +294,11 @@ def load_zero0(tmp_path) -> str:
 
 @pytest.mark.distributed
 def test_auto_with_a_small_budget_trains(tmp_path, medium_model_dir):
-    """A budget below the least-sharded plan: both ranks make the planner's choice for it, and that config trains."""
+    """`auto` under a budget just above the least-sharded need: both ranks make the same choice, the one the planner
+    makes for the baseline they measured, and that config trains. (Which stage wins on a CPU host at 2 ranks is
+    close: ZeRO-0 and ZeRO-3 differ by ~5% here; the small-vs-large choice is tested above without launching.)"""
     _, roomy = _resolve_auto(medium_model_dir, "1TB", device="cpu", per_device_train_batch_size=2)
-    least = roomy.memory_plan
-    budget = 560 * 2**20 + least.total_bytes  # about the worker's baseline: ZeRO-0 at best just fits
+    budget = 400 * 2**20 + roomy.memory_plan.total_bytes  # about the worker's baseline + the least-sharded need
     results = _launch(tmp_path, medium_model_dir, "auto", "--memory_per_device", str(budget))
     assert results[0]["zero_stage"] == results[1]["zero_stage"]
     facts, profile = _facts_profile(medium_model_dir)
