@@ -71,6 +71,7 @@ def generation_kwargs(args: Seq2SeqTrainingArguments) -> dict:
         "num_beams": args.generation_num_beams,
         "max_length": args.generation_max_length,
         "min_length": args.generation_min_length,
+        "no_repeat_ngram_size": args.generation_no_repeat_ngram_size,
     }
     return {k: v for k, v in settings.items() if v is not None}
 
@@ -165,6 +166,10 @@ def main(argv: list[str] | None = None) -> dict:
             samples = print_samples(str(out), raw["validation"], data_args, training_args, model_args.samples_to_print)
             (out / "sample_replies.json").write_text(json.dumps(samples, indent=1) + "\n")
         print("\n=== metrics ===\n" + json.dumps(metrics, indent=1, default=str))
+        if "eval_bleu" in metrics:
+            print(
+                f"\nBLEU {metrics['eval_bleu']:.2f}  chrF {metrics['eval_chrf']:.2f}  eval loss {metrics['eval_loss']:.3f}"
+            )
     return metrics
 
 
