@@ -184,9 +184,9 @@ def resolve_auto(config: dict, args, model, world: int, hardware, report, resolu
     start. The plan is kept in ``args.hf_ext_memory_plan``.
     """
     keys = _auto_keys(config, args)
+    if not keys and getattr(args, "plan_model", None) is None:
+        return  # nothing to choose and no plan asked for: no probe
     model = model if model is not None else getattr(args, "plan_model", None)
-    if not keys and model is None:
-        return
     if model is None:
         for key in keys:
             report.problem(key, '"auto" needs the model to plan memory', "pass plan_model=PATH (--plan_model PATH)")

@@ -159,7 +159,8 @@ def test_inline_accelerate_yaml_becomes_a_deepspeed_config(args):
 
 
 @pytest.mark.parametrize("model_config", [GPT2Config(), "tiny"], ids=["gpt2-h768", "tiny-blenderbot"])
-@pytest.mark.parametrize("preset", PRESETS)
+# the `auto` preset asks the memory planner for its stage, which transformers cannot fill (tests/test_planner.py)
+@pytest.mark.parametrize("preset", [p for p in PRESETS if p != "auto"])
 def test_presets_match_what_transformers_fills(preset, model_config, args, tiny_model_dir):
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
@@ -425,7 +426,7 @@ def test_fp16_and_bf16_both_enabled_is_one_error(args):
 # --- TrainingArguments integration -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", [p for p in PRESETS if p != "auto"])  # `auto` needs plan_model: test_planner.py
 def test_training_arguments_resolve_presets_and_stay_idempotent(preset, tmp_path):
     args = make_args(tmp_path, deepspeed=preset)
     deferred = {c.key for c in args.hf_ext_deepspeed.changes if c.action == "deferred"}
