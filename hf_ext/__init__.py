@@ -23,6 +23,7 @@ _EXPORTS = {
     "Trainer": ".trainer",
     "Seq2SeqTrainingArguments": ".training_args",
     "TrainingArguments": ".training_args",
+    "end_distributed": ".runtime",
 }
 
 __all__ = sorted(_EXPORTS)

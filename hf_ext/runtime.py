@@ -92,3 +92,17 @@ def run_summary(trainer) -> dict:
         "device": str(trainer.args.device),
         "torch_threads": torch.get_num_threads(),
     }
+
+
+def end_distributed() -> None:
+    """Wait for every rank, then tear the default process group down.
+
+    Call it last in a distributed script. Left to the interpreter's exit, the gloo process group can be destroyed while
+    a peer still talks to it, and a rank that finished cleanly aborts ("terminate called without an active exception",
+    exit code -6), which the launcher reports as a failed run.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

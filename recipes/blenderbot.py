@@ -28,7 +28,7 @@ from hf_ext.config_args import parse_args_with_config
 from hf_ext.data import DataArguments, load_dialogue_dataset, tokenize_dataset
 from hf_ext.dialogue import encode_texts
 from hf_ext.plotting import plot_training_curves
-from hf_ext.runtime import run_summary
+from hf_ext.runtime import end_distributed, run_summary
 from hf_ext.tiny_model import SIZES, build
 
 logger = logging.getLogger("recipes.blenderbot")
@@ -175,3 +175,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    end_distributed()

@@ -7,7 +7,7 @@ import sys
 import torch.distributed as dist
 from transformers import AutoTokenizer, BlenderbotForConditionalGeneration, DataCollatorForSeq2Seq
 
-from hf_ext import Seq2SeqTrainer, Seq2SeqTrainingArguments
+from hf_ext import Seq2SeqTrainer, Seq2SeqTrainingArguments, end_distributed
 from hf_ext.data import DataArguments, load_dialogue_dataset, tokenize_dataset
 
 model_dir, out_dir, deepspeed = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
@@ -47,3 +47,4 @@ with open(os.path.join(out_dir, f"seen-rank{rank}.json"), "w") as f:
         },
         f,
     )
+end_distributed()

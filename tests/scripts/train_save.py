@@ -164,3 +164,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    hf_ext.end_distributed()
