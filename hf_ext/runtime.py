@@ -104,5 +104,46 @@ def end_distributed() -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        release_deepspeed_shm_names()
         dist.barrier()
         dist.destroy_process_group()
+
+
+_SHM_RELEASED = False
+
+
+def _deepspeed_shm_path(rank: int) -> str | None:
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not (addr and port and hasattr(os, "getuid")):
+        return None
+    # the name DeepSpeed's CPU shm comm op gives rank ``rank``'s workspace (deepspeed/ops/csrc/cpu/comm/shm.cpp)
+    return f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
+
+
+def release_deepspeed_shm_names() -> None:
+    """Unlink the shared-memory files DeepSpeed's CPU comm op creates, once every rank has mapped them.
+
+    On CPU, DeepSpeed allocates a 66 MB ``/dev/shm/deepspeed_allreduce_buffer_*`` workspace per rank and never unlinks
+    it: every run leaks them into ``/dev/shm``, which is RAM (a 2-rank test suite leaks gigabytes). Once all ranks have
+    opened each other's workspaces the names are no longer needed; unlinking them keeps the mappings valid and lets
+    the kernel free the memory when the processes exit, however they exit. Collective: call it on every rank.
+    """
+    global _SHM_RELEASED
+    if _SHM_RELEASED:
+        return
+    import torch.distributed as dist
+
+    try:
+        from deepspeed.comm import comm as ds_comm
+    except ImportError:  # pragma: no cover - DeepSpeed is a dependency
+        return
+    backend = getattr(ds_comm, "cdb", None)
+    if backend is None or getattr(backend, "shm_comm_op", None) is None or not dist.is_initialized():
+        return
+    path = _deepspeed_shm_path(dist.get_rank())
+    if path is None:
+        return
+    dist.barrier()  # initialize() returned on every rank: each has mapped every other rank's workspace
+    if os.path.exists(path):
+        os.unlink(path)
+    _SHM_RELEASED = True

@@ -11,7 +11,7 @@ from transformers import TrainingArguments as _TrainingArguments
 from .deepspeed_config import DeepSpeedConfigError, Problem, explain_deepspeed_config, launch_world_size
 from .memory import return_freed_memory_to_os
 from .plan_auto import MemoryPlanArguments
-from .runtime import has_accelerator, launched_by_deepspeed, place_cpu_threads
+from .runtime import has_accelerator, launched_by_deepspeed, place_cpu_threads, release_deepspeed_shm_names
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +74,7 @@ def _start_deepspeed_comm():
 
     if not ds_comm.is_initialized():
         deepspeed.init_distributed(dist_backend=dist.get_backend())
+    release_deepspeed_shm_names()
 
 
 @dataclass

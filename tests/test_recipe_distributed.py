@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, BlenderbotForConditionalGeneration
 
-from hf_ext.runtime import usable_cores
+from hf_ext.runtime import has_accelerator, usable_cores
 
 from .conftest import RECIPE, ROOT, TINY_YAML, launcher_cmd, run
 
@@ -95,8 +95,13 @@ def test_two_rank_launchers_give_the_same_loss(recipe_runs):
 @pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
 def test_ranks_get_different_batches(launcher, tiny_model_dir, tmp_path):
     script = ROOT / "tests" / "scripts" / "sharding_probe.py"
-    run(launcher_cmd(launcher, script) + [str(tiny_model_dir), str(tmp_path), "zero2"])
+    cmd = launcher_cmd(launcher, script)
+    run(cmd + [str(tiny_model_dir), str(tmp_path), "zero2"])
     ranks = [json.loads((tmp_path / f"seen-rank{r}.json").read_text()) for r in (0, 1)]
+    # DeepSpeed's CPU shm comm op ran, and left no workspace file in /dev/shm (RAM) behind
+    port = cmd[cmd.index("--master_port") + 1]
+    assert ranks[0]["shm_comm_op"] == ranks[1]["shm_comm_op"] == (not has_accelerator())
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
     assert ranks[0]["engine"] == ranks[1]["engine"] == "DeepSpeedEngine"
     seen0, seen1 = ranks[0]["seen"], ranks[1]["seen"]
     assert len(seen0) == len(seen1) == 24  # 48 examples, one epoch, split in two

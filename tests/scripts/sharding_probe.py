@@ -4,6 +4,7 @@ import json
 import os
 import sys
 
+from deepspeed.comm import comm as ds_comm
 import torch.distributed as dist
 from transformers import AutoTokenizer, BlenderbotForConditionalGeneration, DataCollatorForSeq2Seq
 
@@ -44,6 +45,7 @@ with open(os.path.join(out_dir, f"seen-rank{rank}.json"), "w") as f:
             "seen": seen,
             "all": [tokenizer.decode(x, skip_special_tokens=True) for x in dataset["input_ids"]],
             "engine": type(trainer.model_wrapped).__name__,
+            "shm_comm_op": getattr(ds_comm.cdb, "shm_comm_op", None) is not None,
         },
         f,
     )
