@@ -475,7 +475,7 @@ def _leftover_autos(config: dict, report: Report, defer: bool):
                 report.change(key, "auto", "number of training steps: filled at train start", "deferred")
             else:
                 report.problem(key, '"auto" needs the number of training steps', "pass --max_steps N")
-        else:
+        elif not any(problem.key == key for problem in report.problems):  # said once, by whoever knew why
             report.problem(key, '"auto" here has no source to fill it from', "replace it with a value")
 
 

@@ -222,3 +222,35 @@ def _from_accelerate(data: dict, path: Path, report: Report) -> dict:
                     f'set {name}.enabled to "auto" or change mixed_precision',
                 )
     return config
+
+
+# ``accelerate launch`` hands its DeepSpeed plugin settings to the script in these variables (accelerate/utils/launch.py)
+_ACCELERATE_ENV = {
+    "zero_stage": "ACCELERATE_DEEPSPEED_ZERO_STAGE",
+    "gradient_accumulation_steps": "ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
+    "gradient_clipping": "ACCELERATE_GRADIENT_CLIPPING",
+    "offload_optimizer_device": "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE",
+    "offload_param_device": "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
+    "offload_optimizer_nvme_path": "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_NVME_PATH",
+    "offload_param_nvme_path": "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_NVME_PATH",
+    "zero3_save_16bit_model": "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL",
+}
+
+
+def accelerate_launch_config(env) -> str | dict | None:
+    """The DeepSpeed config ``accelerate launch --config_file X.yaml`` gave this process, or None.
+
+    Its ``deepspeed_config_file`` when the YAML names one, else a config built from the inline settings the way
+    :func:`load` builds it from the YAML itself. hf-ext then resolves it like any other config (stock transformers
+    leaves the accelerate path to accelerate's own, narrower "auto" filling).
+    """
+    if str(env.get("ACCELERATE_USE_DEEPSPEED", "")).lower() != "true":
+        return None
+    config_file = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+    if config_file and config_file != "none":
+        return config_file
+    import yaml
+
+    inline = {key: yaml.safe_load(env[name]) for key, name in _ACCELERATE_ENV.items() if env.get(name) is not None}
+    data = {"mixed_precision": env.get("ACCELERATE_MIXED_PRECISION", "no"), "deepspeed_config": inline}
+    return _from_accelerate(data, Path("accelerate launch"), Report())

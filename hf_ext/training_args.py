@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 
 from transformers import Seq2SeqTrainingArguments as _Seq2SeqTrainingArguments
 from transformers import TrainingArguments as _TrainingArguments
 
 from .deepspeed_config import DeepSpeedConfigError, Problem, explain_deepspeed_config, launch_world_size
+from .ds_loading import accelerate_launch_config
 from .memory import return_freed_memory_to_os
 from .plan_auto import MemoryPlanArguments
 from .runtime import has_accelerator, launched_by_deepspeed, place_cpu_threads, release_deepspeed_shm_names
@@ -26,6 +28,8 @@ class _HfExtArgsMixin:
       does not need the model or the step count filled, spellings normalized, everything validated by DeepSpeed's
       own config models, all mismatches with these arguments raised at once). The record is kept in
       ``hf_ext_deepspeed``;
+    * under ``accelerate launch`` with a DeepSpeed YAML and no ``deepspeed`` argument, the YAML's config (its
+      ``deepspeed_config_file``, or one built from its inline settings) is resolved the same way;
     * under DeepSpeed's launcher with no ``deepspeed`` config, the ``zero2`` preset is used (the launcher means it);
     * on a host with no accelerator, ``use_cpu`` is switched on — otherwise torchrun / accelerate ranks each believe
       they are alone (world size 1) and DeepSpeed's batch-size assertion fires;
@@ -33,6 +37,11 @@ class _HfExtArgsMixin:
     """
 
     def __post_init__(self):
+        if not self.deepspeed and (from_accelerate := accelerate_launch_config(os.environ)) is not None:
+            logger.info("Using the DeepSpeed config given to `accelerate launch`.")
+            self.deepspeed = from_accelerate
+            if isinstance(from_accelerate, dict):  # its inline settings are now in the config: accelerate must not
+                os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)  # refuse them as conflicting with a config file
         if not self.deepspeed and launched_by_deepspeed():
             logger.info(f"Launched by `deepspeed` without --deepspeed: using the {DEFAULT_LAUNCHER_PRESET!r} preset.")
             self.deepspeed = DEFAULT_LAUNCHER_PRESET

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 from transformers import BlenderbotConfig, GPT2Config
 
 from hf_ext import (
@@ -29,6 +31,7 @@ from hf_ext import (
     resolve_deepspeed_config,
 )
 from hf_ext.deepspeed_config import Hardware, fill_model_keys, get_value
+from hf_ext.ds_loading import accelerate_launch_config
 from hf_ext.ds_normalize import normalize
 
 from .conftest import launcher_cmd, run
@@ -153,6 +156,33 @@ def test_inline_accelerate_yaml_becomes_a_deepspeed_config(args):
     zero = resolution.config["zero_optimization"]
     assert zero["stage"] == 3 and zero["stage3_gather_16bit_weights_on_model_save"] is True
     assert resolution.config["bf16"]["enabled"] is True and resolution.args_updates == {"bf16": True}
+
+
+def accelerate_launch_env(yaml_path: Path) -> dict:
+    """The environment ``accelerate launch --config_file yaml_path`` gives a DeepSpeed script (accelerate's own code)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env
+
+    cli = launch_command_parser().parse_args(["--config_file", str(yaml_path), "--num_processes", "2", "train.py"])
+    cli, defaults, _ = _validate_launch_command(cli)
+    cli.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config)  # as launch_command() sets it
+    return prepare_deepspeed_cmd_env(cli)[1]
+
+
+@needs_corpus
+def test_accelerate_launch_inline_yaml_resolves_like_the_yaml_itself(args):
+    yaml_path = CORPUS / "alignment-handbook__zero3.yaml"
+    from_env = accelerate_launch_config(accelerate_launch_env(yaml_path))
+    assert isinstance(from_env, dict) and from_env["zero_optimization"]["stage"] == 3
+    via_launch = resolve_deepspeed_config(from_env, args, world_size=2)
+    assert via_launch == resolve_deepspeed_config(yaml_path, args, world_size=2)
+    assert via_launch["bf16"]["enabled"] is True  # the YAML's mixed_precision: bf16 survives the launcher
+
+
+def test_accelerate_launch_config_file_yaml_gives_the_file():
+    yaml_path = Path(__file__).resolve().parents[1] / "recipes" / "accelerate" / "zero2.yaml"
+    assert accelerate_launch_config(accelerate_launch_env(yaml_path)) == "recipes/ds/zero2.json"
+    assert accelerate_launch_config({"ACCELERATE_MIXED_PRECISION": "no"}) is None  # not an accelerate DeepSpeed run
 
 
 # --- stock parity -----------------------------------------------------------------------------------------------
@@ -444,11 +474,59 @@ def test_training_arguments_raise_mismatches_at_construction(tmp_path):
 # --- a real 2-rank run -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.distributed
-def test_messy_config_trains_on_two_ranks_and_writes_the_resolved_file(tiny_model_dir, tmp_path):
+PRESET_EXPECTATIONS = {  # preset: (ZeRO stage, optimizer offload device, parameter offload device)
+    "zero1": (1, "none", "none"),
+    "zero2": (2, "none", "none"),
+    "zero3": (3, "none", "none"),
+    "zero3_offload": (3, "cpu", "cpu"),
+}
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tiny_model_dir, tmp_path_factory):
+    """2-rank launches of tests/scripts/train_messy_ds.py, one per config, each run once on first use."""
     script = Path(__file__).parent / "scripts" / "train_messy_ds.py"
-    out = tmp_path / "run"
-    run(launcher_cmd("deepspeed", script) + ["--model", str(tiny_model_dir), "--out", str(out)])
+    out = tmp_path_factory.mktemp("two_rank_runs")
+
+    def get(config: str) -> Path:
+        if not (out / config / "probe.json").exists():
+            cmd = ["--model", str(tiny_model_dir), "--out", str(out), "--config", config]
+            run(launcher_cmd("deepspeed", script) + cmd)
+        return out / config
+
+    return get
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("preset", [*PRESET_EXPECTATIONS, "auto"])
+def test_every_preset_trains_on_two_ranks(preset, two_rank_runs, tiny_model_dir):
+    from transformers import BlenderbotForConditionalGeneration
+
+    out = two_rank_runs(preset)
+    probe = json.loads((out / "probe.json").read_text())
+    assert probe["engine"] == "DeepSpeedEngine" and probe["world_size"] == 2 and probe["global_step"] == 5
+    if preset == "auto":  # the planner picks; with this machine's RAM the least-sharded stage fits a tiny model
+        assert probe["zero_stage"] in (0, 1, 2, 3)
+    else:
+        stage, offload_optimizer, offload_param = PRESET_EXPECTATIONS[preset]
+        assert (probe["zero_stage"], probe["offload_optimizer"], probe["offload_param"]) == (
+            stage, offload_optimizer, offload_param,
+        )  # fmt: skip
+    losses = probe["losses"]
+    assert len(losses) == 5 and all(math.isfinite(x) for x in losses)
+    written = json.loads((out / "deepspeed_config.resolved.json").read_text())
+    assert [key for key, value in walk(written) if value == "auto"] == []
+    deepspeed_accepts(written, world_size=2)
+    # the saved model loads, and training changed it
+    trained = BlenderbotForConditionalGeneration.from_pretrained(out).state_dict()
+    initial = BlenderbotForConditionalGeneration.from_pretrained(tiny_model_dir).state_dict()
+    changed = [k for k in initial if not torch.equal(initial[k], trained[k])]
+    assert len(changed) > 0.8 * len(initial)
+
+
+@pytest.mark.distributed
+def test_messy_config_trains_on_two_ranks_and_writes_the_resolved_file(two_rank_runs):
+    out = two_rank_runs("messy")
     probe = json.loads((out / "probe.json").read_text())
     assert probe["engine"] == "DeepSpeedEngine" and probe["world_size"] == 2 and probe["zero_stage"] == 3
     assert probe["global_step"] == 5

@@ -66,6 +66,9 @@ def test_recipe_trains_saves_and_reloads(name, recipe_runs, tiny_model_dir):
         assert run_info["engine"] != "DeepSpeedEngine"
     else:
         assert run_info["engine"] == "DeepSpeedEngine" and run_info["zero_stage"] == stage
+        # hf-ext resolved the config under every launcher (accelerate's own YAML included): no "auto" reached DeepSpeed
+        resolved = (out / "deepspeed_config.resolved.json").read_text()
+        assert '"auto"' not in resolved and json.loads(resolved)["zero_optimization"]["stage"] == stage
     assert run_info["torch_threads"] == max(1, usable_cores() // world_size)
 
     losses = train_losses(out)

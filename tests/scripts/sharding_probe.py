@@ -4,8 +4,8 @@ import json
 import os
 import sys
 
-from deepspeed.comm import comm as ds_comm
 import torch.distributed as dist
+from deepspeed.comm import comm as ds_comm
 from transformers import AutoTokenizer, BlenderbotForConditionalGeneration, DataCollatorForSeq2Seq
 
 from hf_ext import Seq2SeqTrainer, Seq2SeqTrainingArguments, end_distributed

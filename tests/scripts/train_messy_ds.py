@@ -1,10 +1,12 @@
 """Train a tiny BlenderBot for a few steps with ``hf_ext.Seq2SeqTrainer(deepspeed=<messy config>)``.
 
-    deepspeed --num_gpus 2 tests/scripts/train_messy_ds.py --model DIR --out DIR [--config FILE.json]
+    deepspeed --num_gpus 2 tests/scripts/train_messy_ds.py --model DIR --out DIR [--config messy|PRESET|FILE.json]
 
-Without ``--config`` the config is a dict written the way configs copied from blog posts look: the old ``bfloat16``
-section, a deprecated gather flag, a ZeRO key at top level, a key with stray whitespace, string booleans, float
-literals, and a top-level ``"gradient_checkpointing": true``. Writes ``OUT/probe.json`` with what the test checks.
+``--config messy`` (the default) is a dict written the way configs copied from blog posts look: the old
+``bfloat16`` section, a deprecated gather flag, a ZeRO key at top level, a key with stray whitespace, string
+booleans, float literals, and a top-level ``"gradient_checkpointing": true``; anything else is what ``deepspeed=``
+accepts (a preset name, a JSON path). Writes the trained model and ``probe.json`` (what the tests check) into
+``OUT/<config name>/``.
 """
 
 from __future__ import annotations
@@ -63,21 +65,15 @@ def synthetic_dataset(n: int, vocab: int) -> list[dict]:
     ]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--config", default=None)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--local_rank", type=int, default=-1)  # set by the deepspeed launcher
-    opts = parser.parse_args()
-
+def train(config, out: Path, model_dir: str, steps: int) -> None:
     args = hf_ext.Seq2SeqTrainingArguments(
-        output_dir=opts.out, max_steps=opts.steps, per_device_train_batch_size=2, learning_rate=1e-3,
+        output_dir=str(out), max_steps=steps, per_device_train_batch_size=2, learning_rate=1e-3,
         logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, seed=0,
-        deepspeed=opts.config or MESSY,
+        deepspeed=MESSY if config == "messy" else config,
+        # the memory planner sizes the `auto` preset from the model (with this machine's memory)
+        **(dict(plan_model=model_dir, plan_seq_len=12) if config == "auto" else {}),
     )  # fmt: skip
-    model = BlenderbotForConditionalGeneration.from_pretrained(opts.model)
+    model = BlenderbotForConditionalGeneration.from_pretrained(model_dir)
     forward_calls = [0]
     # Inside a decoder layer: activation checkpointing runs it again during backward (hooks on the layer itself stay
     # outside the checkpoint and fire once).
@@ -90,18 +86,35 @@ def main() -> None:
         data_collator=default_data_collator,
     )
     result = trainer.train()
+    trainer.save_model()
+    engine = trainer.model_wrapped
     if trainer.is_world_process_zero():
         probe = {
             "global_step": trainer.state.global_step,
             "train_loss": result.training_loss,
+            "losses": [row["loss"] for row in trainer.state.log_history if "loss" in row],
             "forward_calls_fc1": forward_calls[0],
             "activation_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
-            "engine": type(trainer.model_wrapped).__name__,
-            "zero_stage": trainer.model_wrapped.zero_optimization_stage(),
+            "engine": type(engine).__name__,
+            "zero_stage": engine.zero_optimization_stage(),
+            "offload_optimizer": str(getattr(engine.zero_offload_optimizer(), "device", "none")),
+            "offload_param": str(getattr(engine.zero_offload_param(), "device", "none")),
+            "optimizer": type(engine.optimizer).__name__,
             "world_size": args.world_size,
             "hidden_size": model.config.hidden_size,
         }
-        Path(opts.out, "probe.json").write_text(json.dumps(probe, indent=2))
+        (out / "probe.json").write_text(json.dumps(probe, indent=2))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--config", default="messy")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--local_rank", type=int, default=-1)  # set by the deepspeed launcher
+    opts = parser.parse_args()
+    train(opts.config, Path(opts.out) / Path(opts.config).stem, opts.model, opts.steps)
 
 
 if __name__ == "__main__":
