@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import torch
 import transformers
@@ -36,6 +37,20 @@ def synthetic_dataset(n: int, vocab: int, seq_len: int, seed: int = 0) -> list[d
         }
         for _ in range(n)
     ]
+
+
+class StepTimer(transformers.TrainerCallback):
+    """When training began (engine built) and when each optimizer step ended, for steady-state throughput."""
+
+    def __init__(self):
+        self.train_begin: float | None = None
+        self.step_ends: list[float] = []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.train_begin = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.step_ends.append(time.perf_counter())
 
 
 class PhaseRecorder(transformers.TrainerCallback):
@@ -82,6 +97,7 @@ def main() -> None:
         activation_checkpointing=opts.activation_checkpointing,
     )
     deepspeed = None if opts.config == "ddp" else opts.config
+    args_started = time.perf_counter()
     if opts.path == "stock":
         if deepspeed is not None:
             deepspeed = load_deepspeed_config(deepspeed)  # the preset's JSON, "auto"s left to transformers
@@ -97,6 +113,7 @@ def main() -> None:
             }
         args = hf_ext.TrainingArguments(deepspeed=deepspeed, **common, **extra)
         trainer_class = hf_ext.Trainer
+    args_seconds = time.perf_counter() - args_started  # TrainingArguments, DeepSpeed config resolution included
     if deepspeed is not None:
         import deepspeed as ds
 
@@ -113,8 +130,10 @@ def main() -> None:
         train_dataset=synthetic_dataset(64, model.config.vocab_size, opts.seq_len),
         data_collator=default_data_collator,
     )
-    phases = PhaseRecorder()
+    phases, timer = PhaseRecorder(), StepTimer()
     trainer.add_callback(phases)
+    trainer.add_callback(timer)
+    train_called = time.perf_counter()
     trainer.train()
     peak = peak_rss()
     # hf-ext's MemoryPlanCallback restarts the kernel's peak at train start; it keeps the peak reached before
@@ -142,6 +161,10 @@ def main() -> None:
         "plan": plan.to_dict() if plan is not None else None,
         "final_loss": next((e["loss"] for e in reversed(trainer.state.log_history) if "loss" in e), None),
         "memory_log": [e for e in trainer.state.log_history if "memory_peak_gib" in e],
+        "args_seconds": args_seconds,
+        "engine_start_seconds": (timer.train_begin or train_called) - train_called,
+        "step_end_times": [t - train_called for t in timer.step_ends],
+        "global_batch": args.per_device_train_batch_size * args.world_size * args.gradient_accumulation_steps,
     }
     with open(f"{opts.out}.rank{args.process_index}.json", "w") as f:
         json.dump(result, f, indent=2, default=str)

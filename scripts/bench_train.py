@@ -1,0 +1,154 @@
+"""Training throughput of hf_ext.Trainer vs the stock transformers.Trainer: the extension must cost nothing.
+
+    python scripts/bench_train.py --sizes tiny 400m --configs zero2 zero3 --out runs/bench/train.json
+
+For each model shape and ZeRO preset, stock and hf-ext train the same model on the same synthetic data with the same
+DeepSpeed config, on 2 ranks (`deepspeed --num_gpus 2 scripts/memory_worker.py`), alternating stock / hf-ext launch
+by launch (``--repeats`` pairs) so that background load hits both alike. "stock" hands the preset JSON to
+transformers, which fills its "auto"s (hf-ext's presets hold only keys transformers fills the same way:
+tests/test_deepspeed_config.py checks the resolved values are identical); "hf-ext" passes the preset name.
+
+Reported per launch, from rank 0: steady-state samples/s (global batch × steps ÷ time from the end of step
+``--warmup`` to the end of the last step: engine start-up and the first steps excluded), the time to build
+TrainingArguments (hf-ext's DeepSpeed config resolution happens there) and the engine start-up time (from
+``train()`` to the first step). The summary is the median over repeats and the ratio hf-ext ÷ stock (target ≥ 0.98).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_memory import launch  # noqa: E402  (the same 2-rank launcher as the memory benchmark)
+
+SECTION = "## Training throughput"
+
+
+def steady_samples_per_second(rank0: dict, warmup: int) -> float:
+    ends = rank0["step_end_times"]
+    if len(ends) <= warmup:
+        raise SystemExit(f"need more than --warmup {warmup} steps, got {len(ends)}")
+    return rank0["global_batch"] * (len(ends) - warmup) / (ends[-1] - ends[warmup - 1])
+
+
+def ensure_model(size: str) -> Path:
+    model = ROOT / "runs" / "models" / size
+    if not (model / "config.json").exists():
+        from hf_ext.tiny_model import build
+
+        build(str(model), size, seed=0)
+    return model
+
+
+def sum_parameters(model_dir: Path) -> int:
+    import torch
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM
+
+    with torch.device("meta"):
+        model = AutoModelForSeq2SeqLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return sum(p.numel() for p in model.parameters())
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    out = []
+    for key in dict.fromkeys((r["size"], r["config"]) for r in rows):
+        group = {
+            p: [r for r in rows if (r["size"], r["config"]) == key and r["path"] == p] for p in ("stock", "hf-ext")
+        }
+        if not group["stock"] or not group["hf-ext"]:
+            continue
+        med = {p: {m: statistics.median(r[m] for r in g) for m in ("samples_per_s", "args_s", "engine_start_s")}
+               for p, g in group.items()}  # fmt: skip
+        out.append({
+            "size": key[0], "config": key[1], "parameters": group["stock"][0]["parameters"],
+            "stock": med["stock"], "hf-ext": med["hf-ext"],
+            "ratio": med["hf-ext"]["samples_per_s"] / med["stock"]["samples_per_s"],
+            "per_launch_ratios": [h["samples_per_s"] / s["samples_per_s"]
+                                  for s, h in zip(group["stock"], group["hf-ext"])],
+        })  # fmt: skip
+    return out
+
+
+def table(summary: list[dict]) -> str:
+    lines = [
+        "| model | config | stock samples/s | hf-ext samples/s | hf-ext ÷ stock | per-launch ratios "
+        "| TrainingArguments s (stock / hf-ext) | engine start s (stock / hf-ext) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summary:
+        lines.append(
+            f"| {s['size']} ({s['parameters'] / 1e6:.1f}M) | {s['config']} | {s['stock']['samples_per_s']:.2f} "
+            f"| {s['hf-ext']['samples_per_s']:.2f} | **{s['ratio']:.3f}** "
+            f"| {', '.join(f'{r:.3f}' for r in s['per_launch_ratios'])} "
+            f"| {s['stock']['args_s']:.2f} / {s['hf-ext']['args_s']:.2f} "
+            f"| {s['stock']['engine_start_s']:.1f} / {s['hf-ext']['engine_start_s']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", nargs="+", default=["tiny", "400m"])
+    parser.add_argument("--configs", nargs="+", default=["zero2", "zero3"])
+    parser.add_argument("--batch", type=int, default=4, help="per-device micro-batch")
+    parser.add_argument("--seq_len", type=int, default=32)
+    parser.add_argument("--steps", nargs="+", type=int, default=[60, 8], help="steps per size, in --sizes order")
+    parser.add_argument("--warmup", type=int, default=2, help="steps left out of the throughput")
+    parser.add_argument("--repeats", type=int, default=2, help="stock / hf-ext launch pairs per size and config")
+    parser.add_argument("--out", default="runs/bench/train.json")
+    args = parser.parse_args(argv)
+    steps = dict(zip(args.sizes, args.steps + args.steps[-1:] * len(args.sizes)))
+
+    out = Path(args.out)
+    work = out.with_suffix("")
+    work.parent.mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()
+    rows = []
+    for size in args.sizes:
+        model = ensure_model(size)
+        opts = SimpleNamespace(batch=args.batch, seq_len=args.seq_len, steps=steps[size])
+        for config in args.configs:
+            for repeat in range(args.repeats):
+                for path in ("stock", "hf-ext") if repeat % 2 == 0 else ("hf-ext", "stock"):
+                    started = time.time()
+                    result = launch(model, config, path, opts, Path(f"{work}_{size}_{config}_{path}_{repeat}"))
+                    if isinstance(result, str):
+                        raise SystemExit(f"{size} {config} {path}: {result}")
+                    rank0 = next(r for r in result if r["rank"] == 0)
+                    row = {
+                        "size": size, "config": config, "path": path, "repeat": repeat,
+                        "parameters": sum_parameters(model),
+                        "samples_per_s": steady_samples_per_second(rank0, args.warmup),
+                        "args_s": rank0["args_seconds"], "engine_start_s": rank0["engine_start_seconds"],
+                        "final_loss": rank0["final_loss"], "zero_stage": rank0["zero_stage"],
+                        "wall_s": round(time.time() - started, 1),
+                    }  # fmt: skip
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+    summary = summarize(rows)
+    report = {
+        "command": "python scripts/bench_train.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "batch": args.batch, "seq_len": args.seq_len, "steps": steps, "warmup": args.warmup,
+        "repeats": args.repeats, "world_size": 2, "torch_threads_per_rank": max(1, (os.cpu_count() or 2) // 2),
+        "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+        "load_average_before": load_before, "load_average_after": os.getloadavg(),
+        "rows": rows, "summary": summary,
+    }  # fmt: skip
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(table(summary))
+    print(f"wrote {out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
