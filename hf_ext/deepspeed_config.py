@@ -183,6 +183,8 @@ def explain_deepspeed_config(
     _stage3_only(resolved, stage, report)
     if stage == 3:
         _gather_default(resolved, report)
+        if hardware.device == "cpu" and isinstance(config, str) and config in PRESETS:
+            _cpu_zero3_preset(resolved, report)
     if model is not None:
         try:
             report.changes += fill_model_keys(resolved, model)
@@ -392,6 +394,23 @@ def _gather_default(config: dict, report: Report):
             f"zero_optimization.{GATHER_KEY} is not true: under ZeRO-3, save_model() will not write usable weights "
             "(only the DeepSpeed checkpoint). Set it to true to save a loadable model."
         )
+
+
+#: ZeRO-3 granularity of hf-ext's presets on a CPU-only host (elements): the size of one optimizer-step sub-group
+#: and the most gathered parameters kept alive. The GPU values (1e9, transformers' documented ones) keep the whole
+#: model gathered between uses and step the optimizer over the whole partition at once, which on CPU costs up to the
+#: full model plus two partition-sized temporaries of RAM per rank (BlenderBot-400M on 2 ranks: peak 5.98 GiB per
+#: rank with 1e9, 4.19 GiB with 1e7; docs/benchmarks.md, "Memory").
+CPU_ZERO3_GRANULARITY = 10_000_000
+CPU_ZERO3_KEYS = ("sub_group_size", "stage3_max_live_parameters", "stage3_max_reuse_distance")
+
+
+def _cpu_zero3_preset(config: dict, report: Report):
+    zero = config["zero_optimization"]
+    for key in CPU_ZERO3_KEYS:
+        if zero.get(key) != CPU_ZERO3_GRANULARITY:
+            zero[key] = CPU_ZERO3_GRANULARITY
+            report.change(f"zero_optimization.{key}", CPU_ZERO3_GRANULARITY, "preset on a CPU-only host: bounded RAM")
 
 
 def hidden_size_of(model) -> int | None:

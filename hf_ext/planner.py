@@ -310,6 +310,7 @@ def zero_settings(zero: dict | None, hidden: int | None) -> dict:
         "overlap_comm": bool(zero.get("overlap_comm", False) is True),
         "contiguous_gradients": zero.get("contiguous_gradients", True) is not False,
         "stage3_max_live_parameters": value("stage3_max_live_parameters", 1_000_000_000),
+        "sub_group_size": value("sub_group_size", 1_000_000_000),
         "stage3_prefetch_bucket_size": value("stage3_prefetch_bucket_size", int(0.9 * h2) or 50_000_000),
     }
 
@@ -337,7 +338,9 @@ def buffer_bytes(candidate: Candidate, facts: ModelFacts, world_size: int, preci
     return out
 
 
-def step_transient_bytes(candidate: Candidate, facts: ModelFacts, world_size: int, device: str = "cpu") -> int:
+def step_transient_bytes(
+    candidate: Candidate, facts: ModelFacts, world_size: int, device: str = "cpu", sub_group_size: int = 10**9
+) -> int:
     """Temporaries after the backward pass: the optimizer's ``sqrt(v)`` (torch AdamW runs per tensor on CPU, on a
     whole tensor list on GPUs) and DeepSpeed's flattened fp32 gradients — of the rank's partition (ZeRO 1-3) or of
     all gradients for the all-reduce (ZeRO-0)."""
@@ -348,7 +351,10 @@ def step_transient_bytes(candidate: Candidate, facts: ModelFacts, world_size: in
         return per_tensor
     if candidate.stage == 0:
         return FP32 * facts.trainable + per_tensor
-    return 2 * FP32 * math.ceil(facts.trainable / max(1, world_size))
+    partition = math.ceil(facts.trainable / max(1, world_size))
+    if candidate.stage == 3:  # ZeRO-3 steps the optimizer one sub-group of the partition at a time
+        partition = min(partition, max(sub_group_size, facts.largest_param))
+    return 2 * FP32 * partition
 
 
 @dataclass
@@ -477,7 +483,9 @@ def plan(
         states=states,
         buffers=buffer_bytes(candidate, facts, world_size, precision, zero),
         activations=activations.at(micro_batch, precision),
-        step_transient=step_transient_bytes(candidate, facts, world_size, device),
+        step_transient=step_transient_bytes(
+            candidate, facts, world_size, device, zero_settings(zero, facts.hidden_size)["sub_group_size"]
+        ),
         overhead=RUNTIME_OVERHEAD["ddp" if candidate.ddp else candidate.stage] if device == "cpu" else 0,
         offload_counts=device == "cpu",
         budget=budget,

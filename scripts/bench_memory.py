@@ -76,7 +76,8 @@ def predictions(model_dir: Path, opts) -> dict:
     from transformers import AutoModelForSeq2SeqLM
 
     from hf_ext import planner
-    from hf_ext.deepspeed_config import load_deepspeed_config
+    from hf_ext.deepspeed_config import CPU_ZERO3_GRANULARITY, CPU_ZERO3_KEYS, load_deepspeed_config
+    from hf_ext.runtime import has_accelerator
 
     model = AutoModelForSeq2SeqLM.from_pretrained(model_dir)
     facts = planner.model_facts(model)
@@ -90,6 +91,8 @@ def predictions(model_dir: Path, opts) -> dict:
         else:
             zero = load_deepspeed_config(config)["zero_optimization"]
             zero = {k: (facts.hidden_size**2 if v == "auto" else v) for k, v in zero.items()}
+            if zero["stage"] == 3 and not has_accelerator():  # what hf-ext's presets run with on a CPU-only host
+                zero.update(dict.fromkeys(CPU_ZERO3_KEYS, CPU_ZERO3_GRANULARITY))
             off = [isinstance(zero.get(k), dict) and zero[k].get("device") == "cpu" for k in ("offload_optimizer", "offload_param")]  # fmt: skip
             candidate = planner.Candidate(zero["stage"], *off)
         out[name] = planner.plan(candidate, facts, profile, 2, opts.batch, zero=zero)

@@ -30,7 +30,7 @@ from hf_ext import (
     load_deepspeed_config,
     resolve_deepspeed_config,
 )
-from hf_ext.deepspeed_config import Hardware, fill_model_keys, get_value
+from hf_ext.deepspeed_config import CPU_ZERO3_GRANULARITY, CPU_ZERO3_KEYS, Hardware, fill_model_keys, get_value
 from hf_ext.ds_loading import accelerate_launch_config
 from hf_ext.ds_normalize import normalize
 
@@ -41,6 +41,7 @@ CORPUS_FILES = sorted(p for p in CORPUS.glob("*") if p.suffix in (".json", ".yam
 needs_corpus = pytest.mark.skipif(not CORPUS.is_dir(), reason=f"shared config corpus not found at {CORPUS}")
 TRAILING_COMMA = CORPUS / "axolotl-old__ds_config_trailing_comma.json"
 GPU = Hardware("cuda", fp16=True, bf16=True)
+CPU = Hardware("cpu", fp16=False, bf16=False)
 
 
 @pytest.fixture(autouse=True)
@@ -188,6 +189,21 @@ def test_accelerate_launch_config_file_yaml_gives_the_file():
 # --- stock parity -----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("preset", ["zero3", "zero3_offload"])
+def test_zero3_presets_bound_ram_on_cpu_only_hosts(preset, args, tmp_path):
+    cpu = explain_deepspeed_config(preset, args, world_size=2, hardware=CPU, defer=True)
+    gpu = explain_deepspeed_config(preset, args, world_size=2, hardware=GPU, defer=True)
+    for key in CPU_ZERO3_KEYS:
+        assert cpu.config["zero_optimization"][key] == CPU_ZERO3_GRANULARITY, key
+        assert gpu.config["zero_optimization"][key] == 10**9, key  # transformers' documented values on GPUs
+    assert any(c.key == "zero_optimization.sub_group_size" for c in cpu.changes)  # shown by `hf-ext ds resolve`
+    # a user's own file with the same content is never changed
+    own = tmp_path / "mine.json"
+    own.write_text(json.dumps(load_deepspeed_config(preset)))
+    mine = explain_deepspeed_config(own, args, world_size=2, hardware=CPU, defer=True)
+    assert all(mine.config["zero_optimization"][key] == 10**9 for key in CPU_ZERO3_KEYS)
+
+
 @pytest.mark.parametrize("model_config", [GPT2Config(), "tiny"], ids=["gpt2-h768", "tiny-blenderbot"])
 # the `auto` preset asks the memory planner for its stage, which transformers cannot fill (tests/test_planner.py)
 @pytest.mark.parametrize("preset", [p for p in PRESETS if p != "auto"])
@@ -201,8 +217,10 @@ def test_presets_match_what_transformers_fills(preset, model_config, args, tiny_
     stock = HfTrainerDeepSpeedConfig(load_deepspeed_config(preset))
     stock.trainer_config_process(args)
     stock.trainer_config_finalize(args, model, args.max_steps)
+    cpu_tuned = {f"zero_optimization.{k}" for k in CPU_ZERO3_KEYS} if args.device.type == "cpu" else set()
     for key, value in walk(stock.config):
-        assert get_value(ours, key) == value, key
+        if key not in cpu_tuned:  # test_zero3_presets_bound_ram_on_cpu_only_hosts
+            assert get_value(ours, key) == value, key
     for key in ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
         assert isinstance(ours["zero_optimization"].get(key, 0), int)
     assert [key for key, value in walk(ours) if value == "auto"] == []
