@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from app.__main__ import resolve_quantize
 from app.app import APOLOGY, EXAMPLES
 from app.engine import ChatEngine
 
@@ -46,7 +47,7 @@ def server(tiny_model_dir, tmp_path_factory):
 def expected_reply(tiny_model_dir):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    engine = ChatEngine.from_pretrained(tiny_model_dir)
+    engine = ChatEngine.from_pretrained(tiny_model_dir, quantize=resolve_quantize("auto", "fp32"))  # as chat-e serves
     settings = engine.default_settings().replace(**TEST_SETTINGS)
     yield lambda message, mode, context: " ".join(engine.chat(message, [], mode, context, settings).split())
     torch.set_num_threads(threads)

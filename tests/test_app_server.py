@@ -12,6 +12,7 @@ import urllib.request
 import pytest
 import torch
 
+from app.__main__ import resolve_quantize
 from app.app import APOLOGY, Handlers, from_display, to_display
 from app.engine import MAX_MESSAGE_CHARS, ChatEngine, GenerationSettings, message_text
 
@@ -58,7 +59,7 @@ def reference(model_dir):
     """The same model in this process, with the server's settings and thread count, to predict every reply."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    engine = ChatEngine.from_pretrained(model_dir)
+    engine = ChatEngine.from_pretrained(model_dir, quantize=resolve_quantize("auto", "fp32"))  # as chat-e serves
     settings = GenerationSettings(**{**vars(engine.default_settings()), **TEST_SETTINGS})
     yield lambda message, history, mode, context: engine.chat(message, history, mode, context, settings)
     torch.set_num_threads(threads)
@@ -254,3 +255,9 @@ def test_python_dash_m_app_help():
     for flag in ("--model", "--host", "--port", "--share", "--dtype", "--quantize", "--concurrency"):
         assert flag in proc.stdout
     assert "127.0.0.1" in proc.stdout
+
+
+def test_cpu_serving_defaults_to_int8_for_fp32_weights():
+    assert resolve_quantize("auto", "fp32") == "int8"  # docs/benchmarks.md: ~0.25x fp32 latency, BLEU within 0.1
+    assert resolve_quantize("auto", "bf16") == "none"  # int8 dynamic quantization needs fp32 weights
+    assert resolve_quantize("none", "fp32") == "none" and resolve_quantize("int8", "fp32") == "int8"
