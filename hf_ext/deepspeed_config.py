@@ -619,3 +619,23 @@ def attach_to_trainer(trainer) -> None:
         logger.info(f"DeepSpeed {change.key} = {change.value} ({change.source})")
     if not any(isinstance(cb, ResolvedDeepSpeedConfigCallback) for cb in trainer.callback_handler.callbacks):
         trainer.add_callback(ResolvedDeepSpeedConfigCallback())
+
+
+def reopen_step_keys(trainer) -> None:
+    """Put back the ``"auto"`` of the step-count keys before training, if an evaluation consumed them.
+
+    Stock ``evaluate()`` before ``train()`` under ZeRO-3 starts an inference engine and, on the way, fills the
+    deferred scheduler keys with 0 training steps in the shared config; ``train()`` then refuses its own step count
+    ("ds scheduler.params.total_num_steps=0 vs hf num_training_steps=8"). Only keys hf-ext deferred are reopened:
+    explicit values are never touched.
+    """
+    resolution = getattr(trainer.args, "hf_ext_deepspeed", None)
+    plugin = getattr(getattr(getattr(trainer, "accelerator", None), "state", None), "deepspeed_plugin", None)
+    if resolution is None or plugin is None:
+        return
+    config = plugin.hf_ds_config.config
+    for change in resolution.changes:
+        if change.action == "deferred" and change.key in STEP_KEYS:
+            node, leaf = _node(config, change.key)
+            if node is not None and node.get(leaf) != "auto":
+                node[leaf] = "auto"

@@ -67,8 +67,23 @@ class _HfExtTrainerMixin:
     # --- saving (hf_ext.saving, hf_ext.checkpoints) ---
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         resume_from_checkpoint = checkpoints.resolve_resume_from_checkpoint(self, resume_from_checkpoint)
+        if self.deepspeed is not None and self.optimizer is None:  # an engine from evaluate(): inference only
+            self._drop_inference_engine()
+        deepspeed_config.reopen_step_keys(self)  # an evaluate() before train() may have filled them for inference
         with peft_checkpoint.deepspeed_resume(self, resume_from_checkpoint):
             return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _drop_inference_engine(self) -> None:
+        """Forget the engine a stock ``evaluate()`` started before ``train()`` under ZeRO-3.
+
+        That engine has no optimizer. Stock ``train()`` releases it (``accelerator.free_memory()``) but keeps it as
+        ``model_wrapped``, so it never starts a training engine and fails at the first backward ("'NoneType' object
+        has no attribute 'backward'"). The (still partitioned) model goes back to the trainer, which then starts a
+        training engine as usual.
+        """
+        logger.info("Evaluated before training under DeepSpeed: training starts its own engine.")
+        self.model_wrapped = self.model
+        self.deepspeed = None
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         # Private override: the stock loader only knows per-rank optimizer files; an hf-ext PEFT checkpoint holds

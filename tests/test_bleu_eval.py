@@ -280,7 +280,8 @@ def check_two_ranks_equal_one(results: list[dict], single: dict, tokenizer) -> N
 
 @pytest.mark.distributed
 def test_zero3_two_ranks_uneven_lengths_equal_one_rank(eval_model_dir, tokenizer, single_rank, tmp_path):
-    results = launch_worker(eval_model_dir, tmp_path, 3)
+    # evaluate, then train with metric_for_best_model="bleu" (stock cannot train after a ZeRO-3 evaluate())
+    results = launch_worker(eval_model_dir, tmp_path, 3, "--train_steps", "8", "--eval_steps", "4")
     stats = [r["eval_only_stats"] for r in results]
     # the scenario: ranks hold different numbers of batches and generate to different lengths ...
     assert sorted(s["batches"] for s in stats) == [2, 3]
@@ -288,6 +289,7 @@ def test_zero3_two_ranks_uneven_lengths_equal_one_rank(eval_model_dir, tokenizer
     # ... yet make the same number of generate() calls (synced), finish, and agree with one process
     assert stats[0]["calls"] == stats[1]["calls"] == 3
     check_two_ranks_equal_one(results, single_rank, tokenizer)
+    check_best_model(results, tmp_path)
 
 
 @pytest.mark.distributed
