@@ -54,7 +54,7 @@ def launch(model: Path, config: str, path: str, opts, out: Path) -> list[dict] |
         cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", port, str(WORKER)]
     else:
         cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", port, str(WORKER)]
-    cmd += ["--model", str(model), "--config", CONFIGS[config], "--path", path, "--out", str(out)]
+    cmd += ["--model", str(model), "--config", CONFIGS.get(config, config), "--path", path, "--out", str(out)]
     cmd += ["--batch", str(opts.batch), "--seq_len", str(opts.seq_len), "--steps", str(opts.steps)]
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"

@@ -27,9 +27,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path[:0] = [str(ROOT / "scripts"), str(ROOT)]
 
 from bench_memory import launch  # noqa: E402  (the same 2-rank launcher as the memory benchmark)
+
+from hf_ext.deepspeed_config import load_deepspeed_config  # noqa: E402
 
 SECTION = "## Training throughput"
 
@@ -118,10 +120,15 @@ def main(argv: list[str] | None = None) -> dict:
         model = ensure_model(size)
         opts = SimpleNamespace(batch=args.batch, seq_len=args.seq_len, steps=steps[size])
         for config in args.configs:
+            # both paths get the preset's JSON file: the same config (hf-ext adapts presets given by name to the host)
+            config_file = work.parent / f"{work.name}_{config}.json"
+            config_file.write_text(json.dumps(load_deepspeed_config(config), indent=1))
             for repeat in range(args.repeats):
                 for path in ("stock", "hf-ext") if repeat % 2 == 0 else ("hf-ext", "stock"):
                     started = time.time()
-                    result = launch(model, config, path, opts, Path(f"{work}_{size}_{config}_{path}_{repeat}"))
+                    result = launch(
+                        model, str(config_file), path, opts, Path(f"{work}_{size}_{config}_{path}_{repeat}")
+                    )
                     if isinstance(result, str):
                         raise SystemExit(f"{size} {config} {path}: {result}")
                     rank0 = next(r for r in result if r["rank"] == 0)
