@@ -113,11 +113,12 @@ def main() -> None:
             }
         args = hf_ext.TrainingArguments(deepspeed=deepspeed, **common, **extra)
         trainer_class = hf_ext.Trainer
-    args_seconds = time.perf_counter() - args_started  # TrainingArguments, DeepSpeed config resolution included
     if deepspeed is not None:
         import deepspeed as ds
 
         ds.init_distributed(dist_backend="gloo" if args.device.type == "cpu" else None)
+    # TrainingArguments + DeepSpeed's comm start (hf-ext starts it inside TrainingArguments, with config resolution)
+    args_seconds = time.perf_counter() - args_started
     startup_peak, baseline = peak_rss(), current_rss()
     reset_peak_rss()
 
