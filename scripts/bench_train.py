@@ -61,6 +61,24 @@ def sum_parameters(model_dir: Path) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def resolution_ms(model_dir: Path, config: str, repeats: int = 20) -> dict:
+    """Time of hf-ext's whole config resolution (load, normalize, fill, validate), in process, in milliseconds."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    import hf_ext
+
+    args = hf_ext.TrainingArguments(output_dir=str(ROOT / "runs" / "bench" / "resolve"), report_to=[], max_steps=10)
+    model = SimpleNamespace(config=AutoConfig.from_pretrained(model_dir))
+    times = []
+    for _ in range(repeats + 1):  # the first call imports DeepSpeed's config models
+        started = time.perf_counter()
+        hf_ext.explain_deepspeed_config(config, args, model=model, world_size=2)
+        times.append(1000 * (time.perf_counter() - started))
+    return {"first_ms": times[0], "median_ms": statistics.median(times[1:]), "max_ms": max(times[1:])}
+
+
 def summarize(rows: list[dict]) -> list[dict]:
     out = []
     for key in dict.fromkeys((r["size"], r["config"]) for r in rows):
@@ -84,8 +102,8 @@ def summarize(rows: list[dict]) -> list[dict]:
 def table(summary: list[dict]) -> str:
     lines = [
         "| model | config | stock samples/s | hf-ext samples/s | hf-ext ÷ stock | per-launch ratios "
-        "| TrainingArguments s (stock / hf-ext) | engine start s (stock / hf-ext) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| TrainingArguments s (stock / hf-ext) | engine start s (stock / hf-ext) | hf-ext resolution ms |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summary:
         lines.append(
@@ -93,7 +111,8 @@ def table(summary: list[dict]) -> str:
             f"| {s['hf-ext']['samples_per_s']:.2f} | **{s['ratio']:.3f}** "
             f"| {', '.join(f'{r:.3f}' for r in s['per_launch_ratios'])} "
             f"| {s['stock']['args_s']:.2f} / {s['hf-ext']['args_s']:.2f} "
-            f"| {s['stock']['engine_start_s']:.1f} / {s['hf-ext']['engine_start_s']:.1f} |"
+            f"| {s['stock']['engine_start_s']:.1f} / {s['hf-ext']['engine_start_s']:.1f} "
+            f"| {s['resolution']['median_ms']:.1f} |"
         )
     return "\n".join(lines)
 
@@ -143,6 +162,8 @@ def main(argv: list[str] | None = None) -> dict:
                     print(json.dumps(row), flush=True)
                     rows.append(row)
     summary = summarize(rows)
+    for entry in summary:
+        entry["resolution"] = resolution_ms(ensure_model(entry["size"]), entry["config"])
     report = {
         "command": "python scripts/bench_train.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "batch": args.batch, "seq_len": args.seq_len, "steps": steps, "warmup": args.warmup,
