@@ -318,3 +318,43 @@ def check_best_model(results: list[dict], out: Path) -> None:
     at_best = [r["generation"] for r in read_jsonl(out / "generations" / f"step-{best_step}.jsonl")]
     if best_step != 8:  # the final evaluation rewrote step-8.jsonl; the best one is intact
         assert results[0]["final_generations"] == at_best
+
+
+def test_best_bleu_lora_adapter_is_loaded_at_end(eval_model_dir, tokenizer, tmp_path):
+    """metric_for_best_model="bleu" + load_best_model_at_end with a LoRA model: adapter-only checkpoints, and the
+    adapter of the best evaluation is the one in the model at the end."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    base = BlenderbotForConditionalGeneration.from_pretrained(eval_model_dir)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    args = hf_ext.Seq2SeqTrainingArguments(
+        str(tmp_path), per_device_train_batch_size=4, per_device_eval_batch_size=4, learning_rate=3e-2, max_steps=8,
+        eval_strategy="steps", eval_steps=4, save_strategy="steps", save_steps=4, metric_for_best_model="bleu",
+        load_best_model_at_end=True, report_to="none", log_samples=2, seed=0, disable_tqdm=True,
+        greater_is_better=False,  # the lower BLEU wins here, so that the chosen adapter is not the last one trained
+        generation_num_beams=1, generation_max_length=24, generation_min_length=1, generation_batch_size=4,
+    )  # fmt: skip
+    trainer = hf_ext.Seq2SeqTrainer(
+        model=model,
+        args=args,
+        train_dataset=eval_dataset(tokenizer, 64),
+        eval_dataset=eval_dataset(tokenizer),
+        data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100),
+        processing_class=tokenizer,
+    )
+    trainer.train()
+    evals = [(h["step"], h["eval_bleu"]) for h in trainer.state.log_history if "eval_bleu" in h]
+    assert [step for step, _ in evals] == [4, 8]
+    best_step, best_bleu = min(evals, key=lambda e: (e[1], e[0]))
+    assert best_step == 4  # else loading the best adapter would be indistinguishable from keeping the last one
+    best = Path(trainer.state.best_model_checkpoint)
+    assert best.name == f"checkpoint-{best_step}" and trainer.state.best_metric == best_bleu
+    assert (best / "adapter_model.safetensors").is_file() and not (best / "model.safetensors").exists()
+    saved = load_file(best / "adapter_model.safetensors")
+    loaded = get_peft_model_state_dict(model)
+    assert saved.keys() == loaded.keys()
+    assert all(torch.equal(saved[k], loaded[k].cpu()) for k in saved)
+    other = load_file(tmp_path / f"checkpoint-{12 - best_step}" / "adapter_model.safetensors")
+    assert any(not torch.equal(other[k], saved[k]) for k in saved)  # the two evaluations saw different adapters
+    assert trainer.evaluate()["eval_bleu"] == best_bleu
