@@ -17,6 +17,10 @@ def parse_args_with_config(dataclass_types, argv: list[str] | None = None):
     """
     parser = HfArgumentParser(dataclass_types)
     parser.add_argument("--config", default=None, help="YAML file of defaults; CLI flags override it.")
+    for action in parser._actions:  # the memory planner picks the micro-batch: hf_ext.plan_auto
+        if action.dest in AUTO_INT_FIELDS:
+            action.type = int_or_auto
+            action.help = (action.help or "") + ' "auto": the largest that fits the memory (needs --plan_model).'
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)
     known, _ = pre.parse_known_args(argv)
@@ -24,6 +28,19 @@ def parse_args_with_config(dataclass_types, argv: list[str] | None = None):
         parser.set_defaults(**load_yaml_defaults(known.config, parser))
     namespace_parts = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=False)
     return namespace_parts[: len(dataclass_types)]
+
+
+#: int options that also take "auto"
+AUTO_INT_FIELDS = ("per_device_train_batch_size",)
+
+
+def int_or_auto(value: str) -> int | str:
+    if str(value).strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or auto, got {value!r}") from None
 
 
 def load_yaml_defaults(path: str, parser: argparse.ArgumentParser) -> dict:

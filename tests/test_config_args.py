@@ -32,3 +32,26 @@ def test_missing_config_file(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_args_with_config(TYPES, ["--config", str(tmp_path / "nope.yaml")])
     assert "no such file" in capsys.readouterr().err
+
+
+def test_micro_batch_auto_from_the_command_line(tmp_path, tiny_model_dir):
+    """`--per_device_train_batch_size auto` reaches the memory planner, which picks the micro-batch."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    argv = ["--output_dir", str(tmp_path), "--report_to", "none", "--deepspeed", "zero2",
+            "--per_device_train_batch_size", "auto", "--plan_model", str(tiny_model_dir), "--plan_seq_len", "16",
+            "--memory_per_device", "2GB"]  # fmt: skip
+    try:
+        (args,) = parse_args_with_config((Seq2SeqTrainingArguments,), argv)
+        assert isinstance(args.per_device_train_batch_size, int) and args.per_device_train_batch_size >= 1
+        assert args.hf_ext_memory_plan.micro_batch == args.per_device_train_batch_size
+    finally:
+        unset_hf_deepspeed_config()
+
+
+def test_micro_batch_must_be_an_integer_or_auto(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        parse_args_with_config(
+            (Seq2SeqTrainingArguments,), ["--output_dir", str(tmp_path), "--per_device_train_batch_size", "lots"]
+        )
+    assert "expected an integer or auto, got 'lots'" in capsys.readouterr().err
