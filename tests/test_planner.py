@@ -298,7 +298,8 @@ def test_auto_with_a_small_budget_trains(tmp_path, medium_model_dir):
     makes for the baseline they measured, and that config trains. (Which stage wins on a CPU host at 2 ranks is
     close: ZeRO-0 and ZeRO-3 differ by ~5% here; the small-vs-large choice is tested above without launching.)"""
     _, roomy = _resolve_auto(medium_model_dir, "1TB", device="cpu", per_device_train_batch_size=2)
-    budget = 400 * 2**20 + roomy.memory_plan.total_bytes  # about the worker's baseline + the least-sharded need
+    # the worker's baseline (0.4-0.6 GiB: torch + DeepSpeed + comm, varies by machine) + the least-sharded need
+    budget = 600 * 2**20 + roomy.memory_plan.total_bytes
     results = _launch(tmp_path, medium_model_dir, "auto", "--memory_per_device", str(budget))
     assert results[0]["zero_stage"] == results[1]["zero_stage"]
     facts, profile = _facts_profile(medium_model_dir)
