@@ -48,14 +48,14 @@ def available() -> int:
     return int(psutil.virtual_memory().available)
 
 
-def launch(model: Path, config: str, path: str, opts, out: Path) -> list[dict] | str:
+def launch(model: Path, config: str, path: str, opts, out: Path, extra: tuple[str, ...] = ()) -> list[dict] | str:
     port = str(free_port())
     if config == "ddp":
         cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", port, str(WORKER)]
     else:
         cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", port, str(WORKER)]
     cmd += ["--model", str(model), "--config", CONFIGS.get(config, config), "--path", path, "--out", str(out)]
-    cmd += ["--batch", str(opts.batch), "--seq_len", str(opts.seq_len), "--steps", str(opts.steps)]
+    cmd += ["--batch", str(opts.batch), "--seq_len", str(opts.seq_len), "--steps", str(opts.steps), *extra]
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     env.pop("OMP_NUM_THREADS", None)
@@ -169,14 +169,14 @@ def markdown(result: dict, png: str) -> str:
     return "\n".join(lines)
 
 
-def write_section(doc: Path, text: str) -> None:
-    """Replace the "## Memory" section of ``doc`` (up to the next "## " heading), or append it."""
+def write_section(doc: Path, text: str, section: str = SECTION) -> None:
+    """Replace the ``section`` of ``doc`` (from its heading up to the next "## " heading), or append it."""
     old = doc.read_text(encoding="utf-8") if doc.exists() else "# Benchmarks\n"
-    start = old.find(SECTION + "\n")
+    start = old.find(section + "\n")
     if start < 0:
         new = old.rstrip("\n") + "\n\n" + text
     else:
-        end = old.find("\n## ", start + len(SECTION))
+        end = old.find("\n## ", start + len(section))
         new = old[:start] + text + (old[end + 1 :] if end >= 0 else "")
     doc.write_text(new.rstrip("\n") + "\n", encoding="utf-8")
 

@@ -124,11 +124,13 @@ def main() -> None:
 
     transformers.set_seed(0)
     model = AutoModelForSeq2SeqLM.from_pretrained(opts.model)
+    # enough rows that every step gets full micro-batches on every rank (large micro-batches in bench_max_batch)
+    rows = max(64, int(args.per_device_train_batch_size) * args.world_size * opts.steps)
     after_load = peak_rss()
     trainer = trainer_class(
         model=model,
         args=args,
-        train_dataset=synthetic_dataset(64, model.config.vocab_size, opts.seq_len),
+        train_dataset=synthetic_dataset(rows, model.config.vocab_size, opts.seq_len),
         data_collator=default_data_collator,
     )
     phases, timer = PhaseRecorder(), StepTimer()
