@@ -2,8 +2,10 @@
 sharded configuration that fits.
 
 Per-rank peak = **model states** + **DeepSpeed buffers** + **activations** (forward + backward) + the
-**optimizer-step transient** (for DDP: the larger of the last two), plus a measured **runtime overhead** (trainer,
-engine, communication) on CPU. All in bytes.
+**optimizer-step transient**, plus a measured **runtime overhead** (trainer, engine, communication) on CPU. All in
+bytes. For DDP the Trainer frees the gradients before each forward, so activations and gradients take turns: the
+larger of the activations and the gradients + step transient counts (with gradient accumulation the gradients stay
+and the larger of activations and transient counts on top of them).
 
 Model states, Adam, Ψ parameters (Ψ_t trainable), N ranks, partitions of ``ceil(Ψ/N)`` elements:
 
@@ -376,17 +378,21 @@ class Plan:
     budget: int | None = None
     baseline: int = 0  # the process's own memory before the model exists (RSS on CPU, a reserve on GPUs)
     notes: list[str] = field(default_factory=list)
+    accumulation_steps: int = 1
 
     @property
     def device_bytes(self) -> int:
         # DDP steps after backward has freed the activations; DeepSpeed's flattened gradients and optimizer
         # temporaries were measured on top of the activation peak (its hooks reduce while backward still runs)
-        transient = (
-            max(self.activations, self.step_transient)
-            if self.candidate.ddp
-            else self.activations + self.step_transient
-        )
-        return self.states.device + sum(self.buffers.values()) + transient
+        buffers = sum(self.buffers.values())
+        if self.candidate.ddp and self.accumulation_steps == 1:
+            # the Trainer frees the gradients (set_to_none) before each forward, so the activations grow into the
+            # room the gradients take in backward: measured flat up to activations ≈ gradients (400M shape, CPU)
+            rest = max(self.activations, self.states.grads + self.step_transient)
+            return self.states.params + self.states.optimizer + buffers + rest
+        if self.candidate.ddp:  # gradient accumulation: the next micro-batch's forward runs beside the gradients
+            return self.states.device + buffers + max(self.activations, self.step_transient)
+        return self.states.device + buffers + self.activations + self.step_transient
 
     @property
     def total_bytes(self) -> int:
@@ -464,6 +470,7 @@ def plan(
     device: str = "cpu",
     budget: int | None = None,
     baseline: int = 0,
+    accumulation_steps: int = 1,
 ) -> Plan:
     """The predicted per-rank peak of ``candidate`` at ``micro_batch`` (see the module docstring)."""
     states = model_state_bytes(
@@ -491,6 +498,7 @@ def plan(
         budget=budget,
         baseline=baseline,
         notes=notes,
+        accumulation_steps=max(1, int(accumulation_steps)),
     )
 
 

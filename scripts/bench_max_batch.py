@@ -84,8 +84,13 @@ def search(name: str, ckpt: bool, start: int, budget: int, model: Path, opts, wo
         else:
             o = argparse.Namespace(batch=batch, seq_len=opts.seq_len, steps=opts.steps)
             extra = ("--activation_checkpointing",) if ckpt else ()
+            out = Path(f"{work}_{name}_ckpt{int(ckpt)}_b{batch}")
+            done = [Path(f"{out}.rank{r}.json") for r in (0, 1)]
             started = time.time()
-            result = launch(model, name, "hf-ext", o, Path(f"{work}_{name}_ckpt{int(ckpt)}_b{batch}"), extra)
+            if opts.reuse and all(p.exists() for p in done):  # a launch of an earlier, interrupted run
+                result = [json.loads(p.read_text()) for p in done]
+            else:
+                result = launch(model, name, "hf-ext", o, out, extra)
             run = {"batch": batch, "seconds": round(time.time() - started, 1)}
             if isinstance(result, str):
                 run.update(error=result, fits=False)
@@ -102,8 +107,8 @@ def search(name: str, ckpt: bool, start: int, budget: int, model: Path, opts, wo
         step = max(1, math.ceil(opts.resolution * max(fit, 1)))
         if nofit is not None and nofit - fit <= step:
             break
-        if nofit is None:
-            batch = fit + step
+        if nofit is None:  # everything tried fits: grow geometrically until one does not
+            batch = max(fit + step, math.ceil(fit * opts.growth))
         elif fit == 0:
             batch = max(1, nofit // 2) if nofit > 1 else 0
             if batch == 0:
@@ -135,7 +140,7 @@ def markdown(result: dict) -> str:
             LABELS[row["config"]],
             "on" if row["checkpointing"] else "off",
             str(row["predicted_max"]),
-            str(row["measured_max"]),
+            "not measured" if row["measured_max"] is None else str(row["measured_max"]),
             str(row["first_not_fitting"] or "—"),
             f"{best['peak_bytes'] / GiB:.2f}" if best else "—",
             f"{ratio:.2f}" if ratio else "—",
@@ -152,11 +157,18 @@ def main(argv=None) -> dict:
     parser.add_argument("--model", default=None, help="model directory (default: runs/models/<size>)")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--checkpointing", nargs="+", default=["off", "on"], choices=["off", "on"])
+    parser.add_argument(
+        "--predict_only", nargs="*", default=[], choices=["off", "on"],
+        help="checkpointing settings planned but not measured (e.g. 'on' where the fitting batches are too slow)",
+    )  # fmt: skip
     parser.add_argument("--budget_gib", type=float, default=9.0, help="per-rank budget (peak RSS), GiB")
     parser.add_argument("--seq_len", type=int, default=32)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--resolution", type=float, default=0.125, help="relative gap between fit and no fit")
-    parser.add_argument("--max_launches", type=int, default=4, help="launches per configuration at most")
+    parser.add_argument("--max_launches", type=int, default=5, help="launches per configuration at most")
+    parser.add_argument("--growth", type=float, default=1.5, help="factor to the next micro-batch while all fit")
+    parser.add_argument("--reuse", action="store_true", help="reuse launches an interrupted run left in --out's dir")
+    parser.add_argument("--replan", action="store_true", help="only redo the planner's column of an existing --out")
     parser.add_argument("--margin_gib", type=float, default=1.0, help="free RAM kept beyond the two ranks")
     parser.add_argument("--out", default="runs/bench/max_batch.json")
     parser.add_argument("--docs", default="docs/benchmarks.md")
@@ -189,11 +201,22 @@ def main(argv=None) -> dict:
     def need(batch: int) -> int:  # both ranks at the budget, plus a margin
         return 2 * budget + int(opts.margin_gib * GiB)
 
+    if opts.replan:  # the measured runs stay; the predictions are recomputed with the current planner
+        old = json.loads(Path(opts.out).read_text())
+        for row in old["rows"]:
+            predicted, plan = predict(row["config"], facts, profiles[row["checkpointing"]], budget, BASELINE_GUESS)
+            row.update(predicted_max=predicted, plan=plan.to_dict())
+        old["replanned"] = result["date"]
+        result = old
+        ckpts = ()
     for ckpt in ckpts:
         for name in opts.configs:
             predicted, plan = predict(name, facts, profiles[ckpt], budget, BASELINE_GUESS)
             row = {"config": name, "checkpointing": ckpt, "predicted_max": predicted, "plan": plan.to_dict()}
-            row.update(search(name, ckpt, predicted, budget, model, opts, work, need))
+            if ("on" if ckpt else "off") in opts.predict_only:
+                row.update(measured_max=None, first_not_fitting=None, runs=[])
+            else:
+                row.update(search(name, ckpt, predicted, budget, model, opts, work, need))
             result["rows"].append(row)
             Path(opts.out).write_text(json.dumps(result, indent=2) + "\n")  # partial results survive
     write_section(Path(opts.docs), markdown(result), SECTION)
