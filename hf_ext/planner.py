@@ -3,9 +3,10 @@ sharded configuration that fits.
 
 Per-rank peak = **model states** + **DeepSpeed buffers** + **activations** (forward + backward) + the
 **optimizer-step transient**, plus a measured **runtime overhead** (trainer, engine, communication) on CPU. All in
-bytes. For DDP the Trainer frees the gradients before each forward, so activations and gradients take turns: the
-larger of the activations and the gradients + step transient counts (with gradient accumulation the gradients stay
-and the larger of activations and transient counts on top of them).
+bytes. Activations are freed before the optimizer step, so for DDP and ZeRO-1/2 the larger of activations and step
+transient counts, not their sum; for DDP (without gradient accumulation) the Trainer also frees the gradients before
+each forward, so activations take turns with gradients + step transient. ZeRO-3's gathers and releases run inside
+forward and backward: there the two add up.
 
 Model states, Adam, Ψ parameters (Ψ_t trainable), N ranks, partitions of ``ceil(Ψ/N)`` elements:
 
@@ -356,7 +357,10 @@ def step_transient_bytes(
     partition = math.ceil(facts.trainable / max(1, world_size))
     if candidate.stage == 3:  # ZeRO-3 steps the optimizer one sub-group of the partition at a time
         partition = min(partition, max(sub_group_size, facts.largest_param))
-    return 2 * FP32 * partition
+        return 2 * FP32 * partition
+    # ZeRO-1/2: the flattened fp32 gradient of the partition, plus torch Adam's sqrt(v) and its quotient on CPU
+    # (measured 3 x 4 bytes x partition at the 400M shape); fused optimizers on accelerators keep one temporary
+    return (3 if device == "cpu" else 2) * FP32 * partition
 
 
 @dataclass
@@ -390,7 +394,10 @@ class Plan:
             # room the gradients take in backward: measured flat up to activations ≈ gradients (400M shape, CPU)
             rest = max(self.activations, self.states.grads + self.step_transient)
             return self.states.params + self.states.optimizer + buffers + rest
-        if self.candidate.ddp:  # gradient accumulation: the next micro-batch's forward runs beside the gradients
+        if self.candidate.ddp or self.candidate.stage in (1, 2):
+            # DDP with gradient accumulation (the next forward runs beside the gradients); ZeRO-1/2 reduce into
+            # their gradient partition during backward and flatten it for the optimizer only after the activations
+            # are freed (400M shape, CPU: peak flat up to activations ≈ the step's temporaries, then growing with them)
             return self.states.device + buffers + max(self.activations, self.step_transient)
         return self.states.device + buffers + self.activations + self.step_transient
 
