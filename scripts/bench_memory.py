@@ -48,7 +48,9 @@ def available() -> int:
     return int(psutil.virtual_memory().available)
 
 
-def launch(model: Path, config: str, path: str, opts, out: Path, extra: tuple[str, ...] = ()) -> list[dict] | str:
+def launch(
+    model: Path, config: str, path: str, opts, out: Path, extra: tuple[str, ...] = (), env_extra: dict | None = None
+) -> list[dict] | str:
     port = str(free_port())
     if config == "ddp":
         cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", port, str(WORKER)]
@@ -59,6 +61,7 @@ def launch(model: Path, config: str, path: str, opts, out: Path, extra: tuple[st
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     env.pop("OMP_NUM_THREADS", None)
+    env.update(env_extra or {})
     for rank in (0, 1):
         Path(f"{out}.rank{rank}.json").unlink(missing_ok=True)
     log = Path(f"{out}.log")

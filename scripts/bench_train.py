@@ -126,8 +126,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", nargs="+", type=int, default=[60, 8], help="steps per size, in --sizes order")
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the throughput")
     parser.add_argument("--repeats", type=int, default=2, help="stock / hf-ext launch pairs per size and config")
+    parser.add_argument(
+        "--threads", type=int, default=None,
+        help="OMP_NUM_THREADS for both paths (the extension's own cost, without hf-ext's thread placement)",
+    )  # fmt: skip
     parser.add_argument("--out", default="runs/bench/train.json")
     args = parser.parse_args(argv)
+    env_extra = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else None
     steps = dict(zip(args.sizes, args.steps + args.steps[-1:] * len(args.sizes)))
 
     out = Path(args.out)
@@ -146,8 +151,9 @@ def main(argv: list[str] | None = None) -> dict:
                 for path in ("stock", "hf-ext") if repeat % 2 == 0 else ("hf-ext", "stock"):
                     started = time.time()
                     result = launch(
-                        model, str(config_file), path, opts, Path(f"{work}_{size}_{config}_{path}_{repeat}")
-                    )
+                        model, str(config_file), path, opts, Path(f"{work}_{size}_{config}_{path}_{repeat}"),
+                        env_extra=env_extra,
+                    )  # fmt: skip
                     if isinstance(result, str):
                         raise SystemExit(f"{size} {config} {path}: {result}")
                     rank0 = next(r for r in result if r["rank"] == 0)
@@ -167,7 +173,8 @@ def main(argv: list[str] | None = None) -> dict:
     report = {
         "command": "python scripts/bench_train.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "batch": args.batch, "seq_len": args.seq_len, "steps": steps, "warmup": args.warmup,
-        "repeats": args.repeats, "world_size": 2, "torch_threads_per_rank": max(1, (os.cpu_count() or 2) // 2),
+        "repeats": args.repeats, "world_size": 2,
+        "torch_threads_per_rank": args.threads or {"hf-ext": max(1, (os.cpu_count() or 2) // 2), "stock": "accelerate's default"},
         "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
         "load_average_before": load_before, "load_average_after": os.getloadavg(),
         "rows": rows, "summary": summary,
