@@ -214,8 +214,8 @@ def resolve_auto(config: dict, args, model, world: int, hardware, report, resolu
     source = f"--memory_per_device {budget_text}" if budget_text else f"detected on {hardware.device}"
     zero = config.setdefault("zero_optimization", {})
     micro = None if args.per_device_train_batch_size == "auto" else int(args.per_device_train_batch_size)
-    accumulation = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
-    common = dict(precision=precision, zero=zero, device=hardware.device, baseline=baseline, accumulation_steps=accumulation)  # fmt: skip
+    common = dict(precision=precision, zero=zero, device=hardware.device, baseline=baseline)
+    common["accumulation_steps"] = getattr(args, "gradient_accumulation_steps", 1) or 1
     if "zero_optimization.stage" in keys or any("offload" in k for k in keys):
         candidates = _allowed(zero, keys)
         chosen, plans = planner.choose(facts, profile, world, budget, micro, candidates, **common)

@@ -386,8 +386,6 @@ class Plan:
 
     @property
     def device_bytes(self) -> int:
-        # DDP steps after backward has freed the activations; DeepSpeed's flattened gradients and optimizer
-        # temporaries were measured on top of the activation peak (its hooks reduce while backward still runs)
         buffers = sum(self.buffers.values())
         if self.candidate.ddp and self.accumulation_steps == 1:
             # the Trainer frees the gradients (set_to_none) before each forward, so the activations grow into the
@@ -399,6 +397,8 @@ class Plan:
             # their gradient partition during backward and flatten it for the optimizer only after the activations
             # are freed (400M shape, CPU: peak flat up to activations ≈ the step's temporaries, then growing with them)
             return self.states.device + buffers + max(self.activations, self.step_transient)
+        # ZeRO-0/3: DeepSpeed's flattened gradients / sub-group temporaries were measured on top of the activation
+        # peak (its hooks reduce, and ZeRO-3 gathers, while backward still runs)
         return self.states.device + buffers + self.activations + self.step_transient
 
     @property

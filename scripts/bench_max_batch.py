@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
-from bench_memory import LABELS, GiB, available, launch, write_section  # noqa: E402
+from bench_memory import LABELS, GiB, available, launch, preset_zero, write_section  # noqa: E402
 
 SECTION = "## Memory: largest micro-batch under a fixed budget"
 CONFIGS = ("ddp", "zero2", "zero3")
@@ -49,37 +49,24 @@ def planner_inputs(model_dir: Path, seq_len: int, checkpointing: tuple[bool, ...
     return facts, profiles
 
 
-def zero_section(name: str, hidden: int | None) -> dict | None:
-    from hf_ext.deepspeed_config import CPU_ZERO3_GRANULARITY, CPU_ZERO3_KEYS, load_deepspeed_config
-    from hf_ext.runtime import has_accelerator
-
-    if name == "ddp":
-        return None
-    zero = load_deepspeed_config(name)["zero_optimization"]
-    zero = {k: (hidden**2 if v == "auto" else v) for k, v in zero.items()}
-    if zero["stage"] == 3 and not has_accelerator():  # what hf-ext's presets run with on a CPU-only host
-        zero.update(dict.fromkeys(CPU_ZERO3_KEYS, CPU_ZERO3_GRANULARITY))
-    return zero
-
-
 def predict(name: str, facts, profile, budget: int, baseline: int) -> tuple[int, object]:
     from hf_ext import planner
 
-    zero = zero_section(name, facts.hidden_size)
-    candidate = planner.Candidate(0, ddp=True) if name == "ddp" else planner.Candidate(zero["stage"])
+    zero = None if name == "ddp" else preset_zero(name, facts.hidden_size)
+    candidate = planner.Candidate(0, ddp=True) if zero is None else planner.Candidate(zero["stage"])
     common = dict(zero=zero, baseline=baseline)
     batch = planner.max_micro_batch(candidate, facts, profile, 2, budget, **common)
     return batch, planner.plan(candidate, facts, profile, 2, max(1, batch), budget=budget, **common)
 
 
-def search(name: str, ckpt: bool, start: int, budget: int, model: Path, opts, work: Path, need) -> dict:
+def search(name: str, ckpt: bool, start: int, budget: int, model: Path, opts, work: Path, need: int) -> dict:
     """Measure micro-batches around ``start`` until the largest fitting one is bracketed (see module docstring)."""
     fit, nofit, runs = 0, None, []
     batch = max(1, start)
     while len(runs) < opts.max_launches:
         free = available()
-        if free < need(batch):
-            runs.append({"batch": batch, "skipped": f"{free / GiB:.1f} GiB available, {need(batch) / GiB:.1f} needed"})
+        if free < need:
+            runs.append({"batch": batch, "skipped": f"{free / GiB:.1f} GiB available, {need / GiB:.1f} needed"})
             nofit = batch if nofit is None else min(nofit, batch)
         else:
             o = argparse.Namespace(batch=batch, seq_len=opts.seq_len, steps=opts.steps)
@@ -109,10 +96,10 @@ def search(name: str, ckpt: bool, start: int, budget: int, model: Path, opts, wo
             break
         if nofit is None:  # everything tried fits: grow geometrically until one does not
             batch = max(fit + step, math.ceil(fit * opts.growth))
-        elif fit == 0:
-            batch = max(1, nofit // 2) if nofit > 1 else 0
-            if batch == 0:
+        elif fit == 0:  # nothing tried fits yet: halve
+            if nofit <= 1:
                 break
+            batch = nofit // 2
         else:
             batch = (fit + nofit) // 2
     return {"measured_max": fit, "first_not_fitting": nofit, "runs": runs}
@@ -198,8 +185,7 @@ def main(argv=None) -> dict:
         "rows": [],
     }
 
-    def need(batch: int) -> int:  # both ranks at the budget, plus a margin
-        return 2 * budget + int(opts.margin_gib * GiB)
+    need = 2 * budget + int(opts.margin_gib * GiB)  # free RAM for both ranks at the budget, plus a margin
 
     if opts.replan:  # the measured runs stay; the predictions are recomputed with the current planner
         old = json.loads(Path(opts.out).read_text())

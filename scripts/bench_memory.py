@@ -72,6 +72,18 @@ def launch(
     return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in (0, 1)]
 
 
+def preset_zero(config: str, hidden: int | None) -> dict:
+    """The ``zero_optimization`` section hf-ext runs preset ``config`` with on this host, "auto" sizes filled."""
+    from hf_ext.deepspeed_config import CPU_ZERO3_GRANULARITY, CPU_ZERO3_KEYS, load_deepspeed_config
+    from hf_ext.runtime import has_accelerator
+
+    zero = load_deepspeed_config(config)["zero_optimization"]
+    zero = {k: (hidden**2 if v == "auto" else v) for k, v in zero.items()}
+    if zero["stage"] == 3 and not has_accelerator():  # what hf-ext's presets run with on a CPU-only host
+        zero.update(dict.fromkeys(CPU_ZERO3_KEYS, CPU_ZERO3_GRANULARITY))
+    return zero
+
+
 def predictions(model_dir: Path, opts) -> dict:
     """The planner's per-rank prediction (above the process baseline) for each configuration."""
     import gc
@@ -79,8 +91,6 @@ def predictions(model_dir: Path, opts) -> dict:
     from transformers import AutoModelForSeq2SeqLM
 
     from hf_ext import planner
-    from hf_ext.deepspeed_config import CPU_ZERO3_GRANULARITY, CPU_ZERO3_KEYS, load_deepspeed_config
-    from hf_ext.runtime import has_accelerator
 
     model = AutoModelForSeq2SeqLM.from_pretrained(model_dir)
     facts = planner.model_facts(model)
@@ -92,10 +102,7 @@ def predictions(model_dir: Path, opts) -> dict:
         if name == "ddp":
             candidate, zero = planner.Candidate(0, ddp=True), None
         else:
-            zero = load_deepspeed_config(config)["zero_optimization"]
-            zero = {k: (facts.hidden_size**2 if v == "auto" else v) for k, v in zero.items()}
-            if zero["stage"] == 3 and not has_accelerator():  # what hf-ext's presets run with on a CPU-only host
-                zero.update(dict.fromkeys(CPU_ZERO3_KEYS, CPU_ZERO3_GRANULARITY))
+            zero = preset_zero(config, facts.hidden_size)
             off = [isinstance(zero.get(k), dict) and zero[k].get("device") == "cpu" for k in ("offload_optimizer", "offload_param")]  # fmt: skip
             candidate = planner.Candidate(zero["stage"], *off)
         out[name] = planner.plan(candidate, facts, profile, 2, opts.batch, zero=zero)
