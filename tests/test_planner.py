@@ -104,6 +104,28 @@ def test_parse_bytes():
         parse_bytes("eight gigs")
 
 
+def test_activations_take_turns_with_gradients_and_step_temporaries():
+    """DDP (no accumulation) and ZeRO-1/2 peak at the larger of activations and what the step holds; with gradient
+    accumulation, and under ZeRO-3, activations add on top (the 400M sweep in docs/benchmarks.md measured this)."""
+    psi = 10_000_000
+    facts = planner.ModelFacts(num_params=psi, trainable=psi, hidden_size=1000, persistent_params=0, largest_param=psi // 10)  # fmt: skip
+    per_sample = 2 * 2**20
+    profile = planner.ActivationProfile(128, False, [(1, per_sample), (2, 2 * per_sample)])
+
+    def totals(candidate, **kwargs):
+        return [planner.plan(candidate, facts, profile, 2, b, **kwargs).total_bytes for b in (1, 2, 100)]
+
+    ddp = planner.Candidate(0, ddp=True)
+    small, medium, large = totals(ddp)
+    assert small == medium < large  # 4Ψ bytes of gradients leave room for 20 samples before the peak moves
+    small, medium, large = totals(ddp, accumulation_steps=2)
+    assert small < medium < large  # the gradients stay while the next micro-batch runs forward
+    small, medium, large = totals(planner.Candidate(2))
+    assert small == medium < large  # 3 x 4 bytes x Ψ/2 of step temporaries on CPU
+    small, medium, large = totals(planner.Candidate(3))
+    assert medium - small == per_sample and large - medium == 98 * per_sample
+
+
 # --- activations --------------------------------------------------------------------------------------------------
 
 
