@@ -2,13 +2,14 @@
 activation checkpointing (the blog's "max train batch" column, on this hardware), each found by measurement and
 set beside the planner's prediction.
 
-    python scripts/bench_max_batch.py --size 400m --budget_gib 9 --out runs/bench/max_batch_400m.json
+    python scripts/bench_max_batch.py --size 400m --budget_gib 8 --seq_len 128 --predict_only on --out runs/bench/max_batch_400m.json
 
 For every configuration the planner (``hf_ext.planner.max_micro_batch``) predicts the largest micro-batch whose
 per-rank peak fits ``--budget_gib`` (process baseline included). The script then measures: one 2-rank training launch
-(``scripts/memory_worker.py``, hf-ext path, ``--steps`` steps) at the predicted micro-batch; if the measured peak RSS
-of the larger rank fits the budget it tries the next larger micro-batch, else the next smaller one, until a fitting
-micro-batch and a non-fitting one ``--resolution`` apart (relative) are both measured, or ``--max_launches`` is spent.
+(``scripts/memory_worker.py``, hf-ext path, ``--steps`` steps) at the predicted micro-batch; while every launch's
+measured peak RSS (larger rank) fits the budget it grows the micro-batch by ``--growth``, then bisects between the
+largest fitting and the smallest non-fitting one until they are ``--resolution`` apart (relative) or
+``--max_launches`` is spent.
 The budget is enforced by measured peak RSS (the kernel's high-water mark of each rank), not by a cgroup: a run whose
 peak exceeds the budget counts as "does not fit" exactly as an OOM would.
 """
