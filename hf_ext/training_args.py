@@ -11,7 +11,7 @@ from transformers import TrainingArguments as _TrainingArguments
 
 from .deepspeed_config import DeepSpeedConfigError, Problem, explain_deepspeed_config, launch_world_size
 from .ds_loading import accelerate_launch_config
-from .memory import return_freed_memory_to_os
+from .memory import return_freed_memory_to_os, wants_freed_memory_released
 from .plan_auto import MemoryPlanArguments
 from .runtime import has_accelerator, launched_by_deepspeed, place_cpu_threads, release_deepspeed_shm_names
 
@@ -33,7 +33,9 @@ class _HfExtArgsMixin:
     * under DeepSpeed's launcher with no ``deepspeed`` config, the ``zero2`` preset is used (the launcher means it);
     * on a host with no accelerator, ``use_cpu`` is switched on — otherwise torchrun / accelerate ranks each believe
       they are alone (world size 1) and DeepSpeed's batch-size assertion fires;
-    * CPU ranks get ``cores // local ranks`` threads unless ``OMP_NUM_THREADS`` was set by the user.
+    * CPU ranks get ``cores // local ranks`` threads unless ``OMP_NUM_THREADS`` was set by the user;
+    * on CPU, freed memory goes back to the OS at once when the memory planner plans the run or
+      ``release_freed_memory`` asks for it (lower peak RSS, some time in page faults).
     """
 
     def __post_init__(self):
@@ -57,7 +59,8 @@ class _HfExtArgsMixin:
             _start_deepspeed_comm()
         if self.device.type == "cpu":
             place_cpu_threads()
-            return_freed_memory_to_os()  # hf_ext.memory: ZeRO's temporaries otherwise stay in glibc's heap
+            # hf_ext.memory: ZeRO's temporaries otherwise stay in glibc's heap
+            self.hf_ext_released_freed_memory = wants_freed_memory_released(self) and return_freed_memory_to_os()
 
     def _resolve_deepspeed(self):
         resolution = explain_deepspeed_config(self.deepspeed, self, world_size=launch_world_size(), defer=True)

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
-from bench_memory import LABELS, GiB, available, launch, preset_zero, write_section  # noqa: E402
+from bench_memory import LABELS, RELEASE, GiB, available, launch, preset_zero, write_section  # noqa: E402
 
 SECTION = "## Memory: largest micro-batch under a fixed budget"
 CONFIGS = ("ddp", "zero2", "zero3")
@@ -71,7 +71,7 @@ def search(name: str, ckpt: bool, start: int, budget: int, model: Path, opts, wo
             nofit = batch if nofit is None else min(nofit, batch)
         else:
             o = argparse.Namespace(batch=batch, seq_len=opts.seq_len, steps=opts.steps)
-            extra = ("--activation_checkpointing",) if ckpt else ()
+            extra = RELEASE + (("--activation_checkpointing",) if ckpt else ())
             out = Path(f"{work}_{name}_ckpt{int(ckpt)}_b{batch}")
             done = [Path(f"{out}.rank{r}.json") for r in (0, 1)]
             started = time.time()

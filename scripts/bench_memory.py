@@ -48,6 +48,9 @@ def available() -> int:
     return int(psutil.virtual_memory().available)
 
 
+RELEASE = ("--release_freed_memory", "on")  # hf-ext's memory runs: TrainingArguments.release_freed_memory=True
+
+
 def launch(
     model: Path, config: str, path: str, opts, out: Path, extra: tuple[str, ...] = (), env_extra: dict | None = None
 ) -> list[dict] | str:
@@ -258,7 +261,8 @@ def main(argv=None) -> dict:
                 rows.append(row)
                 continue
             started = time.time()
-            result = launch(model, name, path, opts, Path(f"{work}_{name}_{path}"))
+            # hf-ext as run for a memory budget: freed memory released, as whenever the planner plans the run
+            result = launch(model, name, path, opts, Path(f"{work}_{name}_{path}"), RELEASE)
             if isinstance(result, str):
                 row["skipped"] = result
             else:

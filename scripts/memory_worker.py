@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import time
 
 import torch
@@ -40,17 +41,25 @@ def synthetic_dataset(n: int, vocab: int, seq_len: int, seed: int = 0) -> list[d
 
 
 class StepTimer(transformers.TrainerCallback):
-    """When training began (engine built) and when each optimizer step ended, for steady-state throughput."""
+    """When training began (engine built) and when each optimizer step ended, for steady-state throughput; with the
+    process's CPU seconds (user, system) and minor page faults at each of those moments, to tell where time went."""
 
     def __init__(self):
         self.train_begin: float | None = None
         self.step_ends: list[float] = []
+        self.step_usage: list[tuple[float, float, int]] = []
+
+    def _usage(self):
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        self.step_usage.append((usage.ru_utime, usage.ru_stime, usage.ru_minflt))
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.train_begin = time.perf_counter()
+        self._usage()
 
     def on_step_end(self, args, state, control, **kwargs):
         self.step_ends.append(time.perf_counter())
+        self._usage()
 
 
 class PhaseRecorder(transformers.TrainerCallback):
@@ -79,6 +88,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--activation_checkpointing", action="store_true")
     parser.add_argument("--memory_per_device", default=None)
+    parser.add_argument(
+        "--release_freed_memory", default="auto", choices=["auto", "on", "off"],
+        help="hf-ext's TrainingArguments.release_freed_memory (auto: on when the planner plans the run)",
+    )  # fmt: skip
     parser.add_argument("--out", required=True)
     parser.add_argument("--local_rank", type=int, default=-1)
     opts = parser.parse_args()
@@ -111,6 +124,7 @@ def main() -> None:
                 "plan_model": opts.model,
                 "plan_seq_len": opts.seq_len,
             }
+        extra["release_freed_memory"] = {"auto": None, "on": True, "off": False}[opts.release_freed_memory]
         args = hf_ext.TrainingArguments(deepspeed=deepspeed, **common, **extra)
         trainer_class = hf_ext.Trainer
     if deepspeed is not None:
@@ -162,11 +176,13 @@ def main() -> None:
         "zero_stage": (engine_config or {}).get("zero_optimization", {}).get("stage"),
         "offload_optimizer": (engine_config or {}).get("zero_optimization", {}).get("offload_optimizer"),
         "plan": plan.to_dict() if plan is not None else None,
+        "released_freed_memory": getattr(args, "hf_ext_released_freed_memory", False),
         "final_loss": next((e["loss"] for e in reversed(trainer.state.log_history) if "loss" in e), None),
         "memory_log": [e for e in trainer.state.log_history if "memory_peak_gib" in e],
         "args_seconds": args_seconds,
         "engine_start_seconds": (timer.train_begin or train_called) - train_called,
         "step_end_times": [t - train_called for t in timer.step_ends],
+        "step_usage": timer.step_usage,  # (user s, system s, minor faults) at train begin and after each step
         "global_batch": args.per_device_train_batch_size * args.world_size * args.gradient_accumulation_steps,
     }
     with open(f"{opts.out}.rank{args.process_index}.json", "w") as f:

@@ -292,7 +292,7 @@ def test_measured_peak_within_error_band(tmp_path, medium_model_dir, config):
         cfg = load_zero0(tmp_path)
     else:
         cfg = config
-    results = _launch(tmp_path, medium_model_dir, cfg)
+    results = _launch(tmp_path, medium_model_dir, cfg, "--release_freed_memory", "on")  # as when the planner plans
     plan = _predicted(medium_model_dir, cfg)
     low, high = plan.band
     for r in results:
@@ -301,6 +301,33 @@ def test_measured_peak_within_error_band(tmp_path, medium_model_dir, config):
             f"rank {r['rank']}: measured {r['increment_bytes'] / 2**20:.0f} MiB, predicted "
             f"{plan.total_bytes / 2**20:.0f} MiB (band {low / 2**20:.0f}..{high / 2**20:.0f})\n{plan.describe()}"
         )
+
+
+@pytest.mark.distributed
+def test_freed_memory_is_released_when_the_planner_plans(tmp_path, medium_model_dir):
+    """By default hf-ext leaves glibc as it is (no page-fault cost); a planned run releases freed memory at once,
+    which its plan assumes: the same ZeRO-3 run then peaks well lower."""
+    (tmp_path / "default").mkdir(), (tmp_path / "planned").mkdir()
+    default = _launch(tmp_path / "default", medium_model_dir, "zero3")
+    planned = _launch(tmp_path / "planned", medium_model_dir, "zero3", "--memory_per_device", "64GB")
+    assert not any(r["released_freed_memory"] for r in default) and default[0]["plan"] is None
+    assert all(r["released_freed_memory"] for r in planned) and planned[0]["plan"] is not None
+    for d, p in zip(default, planned):
+        assert p["increment_bytes"] < 0.85 * d["increment_bytes"], (d["increment_bytes"], p["increment_bytes"])
+
+
+def test_release_freed_memory_switch():
+    from types import SimpleNamespace
+
+    import hf_ext
+    from hf_ext.memory import wants_freed_memory_released
+
+    assert not wants_freed_memory_released(SimpleNamespace())
+    assert wants_freed_memory_released(SimpleNamespace(hf_ext_memory_plan=object()))
+    assert not wants_freed_memory_released(SimpleNamespace(release_freed_memory=False, hf_ext_memory_plan=object()))
+    assert wants_freed_memory_released(SimpleNamespace(release_freed_memory=True))
+    args = hf_ext.TrainingArguments("unused", report_to=[])
+    assert args.release_freed_memory is None and not args.hf_ext_released_freed_memory
 
 
 def load_zero0(tmp_path) -> str:
