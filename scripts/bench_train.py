@@ -43,6 +43,16 @@ def steady_samples_per_second(rank0: dict, warmup: int) -> float:
     return rank0["global_batch"] * (len(ends) - warmup) / (ends[-1] - ends[warmup - 1])
 
 
+def per_step_usage(rank0: dict, warmup: int) -> dict:
+    """Mean CPU seconds (user, system) and minor page faults per measured step, for telling where time went."""
+    usage = rank0["step_usage"][warmup:]  # [0] is train begin: usage[k] is after step k
+    steps = len(usage) - 1
+    return {
+        name: (usage[-1][i] - usage[0][i]) / steps
+        for i, name in enumerate(("user_s_per_step", "system_s_per_step", "page_faults_per_step"))
+    }
+
+
 def ensure_model(size: str) -> Path:
     model = ROOT / "runs" / "models" / size
     if not (model / "config.json").exists():
@@ -87,8 +97,8 @@ def summarize(rows: list[dict]) -> list[dict]:
         }
         if not group["stock"] or not group["hf-ext"]:
             continue
-        med = {p: {m: statistics.median(r[m] for r in g) for m in ("samples_per_s", "args_s", "engine_start_s")}
-               for p, g in group.items()}  # fmt: skip
+        metrics = ("samples_per_s", "args_s", "engine_start_s", "system_s_per_step", "page_faults_per_step")
+        med = {p: {m: statistics.median(r[m] for r in g) for m in metrics} for p, g in group.items()}
         out.append({
             "size": key[0], "config": key[1], "parameters": group["stock"][0]["parameters"],
             "stock": med["stock"], "hf-ext": med["hf-ext"],
@@ -102,8 +112,9 @@ def summarize(rows: list[dict]) -> list[dict]:
 def table(summary: list[dict]) -> str:
     lines = [
         "| model | config | stock samples/s | hf-ext samples/s | hf-ext ÷ stock | per-launch ratios "
-        "| TrainingArguments s (stock / hf-ext) | engine start s (stock / hf-ext) | hf-ext resolution ms |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| TrainingArguments s (stock / hf-ext) | engine start s (stock / hf-ext) | hf-ext resolution ms "
+        "| system s / step (stock / hf-ext) | page faults / step (stock / hf-ext) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summary:
         lines.append(
@@ -112,7 +123,9 @@ def table(summary: list[dict]) -> str:
             f"| {', '.join(f'{r:.3f}' for r in s['per_launch_ratios'])} "
             f"| {s['stock']['args_s']:.2f} / {s['hf-ext']['args_s']:.2f} "
             f"| {s['stock']['engine_start_s']:.1f} / {s['hf-ext']['engine_start_s']:.1f} "
-            f"| {s['resolution']['median_ms']:.1f} |"
+            f"| {s['resolution']['median_ms']:.1f} "
+            f"| {s['stock']['system_s_per_step']:.2f} / {s['hf-ext']['system_s_per_step']:.2f} "
+            f"| {s['stock']['page_faults_per_step']:,.0f} / {s['hf-ext']['page_faults_per_step']:,.0f} |"
         )
     return "\n".join(lines)
 
@@ -163,7 +176,8 @@ def main(argv: list[str] | None = None) -> dict:
                         "samples_per_s": steady_samples_per_second(rank0, args.warmup),
                         "args_s": rank0["args_seconds"], "engine_start_s": rank0["engine_start_seconds"],
                         "final_loss": rank0["final_loss"], "zero_stage": rank0["zero_stage"],
-                        "wall_s": round(time.time() - started, 1),
+                        "wall_s": round(time.time() - started, 1), **per_step_usage(rank0, args.warmup),
+                        "released_freed_memory": rank0.get("released_freed_memory"),
                     }  # fmt: skip
                     print(json.dumps(row), flush=True)
                     rows.append(row)
