@@ -1,17 +1,22 @@
 """Training throughput of hf_ext.Trainer vs the stock transformers.Trainer: the extension must cost nothing.
 
-    python scripts/bench_train.py --sizes tiny 400m --configs zero2 zero3 --out runs/bench/train.json
+    python scripts/bench_train.py --sizes tiny 400m --configs zero2 zero3 --steps 60 10 --repeats 3 --threads 1 \
+        --out runs/bench/train.json
 
 For each model shape and ZeRO preset, stock and hf-ext train the same model on the same synthetic data with the same
 DeepSpeed config, on 2 ranks (`deepspeed --num_gpus 2 scripts/memory_worker.py`), alternating stock / hf-ext launch
-by launch (``--repeats`` pairs) so that background load hits both alike. "stock" hands the preset JSON to
-transformers, which fills its "auto"s (hf-ext's presets hold only keys transformers fills the same way:
-tests/test_deepspeed_config.py checks the resolved values are identical); "hf-ext" passes the preset name.
+by launch (``--repeats`` pairs) so that background load hits both alike. Both paths get the preset's JSON file:
+stock hands it to transformers, which fills its "auto"s; hf-ext resolves it (tests/test_deepspeed_config.py checks
+the resolved values are identical). ``--threads N`` gives both paths N torch threads per rank, which measures the
+extension's own cost; without it each path places threads its own way (hf-ext: cores ÷ local ranks, stock:
+accelerate's default), which is measured by scripts/bench_launchers.py. ``--release_freed_memory`` is passed to
+hf-ext's TrainingArguments (by default off in these runs: it is on only when the memory planner plans the run).
 
 Reported per launch, from rank 0: steady-state samples/s (global batch × steps ÷ time from the end of step
 ``--warmup`` to the end of the last step: engine start-up and the first steps excluded), the time to build
-TrainingArguments (hf-ext's DeepSpeed config resolution happens there) and the engine start-up time (from
-``train()`` to the first step). The summary is the median over repeats and the ratio hf-ext ÷ stock (target ≥ 0.98).
+TrainingArguments (hf-ext's DeepSpeed config resolution happens there), the engine start-up time (from ``train()``
+to the first step), and the system CPU seconds and page faults per step. The summary is the median over repeats and
+the ratio hf-ext ÷ stock (target ≥ 0.98), with the time of hf-ext's config resolution alone (in process).
 """
 
 from __future__ import annotations
@@ -143,6 +148,10 @@ def main(argv: list[str] | None = None) -> dict:
         "--threads", type=int, default=None,
         help="OMP_NUM_THREADS for both paths (the extension's own cost, without hf-ext's thread placement)",
     )  # fmt: skip
+    parser.add_argument(
+        "--release_freed_memory", default="auto", choices=["auto", "on", "off"],
+        help="hf-ext's TrainingArguments.release_freed_memory (auto, the default: off here, no plan is made)",
+    )  # fmt: skip
     parser.add_argument("--out", default="runs/bench/train.json")
     args = parser.parse_args(argv)
     env_extra = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else None
@@ -165,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
                     started = time.time()
                     result = launch(
                         model, str(config_file), path, opts, Path(f"{work}_{size}_{config}_{path}_{repeat}"),
-                        env_extra=env_extra,
+                        ("--release_freed_memory", args.release_freed_memory), env_extra,
                     )  # fmt: skip
                     if isinstance(result, str):
                         raise SystemExit(f"{size} {config} {path}: {result}")
@@ -187,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = {
         "command": "python scripts/bench_train.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "batch": args.batch, "seq_len": args.seq_len, "steps": steps, "warmup": args.warmup,
-        "repeats": args.repeats, "world_size": 2,
+        "repeats": args.repeats, "world_size": 2, "release_freed_memory": args.release_freed_memory,
         "torch_threads_per_rank": args.threads or {"hf-ext": max(1, (os.cpu_count() or 2) // 2), "stock": "accelerate's default"},
         "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
         "load_average_before": load_before, "load_average_after": os.getloadavg(),
