@@ -136,8 +136,8 @@ class MemoryPlanCallback(_callback_base()):
 def wants_freed_memory_released(args) -> bool:
     """``args.release_freed_memory``, or when it is None (the default): whether the memory planner planned the run.
 
-    Releasing costs time (every large allocation then starts with fresh pages to fault in), so it is on where memory
-    is the point: when the run was fitted to a budget, whose plan assumes it, or when asked for.
+    Releasing costs page faults (every large allocation then starts with fresh pages), so it is on where memory is
+    the point: when the run was fitted to a budget, whose plan assumes it, or when asked for.
     """
     wanted = getattr(args, "release_freed_memory", None)
     if wanted is None:
@@ -154,8 +154,8 @@ def return_freed_memory_to_os(threshold: int = 64 * 1024) -> bool:
     baseline per rank, 360 MiB with this setting; at the 400M shape 9.5 GiB per rank, 6.0 GiB with it. Blocks of
     ``threshold`` bytes or more are mmapped (returned on free) and the heap is trimmed eagerly. The price is page
     faults: each such allocation starts from fresh pages (400M shape, ZeRO-3: 2.5 million faults per step and rank
-    instead of 0.6 million, 0.4-2.9 s more system time per 12-19 s step). No effect (False) where glibc's ``mallopt`` is unavailable, or
-    when the user set ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``.
+    instead of 0.6 million, 0.4-2.9 s more system time per 12-19 s step). No effect (False) where glibc's
+    ``mallopt`` is unavailable, or when the user set ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``.
     """
     import ctypes
     import ctypes.util

@@ -62,9 +62,9 @@ class MemoryPlanArguments:
     release_freed_memory: bool | None = field(
         default=None,
         metadata={"help": "On CPU, hand freed memory back to the OS at once: a lower peak RSS (ZeRO-3, 400M shape: "
-                  "6.0 instead of 9.5 GiB per rank) for 4x the page faults (2.5 instead of 0.6 million per step). Default: on when "
-                  "the memory planner plans the run (an \"auto\" memory key or micro-batch, or plan_model), off "
-                  "otherwise."},
+                  "6.0 instead of 9.5 GiB per rank) for 4x the page faults (2.5 instead of 0.6 million per step). "
+                  "Default: on when the memory planner plans the run (an \"auto\" memory key or micro-batch, or "
+                  "plan_model), off otherwise."},
     )  # fmt: skip
 
 

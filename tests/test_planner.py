@@ -305,9 +305,10 @@ def test_measured_peak_within_error_band(tmp_path, medium_model_dir, config):
 
 @pytest.mark.distributed
 def test_freed_memory_is_released_when_the_planner_plans(tmp_path, medium_model_dir):
-    """By default hf-ext leaves glibc as it is (no page-fault cost); a planned run releases freed memory at once,
-    which its plan assumes: the same ZeRO-3 run then peaks well lower."""
-    (tmp_path / "default").mkdir(), (tmp_path / "planned").mkdir()
+    """By default hf-ext leaves glibc as it is, as stock does; a planned run releases freed memory at once, which its
+    plan assumes: the same ZeRO-3 run then peaks well lower."""
+    for name in ("default", "planned"):
+        (tmp_path / name).mkdir()
     default = _launch(tmp_path / "default", medium_model_dir, "zero3")
     planned = _launch(tmp_path / "planned", medium_model_dir, "zero3", "--memory_per_device", "64GB")
     assert not any(r["released_freed_memory"] for r in default) and default[0]["plan"] is None
