@@ -37,6 +37,7 @@ sys.path[:0] = [str(ROOT / "scripts"), str(ROOT)]
 from bench_memory import launch  # noqa: E402  (the same 2-rank launcher as the memory benchmark)
 
 from hf_ext.deepspeed_config import load_deepspeed_config  # noqa: E402
+from hf_ext.runtime import usable_cores  # noqa: E402  (hf-ext's own thread rule: cores ÷ local ranks)
 
 SECTION = "## Training throughput"
 
@@ -197,7 +198,7 @@ def main(argv: list[str] | None = None) -> dict:
         "command": "python scripts/bench_train.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "batch": args.batch, "seq_len": args.seq_len, "steps": steps, "warmup": args.warmup,
         "repeats": args.repeats, "world_size": 2, "release_freed_memory": args.release_freed_memory,
-        "torch_threads_per_rank": args.threads or {"hf-ext": max(1, (os.cpu_count() or 2) // 2), "stock": "accelerate's default"},
+        "torch_threads_per_rank": args.threads or {"hf-ext": max(1, usable_cores() // 2), "stock": "accelerate's default"},
         "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
         "load_average_before": load_before, "load_average_after": os.getloadavg(),
         "rows": rows, "summary": summary,
