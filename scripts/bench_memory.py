@@ -54,13 +54,21 @@ RELEASE = ("--release_freed_memory", "on")  # hf-ext's memory runs: TrainingArgu
 def launch(
     model: Path, config: str, path: str, opts, out: Path, extra: tuple[str, ...] = (), env_extra: dict | None = None
 ) -> list[dict] | str:
+    args = ["--model", str(model), "--config", CONFIGS.get(config, config), "--path", path, "--out", str(out)]
+    args += ["--batch", str(opts.batch), "--seq_len", str(opts.seq_len), "--steps", str(opts.steps), *extra]
+    return launch_worker(WORKER, args, out, env_extra, torchrun=config == "ddp")
+
+
+def launch_worker(
+    worker: Path, args: list[str], out: Path, env_extra: dict | None = None, torchrun: bool = False
+) -> list[dict] | str:
+    """Run ``worker`` on 2 ranks (deepspeed's launcher, or torchrun); its per-rank ``OUT.rank<N>.json``, or why not."""
     port = str(free_port())
-    if config == "ddp":
-        cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", port, str(WORKER)]
+    if torchrun:
+        cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", port, str(worker)]
     else:
-        cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", port, str(WORKER)]
-    cmd += ["--model", str(model), "--config", CONFIGS.get(config, config), "--path", path, "--out", str(out)]
-    cmd += ["--batch", str(opts.batch), "--seq_len", str(opts.seq_len), "--steps", str(opts.steps), *extra]
+        cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", port, str(worker)]
+    cmd += args
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     env.pop("OMP_NUM_THREADS", None)

@@ -1,5 +1,7 @@
 """Training throughput of hf_ext.Trainer vs the stock transformers.Trainer: the extension must cost nothing.
 
+    python scripts/bench_train.py --sizes tiny 400m --configs zero2 zero3 --steps 40 5 --repeats 6 --interleave \
+        --out runs/bench/train_interleaved.json
     python scripts/bench_train.py --sizes tiny 400m --configs zero2 zero3 --steps 60 10 --repeats 3 --threads 1 \
         --out runs/bench/train.json
 
@@ -11,6 +13,12 @@ the resolved values are identical). ``--threads N`` gives both paths N torch thr
 extension's own cost; without it each path places threads its own way (hf-ext: cores ÷ local ranks, stock:
 accelerate's default), which is measured by scripts/bench_launchers.py. ``--release_freed_memory`` is passed to
 hf-ext's TrainingArguments (by default off in these runs: it is on only when the memory planner plans the run).
+
+``--interleave`` runs each size and config as ONE launch of scripts/throughput_worker.py in which the two paths take
+turns (stock, hf-ext, hf-ext, stock, …; ``2 × --repeats`` segments of ``--steps`` steps). Each segment builds its own
+TrainingArguments, model, Trainer and engine and drops them after. Pairs of adjacent segments are a minute or two
+apart instead of a launch apart, and share the launch's process placement, so the machine's drift cancels better.
+Both paths then share one thread count (``--threads``, by default hf-ext's rule: cores ÷ local ranks).
 
 Reported per launch, from rank 0: steady-state samples/s (global batch × steps ÷ time from the end of step
 ``--warmup`` to the end of the last step: engine start-up and the first steps excluded), the time to build
@@ -34,12 +42,13 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "scripts"), str(ROOT)]
 
-from bench_memory import launch  # noqa: E402  (the same 2-rank launcher as the memory benchmark)
+from bench_memory import launch, launch_worker  # noqa: E402  (the same 2-rank launcher as the memory benchmark)
 
 from hf_ext.deepspeed_config import load_deepspeed_config  # noqa: E402
 from hf_ext.runtime import usable_cores  # noqa: E402  (hf-ext's own thread rule: cores ÷ local ranks)
 
 SECTION = "## Training throughput"
+INTERLEAVED_WORKER = ROOT / "scripts" / "throughput_worker.py"
 
 
 def steady_samples_per_second(rank0: dict, warmup: int) -> float:
@@ -57,6 +66,16 @@ def per_step_usage(rank0: dict, warmup: int) -> dict:
         name: (usage[-1][i] - usage[0][i]) / steps
         for i, name in enumerate(("user_s_per_step", "system_s_per_step", "page_faults_per_step"))
     }
+
+
+def measured_row(size: str, config: str, path: str, repeat: int, rank0: dict, parameters: int, args) -> dict:
+    """One training run (a launch, or a segment of an interleaved launch) as a row of the report."""
+    return {
+        "size": size, "config": config, "path": path, "repeat": repeat, "parameters": parameters,
+        "samples_per_s": steady_samples_per_second(rank0, args.warmup),
+        "args_s": rank0["args_seconds"], "engine_start_s": rank0["engine_start_seconds"],
+        "final_loss": rank0["final_loss"], "zero_stage": rank0["zero_stage"], **per_step_usage(rank0, args.warmup),
+    }  # fmt: skip
 
 
 def ensure_model(size: str) -> Path:
@@ -153,8 +172,16 @@ def main(argv: list[str] | None = None) -> dict:
         "--release_freed_memory", default="auto", choices=["auto", "on", "off"],
         help="hf-ext's TrainingArguments.release_freed_memory (auto, the default: off here, no plan is made)",
     )  # fmt: skip
+    parser.add_argument(
+        "--interleave", action="store_true",
+        help="one launch per size and config, stock and hf-ext taking turns inside it (2 × --repeats segments)",
+    )  # fmt: skip
     parser.add_argument("--out", default="runs/bench/train.json")
     args = parser.parse_args(argv)
+    if args.interleave and not args.threads:
+        args.threads = max(1, usable_cores() // 2)  # one process runs both paths: one thread count, hf-ext's rule
+    if args.interleave and args.release_freed_memory == "on":
+        parser.error("--interleave runs stock in the same processes: glibc's release setting would apply to it too")
     env_extra = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else None
     steps = dict(zip(args.sizes, args.steps + args.steps[-1:] * len(args.sizes)))
 
@@ -165,11 +192,30 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for size in args.sizes:
         model = ensure_model(size)
+        parameters = sum_parameters(model)
         opts = SimpleNamespace(batch=args.batch, seq_len=args.seq_len, steps=steps[size])
         for config in args.configs:
             # both paths get the preset's JSON file: the same config (hf-ext adapts presets given by name to the host)
             config_file = work.parent / f"{work.name}_{config}.json"
             config_file.write_text(json.dumps(load_deepspeed_config(config), indent=1))
+            if args.interleave:  # one launch, the paths taking turns segment by segment
+                started = time.time()
+                out_base = Path(f"{work}_{size}_{config}_interleaved")
+                result = launch_worker(
+                    INTERLEAVED_WORKER,
+                    ["--model", str(model), "--config", str(config_file), "--out", str(out_base),
+                     "--batch", str(args.batch), "--seq_len", str(args.seq_len), "--steps", str(steps[size]),
+                     "--segments", str(2 * args.repeats)],
+                    out_base, env_extra,
+                )  # fmt: skip
+                if isinstance(result, str):
+                    raise SystemExit(f"{size} {config} interleaved: {result}")
+                wall = round(time.time() - started, 1)
+                for seg in next(r for r in result if r["rank"] == 0)["segments"]:
+                    rows.append(measured_row(size, config, seg["path"], seg["segment"] // 2, seg, parameters, args))
+                    rows[-1].update(segment=seg["segment"], launch_wall_s=wall, rss_after_bytes=seg["rss_after_bytes"])
+                    print(json.dumps(rows[-1]), flush=True)
+                continue
             for repeat in range(args.repeats):
                 for path in ("stock", "hf-ext") if repeat % 2 == 0 else ("hf-ext", "stock"):
                     started = time.time()
@@ -180,15 +226,11 @@ def main(argv: list[str] | None = None) -> dict:
                     if isinstance(result, str):
                         raise SystemExit(f"{size} {config} {path}: {result}")
                     rank0 = next(r for r in result if r["rank"] == 0)
-                    row = {
-                        "size": size, "config": config, "path": path, "repeat": repeat,
-                        "parameters": sum_parameters(model),
-                        "samples_per_s": steady_samples_per_second(rank0, args.warmup),
-                        "args_s": rank0["args_seconds"], "engine_start_s": rank0["engine_start_seconds"],
-                        "final_loss": rank0["final_loss"], "zero_stage": rank0["zero_stage"],
-                        "wall_s": round(time.time() - started, 1), **per_step_usage(rank0, args.warmup),
-                        "released_freed_memory": rank0.get("released_freed_memory"),
-                    }  # fmt: skip
+                    row = measured_row(size, config, path, repeat, rank0, parameters, args)
+                    row.update(
+                        wall_s=round(time.time() - started, 1),
+                        released_freed_memory=rank0.get("released_freed_memory"),
+                    )
                     print(json.dumps(row), flush=True)
                     rows.append(row)
     summary = summarize(rows)
@@ -197,7 +239,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = {
         "command": "python scripts/bench_train.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "batch": args.batch, "seq_len": args.seq_len, "steps": steps, "warmup": args.warmup,
-        "repeats": args.repeats, "world_size": 2, "release_freed_memory": args.release_freed_memory,
+        "repeats": args.repeats, "interleaved": args.interleave, "world_size": 2, "release_freed_memory": args.release_freed_memory,
         "torch_threads_per_rank": args.threads or {"hf-ext": max(1, usable_cores() // 2), "stock": "accelerate's default"},
         "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
         "load_average_before": load_before, "load_average_after": os.getloadavg(),

@@ -78,27 +78,12 @@ class PhaseRecorder(transformers.TrainerCallback):
         self._mark(f"step{state.global_step}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--config", default="zero2", help="ddp, or a DeepSpeed preset name / JSON path")
-    parser.add_argument("--path", default="hf-ext", choices=["hf-ext", "stock"])
-    parser.add_argument("--batch", default="2", help="per-device micro-batch, or auto")
-    parser.add_argument("--seq_len", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--activation_checkpointing", action="store_true")
-    parser.add_argument("--memory_per_device", default=None)
-    parser.add_argument(
-        "--release_freed_memory", default="auto", choices=["auto", "on", "off"],
-        help="hf-ext's TrainingArguments.release_freed_memory (auto: on when the planner plans the run)",
-    )  # fmt: skip
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--local_rank", type=int, default=-1)
-    opts = parser.parse_args()
-
+def build_arguments(opts, path: str, output_dir: str):
+    """TrainingArguments and Trainer class of ``path`` (stock or hf-ext) for ``opts``, with DeepSpeed's comm started;
+    and the seconds that took (hf-ext resolves its DeepSpeed config and starts the comm inside TrainingArguments)."""
     batch = opts.batch if opts.batch == "auto" else int(opts.batch)
     common = dict(
-        output_dir=opts.out + ".run",
+        output_dir=output_dir,
         per_device_train_batch_size=batch,
         max_steps=opts.steps,
         learning_rate=1e-4,
@@ -111,7 +96,7 @@ def main() -> None:
     )
     deepspeed = None if opts.config == "ddp" else opts.config
     args_started = time.perf_counter()
-    if opts.path == "stock":
+    if path == "stock":
         if deepspeed is not None:
             deepspeed = load_deepspeed_config(deepspeed)  # the preset's JSON, "auto"s left to transformers
         args = transformers.TrainingArguments(use_cpu=not torch.cuda.is_available(), deepspeed=deepspeed, **common)
@@ -131,8 +116,28 @@ def main() -> None:
         import deepspeed as ds
 
         ds.init_distributed(dist_backend="gloo" if args.device.type == "cpu" else None)
-    # TrainingArguments + DeepSpeed's comm start (hf-ext starts it inside TrainingArguments, with config resolution)
-    args_seconds = time.perf_counter() - args_started
+    return args, trainer_class, time.perf_counter() - args_started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--config", default="zero2", help="ddp, or a DeepSpeed preset name / JSON path")
+    parser.add_argument("--path", default="hf-ext", choices=["hf-ext", "stock"])
+    parser.add_argument("--batch", default="2", help="per-device micro-batch, or auto")
+    parser.add_argument("--seq_len", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--activation_checkpointing", action="store_true")
+    parser.add_argument("--memory_per_device", default=None)
+    parser.add_argument(
+        "--release_freed_memory", default="auto", choices=["auto", "on", "off"],
+        help="hf-ext's TrainingArguments.release_freed_memory (auto: on when the planner plans the run)",
+    )  # fmt: skip
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--local_rank", type=int, default=-1)
+    opts = parser.parse_args()
+
+    args, trainer_class, args_seconds = build_arguments(opts, opts.path, opts.out + ".run")
     startup_peak, baseline = peak_rss(), current_rss()
     reset_peak_rss()
 

@@ -1,0 +1,98 @@
+"""Stock and hf-ext training, taking turns inside one 2-rank launch (used by scripts/bench_train.py --interleave).
+
+    OMP_NUM_THREADS=1 deepspeed --num_gpus 2 scripts/throughput_worker.py --model DIR --config ds.json \
+        --segments 8 --steps 5 --out result
+
+The launch trains ``--segments`` times, ``--steps`` optimizer steps each, alternating the path in the order
+stock, hf-ext, hf-ext, stock, … (so a slow or fast stretch of the machine, and anything the process learns from an
+earlier segment, falls on both paths alike). Every segment starts from nothing: its own TrainingArguments (stock's
+with the JSON's "auto"s left to transformers, or hf-ext's, which resolves them), a freshly loaded model, its own
+Trainer and DeepSpeed engine, all dropped before the next segment. Between launches the same path's throughput moves
+5-10% on a shared host; segments a minute apart share the launch's placement and most of its background load.
+
+Each rank writes ``OUT.rank<N>.json`` with one entry per segment: path, step end times (from ``train()``), CPU
+usage per step, the time to build TrainingArguments, the engine start-up time, the final loss, the ZeRO stage the
+engine ran with, and the resident set after the segment was torn down (it must not grow segment by segment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+
+import transformers
+from memory_worker import StepTimer, build_arguments, synthetic_dataset
+from transformers import AutoModelForSeq2SeqLM, default_data_collator
+
+import hf_ext
+from hf_ext.memory import current_rss
+
+ORDER = ("stock", "hf-ext", "hf-ext", "stock")
+
+
+def segment(opts, path: str, index: int) -> tuple[dict, int]:
+    args, trainer_class, args_seconds = build_arguments(opts, path, f"{opts.out}.run/{index}")
+    transformers.set_seed(0)
+    model = AutoModelForSeq2SeqLM.from_pretrained(opts.model)
+    rows = max(64, args.per_device_train_batch_size * args.world_size * opts.steps)
+    trainer = trainer_class(
+        model=model,
+        args=args,
+        train_dataset=synthetic_dataset(rows, model.config.vocab_size, opts.seq_len),
+        data_collator=default_data_collator,
+    )
+    timer = StepTimer()
+    trainer.add_callback(timer)
+    train_called = time.perf_counter()
+    trainer.train()
+    engine_config = args.hf_deepspeed_config.config
+    result = {
+        "segment": index,
+        "path": path,
+        "args_seconds": args_seconds,
+        "engine_start_seconds": timer.train_begin - train_called,
+        "step_end_times": [t - train_called for t in timer.step_ends],
+        "step_usage": timer.step_usage,
+        "final_loss": next(e["loss"] for e in reversed(trainer.state.log_history) if "loss" in e),
+        "zero_stage": engine_config["zero_optimization"]["stage"],
+        "train_batch_size": engine_config["train_batch_size"],
+        "global_batch": args.per_device_train_batch_size * args.world_size * args.gradient_accumulation_steps,
+    }
+    # drop everything the segment built, as transformers does between hyper-parameter search trials
+    trainer.accelerator.free_memory()
+    del trainer, model
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    gc.collect()
+    result["rss_after_bytes"] = current_rss()
+    return result, args.process_index
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--config", required=True, help="a DeepSpeed JSON path (both paths get the same file)")
+    parser.add_argument("--batch", type=int, default=4, help="per-device micro-batch")
+    parser.add_argument("--seq_len", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=5, help="optimizer steps per segment")
+    parser.add_argument("--segments", type=int, default=4, help="a multiple of 4 gives each path each position alike")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--local_rank", type=int, default=-1)
+    opts = parser.parse_args()
+    # what build_arguments reads for hf-ext (no memory plan, no activation checkpointing, glibc left alone)
+    opts.activation_checkpointing, opts.memory_per_device, opts.release_freed_memory = False, None, "off"
+
+    results, rank = [], 0
+    for index in range(opts.segments):
+        result, rank = segment(opts, ORDER[index % len(ORDER)], index)
+        results.append(result)
+    with open(f"{opts.out}.rank{rank}.json", "w") as f:
+        json.dump({"rank": rank, "segments": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
+    hf_ext.end_distributed()
