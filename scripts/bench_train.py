@@ -18,7 +18,9 @@ hf-ext's TrainingArguments (by default off in these runs: it is on only when the
 turns (stock, hf-ext, hf-ext, stock, …; ``2 × --repeats`` segments of ``--steps`` steps). Each segment builds its own
 TrainingArguments, model, Trainer and engine and drops them after. Pairs of adjacent segments are a minute or two
 apart instead of a launch apart, and share the launch's process placement, so the machine's drift cancels better.
-Both paths then share one thread count (``--threads``, by default hf-ext's rule: cores ÷ local ranks).
+Both paths then share one thread count (``--threads``, by default hf-ext's rule: cores ÷ local ranks). ZeRO-3
+configs still alternate launches: a dropped ZeRO-3 engine does not hand its partitions back, so each segment would
+add a whole model and optimizer to the process (3 MiB per segment on the tiny model, out of memory at 400M).
 
 Reported per launch, from rank 0: steady-state samples/s (global batch × steps ÷ time from the end of step
 ``--warmup`` to the end of the last step: engine start-up and the first steps excluded), the time to build
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -114,6 +117,23 @@ def resolution_ms(model_dir: Path, config: str, repeats: int = 20) -> dict:
     return {"first_ms": times[0], "median_ms": statistics.median(times[1:]), "max_ms": max(times[1:])}
 
 
+# Student's t, two-sided 95%, by degrees of freedom (1.96 past the table)
+T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 11: 2.20, 12: 2.18,
+       13: 2.16, 14: 2.14, 15: 2.13, 16: 2.12, 17: 2.11, 18: 2.10, 19: 2.09, 20: 2.09, 25: 2.06, 30: 2.04}  # fmt: skip
+
+
+def geometric_mean_interval(ratios: list[float]) -> tuple[float, float, float]:
+    """Geometric mean of per-pair ratios and its 95% interval (t interval on the log ratios)."""
+    logs = [math.log(r) for r in ratios]
+    mean = statistics.fmean(logs)
+    if len(logs) < 2:
+        return math.exp(mean), float("nan"), float("nan")
+    df = len(logs) - 1
+    t = T95[max(k for k in T95 if k <= df)] if df <= 30 else 1.96  # the next smaller table entry: a wider interval
+    half = t * statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
 def summarize(rows: list[dict]) -> list[dict]:
     out = []
     for key in dict.fromkeys((r["size"], r["config"]) for r in rows):
@@ -131,21 +151,26 @@ def summarize(rows: list[dict]) -> list[dict]:
             "per_launch_ratios": [h["samples_per_s"] / s["samples_per_s"]
                                   for s, h in zip(group["stock"], group["hf-ext"])],
         })  # fmt: skip
+        out[-1]["pairs_of"] = "segments" if "segment" in group["stock"][0] else "launches"
+        out[-1]["geomean_ratio"], *out[-1]["ratio_ci95"] = geometric_mean_interval(out[-1]["per_launch_ratios"])
     return out
 
 
 def table(summary: list[dict]) -> str:
     lines = [
-        "| model | config | stock samples/s | hf-ext samples/s | hf-ext ÷ stock | per-launch ratios "
+        "| model | config | pairs of | stock samples/s | hf-ext samples/s | hf-ext ÷ stock | per-pair ratios "
+        "| geometric mean (95% interval) "
         "| TrainingArguments s (stock / hf-ext) | engine start s (stock / hf-ext) | hf-ext resolution ms "
         "| system s / step (stock / hf-ext) | page faults / step (stock / hf-ext) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summary:
         lines.append(
-            f"| {s['size']} ({s['parameters'] / 1e6:.1f}M) | {s['config']} | {s['stock']['samples_per_s']:.2f} "
+            f"| {s['size']} ({s['parameters'] / 1e6:.1f}M) | {s['config']} | {s['pairs_of']} "
+            f"| {s['stock']['samples_per_s']:.2f} "
             f"| {s['hf-ext']['samples_per_s']:.2f} | **{s['ratio']:.3f}** "
             f"| {', '.join(f'{r:.3f}' for r in s['per_launch_ratios'])} "
+            f"| {s['geomean_ratio']:.3f} ({s['ratio_ci95'][0]:.3f}–{s['ratio_ci95'][1]:.3f}) "
             f"| {s['stock']['args_s']:.2f} / {s['hf-ext']['args_s']:.2f} "
             f"| {s['stock']['engine_start_s']:.1f} / {s['hf-ext']['engine_start_s']:.1f} "
             f"| {s['resolution']['median_ms']:.1f} "
@@ -198,7 +223,9 @@ def main(argv: list[str] | None = None) -> dict:
             # both paths get the preset's JSON file: the same config (hf-ext adapts presets given by name to the host)
             config_file = work.parent / f"{work.name}_{config}.json"
             config_file.write_text(json.dumps(load_deepspeed_config(config), indent=1))
-            if args.interleave:  # one launch, the paths taking turns segment by segment
+            # one launch, the paths taking turns; not for ZeRO-3, whose dropped engines keep their partitions
+            # (the resident set grows by a whole model per segment: out of memory at the 400M shape)
+            if args.interleave and load_deepspeed_config(config)["zero_optimization"]["stage"] < 3:
                 started = time.time()
                 out_base = Path(f"{work}_{size}_{config}_interleaved")
                 result = launch_worker(
