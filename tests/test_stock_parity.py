@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT, launcher_cmd, run
+from .conftest import ROOT, launch_env, launcher_cmd, run
 
 WORKER = ROOT / "scripts" / "throughput_worker.py"
 
@@ -60,3 +60,18 @@ def test_hf_ext_logs_the_true_loss_where_stock_logs_it_world_size_times(interlea
         stock = next(s for s in segments if s["path"] == "stock")["final_loss"]
         ours = next(s for s in segments if s["path"] == "hf-ext")["final_loss"]
         assert stock == pytest.approx(2 * ours, rel=2e-3)
+
+
+def test_zero3_is_refused_with_the_reason(tmp_path):
+    """Dropped ZeRO-3 engines keep their partitions: taking turns would grow the process segment by segment."""
+    import subprocess
+    import sys
+
+    from hf_ext.deepspeed_config import load_deepspeed_config
+
+    config = tmp_path / "zero3.json"
+    config.write_text(json.dumps(load_deepspeed_config("zero3")))
+    cmd = [sys.executable, str(WORKER), "--model", "unused", "--config", str(config), "--out", str(tmp_path / "x")]
+    proc = subprocess.run(cmd, cwd=ROOT / "scripts", capture_output=True, text=True, env=launch_env())
+    assert proc.returncode == 2
+    assert "ZeRO-3 cannot take turns" in proc.stderr and "Traceback" not in proc.stderr
