@@ -1,6 +1,6 @@
 """Training throughput of hf_ext.Trainer vs the stock transformers.Trainer: the extension must cost nothing.
 
-    python scripts/bench_train.py --sizes tiny 400m --configs zero2 zero3 --steps 40 5 --repeats 6 --interleave \
+    python scripts/bench_train.py --sizes tiny 400m --configs zero2 zero3 --steps 60 5 --repeats 6 --interleave \
         --out runs/bench/train_interleaved.json
     python scripts/bench_train.py --sizes tiny 400m --configs zero2 zero3 --steps 60 10 --repeats 3 --threads 1 \
         --out runs/bench/train.json
@@ -17,7 +17,8 @@ hf-ext's TrainingArguments (by default off in these runs: it is on only when the
 ``--interleave`` runs each size and config as ONE launch of scripts/throughput_worker.py in which the two paths take
 turns (stock, hf-ext, hf-ext, stock, …; ``2 × --repeats`` segments of ``--steps`` steps). Each segment builds its own
 TrainingArguments, model, Trainer and engine and drops them after. Pairs of adjacent segments are a minute or two
-apart instead of a launch apart, and share the launch's process placement, so the machine's drift cancels better.
+apart instead of a launch apart, and share the launch's process placement. On the 2-core test host this did not
+narrow the 400M interval: its speed drifts within a minute (docs/benchmarks.md, "Both paths inside one launch").
 Both paths then share one thread count (``--threads``, by default hf-ext's rule: cores ÷ local ranks). ZeRO-3
 configs still alternate launches: a dropped ZeRO-3 engine does not hand its partitions back, so each segment would
 add a whole model and optimizer to the process (3 MiB per segment on the tiny model, out of memory at 400M).

@@ -8,7 +8,7 @@ stock, hf-ext, hf-ext, stock, … (so a slow or fast stretch of the machine, and
 earlier segment, falls on both paths alike). Every segment starts from nothing: its own TrainingArguments (stock's
 with the JSON's "auto"s left to transformers, or hf-ext's, which resolves them), a freshly loaded model, its own
 Trainer and DeepSpeed engine, all dropped before the next segment. Between launches the same path's throughput moves
-5-10% on a shared host; segments a minute apart share the launch's placement and most of its background load.
+5-10% on a shared host; segments a minute apart share the launch's placement (though not a host's faster drift).
 
 Each rank writes ``OUT.rank<N>.json`` with one entry per segment: path, step end times (from ``train()``), CPU
 usage per step, the time to build TrainingArguments, the engine start-up time, the final loss, the ZeRO stage the
