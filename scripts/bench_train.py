@@ -19,9 +19,7 @@ turns (stock, hf-ext, hf-ext, stock, …; ``2 × --repeats`` segments of ``--ste
 TrainingArguments, model, Trainer and engine and drops them after. Pairs of adjacent segments are a minute or two
 apart instead of a launch apart, and share the launch's process placement. On the 2-core test host this did not
 narrow the 400M interval: its speed drifts within a minute (docs/benchmarks.md, "Both paths inside one launch").
-Both paths then share one thread count (``--threads``, by default hf-ext's rule: cores ÷ local ranks). ZeRO-3
-configs still alternate launches: a dropped ZeRO-3 engine does not hand its partitions back, so each segment would
-add a whole model and optimizer to the process (3 MiB per segment on the tiny model, out of memory at 400M).
+Both paths then share one thread count (``--threads``, by default hf-ext's rule: cores ÷ local ranks).
 
 Reported per launch, from rank 0: steady-state samples/s (global batch × steps ÷ time from the end of step
 ``--warmup`` to the end of the last step: engine start-up and the first steps excluded), the time to build
@@ -224,9 +222,7 @@ def main(argv: list[str] | None = None) -> dict:
             # both paths get the preset's JSON file: the same config (hf-ext adapts presets given by name to the host)
             config_file = work.parent / f"{work.name}_{config}.json"
             config_file.write_text(json.dumps(load_deepspeed_config(config), indent=1))
-            # one launch, the paths taking turns; not for ZeRO-3, whose dropped engines keep their partitions
-            # (the resident set grows by a whole model per segment: out of memory at the 400M shape)
-            if args.interleave and load_deepspeed_config(config)["zero_optimization"]["stage"] < 3:
+            if args.interleave:  # one launch, the paths taking turns segment by segment
                 started = time.time()
                 out_base = Path(f"{work}_{size}_{config}_interleaved")
                 result = launch_worker(

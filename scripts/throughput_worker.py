@@ -12,9 +12,9 @@ Trainer and DeepSpeed engine, all dropped before the next segment. Between launc
 
 Each rank writes ``OUT.rank<N>.json`` with one entry per segment: path, step end times (from ``train()``), CPU
 usage per step, the time to build TrainingArguments, the engine start-up time, the final loss, the ZeRO stage the
-engine ran with, and the resident set after the segment was torn down (it must not grow segment by segment).
-ZeRO-3 configs are refused: a dropped ZeRO-3 engine does not hand its partitions back, so the process grows by a
-model and its optimizer per segment.
+engine ran with, and after the segment was torn down the resident set (it must not grow segment by segment) and
+the number of DeepSpeed engines still alive (it must not grow either).
+Under ZeRO-3 that needs ``release_zero3_globals``: without it every dropped engine stays alive, with its partitions.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import json
 import time
 
 import transformers
+from deepspeed import DeepSpeedEngine
 from memory_worker import StepTimer, build_arguments, synthetic_dataset
 from transformers import AutoModelForSeq2SeqLM, default_data_collator
 
@@ -32,6 +33,21 @@ import hf_ext
 from hf_ext.memory import current_rss
 
 ORDER = ("stock", "hf-ext", "hf-ext", "stock")
+
+
+def release_zero3_globals() -> None:
+    """Drop what DeepSpeed's ZeRO-3 keeps at module and class level after its engine is gone: the module stack of
+    the forward hooks (the last model stays on it) and a method-level ``lru_cache`` of the parameter coordinator
+    (keyed by the coordinator and the submodules). Left alone, each engine and its partitions stay alive."""
+    from deepspeed.runtime.zero import parameter_offload
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+    parameter_offload.FWD_MODULE_STACK.clear()
+    cached = vars(PartitionedParameterCoordinator)["_PartitionedParameterCoordinator__params_to_release"]
+    # the cache sits under DeepSpeed's nvtx wrapper, which keeps it in its closure
+    for candidate in (cached, *(cell.cell_contents for cell in cached.__closure__ or ())):
+        if hasattr(candidate, "cache_clear"):
+            candidate.cache_clear()
 
 
 def segment(opts, path: str, index: int) -> tuple[dict, int]:
@@ -63,13 +79,18 @@ def segment(opts, path: str, index: int) -> tuple[dict, int]:
         "global_batch": args.per_device_train_batch_size * args.world_size * args.gradient_accumulation_steps,
     }
     # drop everything the segment built, as transformers does between hyper-parameter search trials
+    engine = getattr(trainer, "deepspeed", None)
+    if engine is not None:
+        engine.destroy()  # DeepSpeed's own release (ZeRO-3's hooks)
     trainer.accelerator.free_memory()
     del trainer, model
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     unset_hf_deepspeed_config()
+    release_zero3_globals()
     gc.collect()
     result["rss_after_bytes"] = current_rss()
+    result["engines_alive"] = sum(isinstance(o, DeepSpeedEngine) for o in gc.get_objects())
     return result, args.process_index
 
 
@@ -84,11 +105,6 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--local_rank", type=int, default=-1)
     opts = parser.parse_args()
-    from hf_ext.deepspeed_config import load_deepspeed_config
-
-    if load_deepspeed_config(opts.config).get("zero_optimization", {}).get("stage", 0) >= 3:
-        # measured: +3 MiB per segment on the tiny model, out of memory in the second segment at 400M
-        parser.error("ZeRO-3 cannot take turns in one process: a dropped ZeRO-3 engine keeps its partitions")
     # what build_arguments reads for hf-ext (no memory plan, no activation checkpointing, glibc left alone)
     opts.activation_checkpointing, opts.memory_per_device, opts.release_freed_memory = False, None, "off"
 

@@ -12,18 +12,19 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT, launch_env, launcher_cmd, run
+from .conftest import ROOT, launcher_cmd, run
 
 WORKER = ROOT / "scripts" / "throughput_worker.py"
 
 
-@pytest.fixture(scope="module")
-def interleaved(tmp_path_factory, tiny_model_dir) -> list[dict]:
+@pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
+def interleaved(request, tmp_path_factory, tiny_model_dir) -> list[dict]:
     from hf_ext.deepspeed_config import load_deepspeed_config
 
     work = tmp_path_factory.mktemp("interleaved")
-    config = work / "zero2.json"
-    config.write_text(json.dumps(load_deepspeed_config("zero2")))  # stock fills its "auto"s, hf-ext resolves them
+    config = work / f"zero{request.param}.json"
+    # the preset's JSON: stock fills its "auto"s, hf-ext resolves them
+    config.write_text(json.dumps(load_deepspeed_config(f"zero{request.param}")))
     out = work / "run"
     cmd = launcher_cmd("deepspeed", WORKER) + ["--model", str(tiny_model_dir), "--config", str(config)]
     run(cmd + ["--out", str(out), "--batch", "2", "--steps", "6", "--segments", "4"], OMP_NUM_THREADS=1)
@@ -39,7 +40,9 @@ def test_segments_take_turns_and_start_from_nothing(interleaved):
             # a segment run after the other path's gives the same result: nothing carries over
             assert again["final_loss"] == pytest.approx(first["final_loss"], rel=1e-6)
             assert len(again["step_end_times"]) == len(first["step_end_times"]) == 6
-        # memory is handed back between segments: the resident set after each one stays where it was
+        # dropped engines do not pile up (under ZeRO-3 only with release_zero3_globals): at most the last one is
+        # still referenced after its segment, and the resident set after each segment stays where it was
+        assert [s["engines_alive"] for s in segments] in ([0] * 4, [1] * 4)
         rss = [s["rss_after_bytes"] for s in segments]
         assert max(rss) - rss[0] < 64 * 2**20, [r / 2**20 for r in rss]
 
@@ -48,7 +51,8 @@ def test_segments_take_turns_and_start_from_nothing(interleaved):
 def test_both_paths_run_the_same_engine(interleaved):
     for segments in interleaved:
         stages = {(s["path"], s["zero_stage"], s["train_batch_size"]) for s in segments}
-        assert stages == {("stock", 2, 2 * 2), ("hf-ext", 2, 2 * 2)}
+        stage = segments[0]["zero_stage"]
+        assert stage in (2, 3) and stages == {("stock", stage, 2 * 2), ("hf-ext", stage, 2 * 2)}
 
 
 @pytest.mark.distributed
@@ -60,18 +64,3 @@ def test_hf_ext_logs_the_true_loss_where_stock_logs_it_world_size_times(interlea
         stock = next(s for s in segments if s["path"] == "stock")["final_loss"]
         ours = next(s for s in segments if s["path"] == "hf-ext")["final_loss"]
         assert stock == pytest.approx(2 * ours, rel=2e-3)
-
-
-def test_zero3_is_refused_with_the_reason(tmp_path):
-    """Dropped ZeRO-3 engines keep their partitions: taking turns would grow the process segment by segment."""
-    import subprocess
-    import sys
-
-    from hf_ext.deepspeed_config import load_deepspeed_config
-
-    config = tmp_path / "zero3.json"
-    config.write_text(json.dumps(load_deepspeed_config("zero3")))
-    cmd = [sys.executable, str(WORKER), "--model", "unused", "--config", str(config), "--out", str(tmp_path / "x")]
-    proc = subprocess.run(cmd, cwd=ROOT / "scripts", capture_output=True, text=True, env=launch_env())
-    assert proc.returncode == 2
-    assert "ZeRO-3 cannot take turns" in proc.stderr and "Traceback" not in proc.stderr
