@@ -119,6 +119,25 @@ def build_arguments(opts, path: str, output_dir: str):
     return args, trainer_class, time.perf_counter() - args_started
 
 
+def build_trainer(opts, args, trainer_class, *callbacks):
+    """A ``trainer_class`` with ``callbacks`` on the seeded model from ``opts.model`` and synthetic rows; and the
+    peak RSS once the model was loaded."""
+    transformers.set_seed(0)
+    model = AutoModelForSeq2SeqLM.from_pretrained(opts.model)
+    after_load = peak_rss()
+    # enough rows that every step gets full micro-batches on every rank (large micro-batches in bench_max_batch)
+    rows = max(64, int(args.per_device_train_batch_size) * args.world_size * opts.steps)
+    trainer = trainer_class(
+        model=model,
+        args=args,
+        train_dataset=synthetic_dataset(rows, model.config.vocab_size, opts.seq_len),
+        data_collator=default_data_collator,
+    )
+    for callback in callbacks:
+        trainer.add_callback(callback)
+    return trainer, after_load
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
@@ -141,20 +160,8 @@ def main() -> None:
     startup_peak, baseline = peak_rss(), current_rss()
     reset_peak_rss()
 
-    transformers.set_seed(0)
-    model = AutoModelForSeq2SeqLM.from_pretrained(opts.model)
-    # enough rows that every step gets full micro-batches on every rank (large micro-batches in bench_max_batch)
-    rows = max(64, int(args.per_device_train_batch_size) * args.world_size * opts.steps)
-    after_load = peak_rss()
-    trainer = trainer_class(
-        model=model,
-        args=args,
-        train_dataset=synthetic_dataset(rows, model.config.vocab_size, opts.seq_len),
-        data_collator=default_data_collator,
-    )
     phases, timer = PhaseRecorder(), StepTimer()
-    trainer.add_callback(phases)
-    trainer.add_callback(timer)
+    trainer, after_load = build_trainer(opts, args, trainer_class, phases, timer)
     train_called = time.perf_counter()
     trainer.train()
     peak = peak_rss()

@@ -24,10 +24,8 @@ import gc
 import json
 import time
 
-import transformers
 from deepspeed import DeepSpeedEngine
-from memory_worker import StepTimer, build_arguments, synthetic_dataset
-from transformers import AutoModelForSeq2SeqLM, default_data_collator
+from memory_worker import StepTimer, build_arguments, build_trainer
 
 import hf_ext
 from hf_ext.memory import current_rss
@@ -52,17 +50,8 @@ def release_zero3_globals() -> None:
 
 def segment(opts, path: str, index: int) -> tuple[dict, int]:
     args, trainer_class, args_seconds = build_arguments(opts, path, f"{opts.out}.run/{index}")
-    transformers.set_seed(0)
-    model = AutoModelForSeq2SeqLM.from_pretrained(opts.model)
-    rows = max(64, args.per_device_train_batch_size * args.world_size * opts.steps)
-    trainer = trainer_class(
-        model=model,
-        args=args,
-        train_dataset=synthetic_dataset(rows, model.config.vocab_size, opts.seq_len),
-        data_collator=default_data_collator,
-    )
     timer = StepTimer()
-    trainer.add_callback(timer)
+    trainer, _ = build_trainer(opts, args, trainer_class, timer)
     train_called = time.perf_counter()
     trainer.train()
     engine_config = args.hf_deepspeed_config.config
@@ -83,7 +72,7 @@ def segment(opts, path: str, index: int) -> tuple[dict, int]:
     if engine is not None:
         engine.destroy()  # DeepSpeed's own release (ZeRO-3's hooks)
     trainer.accelerator.free_memory()
-    del trainer, model
+    del trainer
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     unset_hf_deepspeed_config()
