@@ -74,7 +74,7 @@ def measured_row(size: str, config: str, path: str, repeat: int, rank0: dict, pa
     """One training run (a launch, or a segment of an interleaved launch) as a row of the report."""
     return {
         "size": size, "config": config, "path": path, "repeat": repeat, "parameters": parameters,
-        "samples_per_s": steady_samples_per_second(rank0, args.warmup),
+        "samples_per_s": steady_samples_per_second(rank0, args.warmup), "global_batch": rank0["global_batch"],
         "args_s": rank0["args_seconds"], "engine_start_s": rank0["engine_start_seconds"],
         "final_loss": rank0["final_loss"], "zero_stage": rank0["zero_stage"], **per_step_usage(rank0, args.warmup),
     }  # fmt: skip
@@ -152,6 +152,11 @@ def summarize(rows: list[dict]) -> list[dict]:
         })  # fmt: skip
         out[-1]["pairs_of"] = "segments" if "segment" in group["stock"][0] else "launches"
         out[-1]["geomean_ratio"], *out[-1]["ratio_ci95"] = geometric_mean_interval(out[-1]["per_launch_ratios"])
+        hooks = [r["hf_ext_hook_us_per_step"] for r in group["hf-ext"] if "hf_ext_hook_us_per_step" in r]
+        if hooks:  # hf-ext's own callbacks, per step, and their share of a step (at hf-ext's median throughput)
+            step_us = 1e6 * group["hf-ext"][0]["global_batch"] / med["hf-ext"]["samples_per_s"]
+            out[-1]["hf_ext_hook_us_per_step"] = statistics.median(hooks)
+            out[-1]["hf_ext_hook_share_of_step"] = statistics.median(hooks) / step_us
     return out
 
 
@@ -160,10 +165,14 @@ def table(summary: list[dict]) -> str:
         "| model | config | pairs of | stock samples/s | hf-ext samples/s | hf-ext ÷ stock | per-pair ratios "
         "| geometric mean (95% interval) "
         "| TrainingArguments s (stock / hf-ext) | engine start s (stock / hf-ext) | hf-ext resolution ms "
-        "| system s / step (stock / hf-ext) | page faults / step (stock / hf-ext) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| system s / step (stock / hf-ext) | page faults / step (stock / hf-ext) "
+        "| hf-ext callbacks µs / step (share of a step) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summary:
+        hooks = "–"  # timed in interleaved runs only
+        if "hf_ext_hook_us_per_step" in s:
+            hooks = f"{s['hf_ext_hook_us_per_step']:.0f} ({s['hf_ext_hook_share_of_step']:.1e})"
         lines.append(
             f"| {s['size']} ({s['parameters'] / 1e6:.1f}M) | {s['config']} | {s['pairs_of']} "
             f"| {s['stock']['samples_per_s']:.2f} "
@@ -174,7 +183,8 @@ def table(summary: list[dict]) -> str:
             f"| {s['stock']['engine_start_s']:.1f} / {s['hf-ext']['engine_start_s']:.1f} "
             f"| {s['resolution']['median_ms']:.1f} "
             f"| {s['stock']['system_s_per_step']:.2f} / {s['hf-ext']['system_s_per_step']:.2f} "
-            f"| {s['stock']['page_faults_per_step']:,.0f} / {s['hf-ext']['page_faults_per_step']:,.0f} |"
+            f"| {s['stock']['page_faults_per_step']:,.0f} / {s['hf-ext']['page_faults_per_step']:,.0f} "
+            f"| {hooks} |"
         )
     return "\n".join(lines)
 
@@ -237,7 +247,12 @@ def main(argv: list[str] | None = None) -> dict:
                 wall = round(time.time() - started, 1)
                 for seg in next(r for r in result if r["rank"] == 0)["segments"]:
                     rows.append(measured_row(size, config, seg["path"], seg["segment"] // 2, seg, parameters, args))
-                    rows[-1].update(segment=seg["segment"], launch_wall_s=wall, rss_after_bytes=seg["rss_after_bytes"])
+                    rows[-1].update(
+                        segment=seg["segment"],
+                        launch_wall_s=wall,
+                        rss_after_bytes=seg["rss_after_bytes"],
+                        hf_ext_hook_us_per_step=1e6 * seg["hf_ext_hook_seconds_per_step"],
+                    )
                     print(json.dumps(rows[-1]), flush=True)
                 continue
             for repeat in range(args.repeats):

@@ -13,7 +13,9 @@ Trainer and DeepSpeed engine, all dropped before the next segment. Between launc
 Each rank writes ``OUT.rank<N>.json`` with one entry per segment: path, step end times (from ``train()``), CPU
 usage per step, the time to build TrainingArguments, the engine start-up time, the final loss, the ZeRO stage the
 engine ran with, and after the segment was torn down the resident set (it must not grow segment by segment) and
-the number of DeepSpeed engines still alive (it must not grow either).
+the number of DeepSpeed engines still alive (it must not grow either). It also times hf-ext's own callbacks
+(``HookClock``): the extension's code that runs inside the training loop, measured directly rather than as the
+difference of two noisy throughputs.
 Under ZeRO-3 that needs ``release_zero3_globals``: without it every dropped engine stays alive, with its partitions.
 """
 
@@ -48,10 +50,43 @@ def release_zero3_globals() -> None:
             candidate.cache_clear()
 
 
+class HookClock:
+    """Wall time spent inside hf-ext's own callbacks, by event: the extension's code on the training loop's path.
+
+    The Trainer calls each callback's ``on_<event>`` through ``getattr``; the instance's methods are replaced by
+    timed ones. Stock segments have no hf-ext callback, so nothing is timed there.
+    """
+
+    ONCE = ("on_init_end", "on_train_begin", "on_train_end")  # not per step
+
+    def __init__(self, trainer):
+        self.seconds: dict[str, float] = {}
+        for callback in trainer.callback_handler.callbacks:
+            if type(callback).__module__.partition(".")[0] != "hf_ext":
+                continue
+            for name in dir(callback):
+                if name.startswith("on_"):
+                    setattr(callback, name, self._timed(name, getattr(callback, name)))
+
+    def _timed(self, name, method):
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
+
+        return timed
+
+    def per_step_seconds(self, steps: int) -> float:
+        return sum(t for name, t in self.seconds.items() if name not in self.ONCE) / steps
+
+
 def segment(opts, path: str, index: int) -> tuple[dict, int]:
     args, trainer_class, args_seconds = build_arguments(opts, path, f"{opts.out}.run/{index}")
     timer = StepTimer()
     trainer, _ = build_trainer(opts, args, trainer_class, timer)
+    hooks = HookClock(trainer)
     train_called = time.perf_counter()
     trainer.train()
     engine_config = args.hf_deepspeed_config.config
@@ -63,6 +98,8 @@ def segment(opts, path: str, index: int) -> tuple[dict, int]:
         "step_end_times": [t - train_called for t in timer.step_ends],
         "step_usage": timer.step_usage,
         "final_loss": next(e["loss"] for e in reversed(trainer.state.log_history) if "loss" in e),
+        "hf_ext_hook_seconds": hooks.seconds,  # by event, summed over the segment
+        "hf_ext_hook_seconds_per_step": hooks.per_step_seconds(len(timer.step_ends)),
         "zero_stage": engine_config["zero_optimization"]["stage"],
         "train_batch_size": engine_config["train_batch_size"],
         "global_batch": args.per_device_train_batch_size * args.world_size * args.gradient_accumulation_steps,

@@ -64,3 +64,17 @@ def test_hf_ext_logs_the_true_loss_where_stock_logs_it_world_size_times(interlea
         stock = next(s for s in segments if s["path"] == "stock")["final_loss"]
         ours = next(s for s in segments if s["path"] == "hf-ext")["final_loss"]
         assert stock == pytest.approx(2 * ours, rel=2e-3)
+
+
+@pytest.mark.distributed
+def test_hf_ext_callbacks_are_timed_on_every_step(interleaved):
+    """The benchmark's direct measure of hf-ext's own per-step code: its callbacks, timed on every step event of the
+    hf-ext segments only (stock segments have none)."""
+    for segments in interleaved:
+        for s in segments:
+            if s["path"] == "stock":
+                assert s["hf_ext_hook_seconds"] == {} and s["hf_ext_hook_seconds_per_step"] == 0
+                continue
+            events = s["hf_ext_hook_seconds"]
+            assert {"on_train_begin", "on_step_begin", "on_step_end", "on_train_end"} <= set(events)
+            assert 0 < s["hf_ext_hook_seconds_per_step"] < events["on_train_begin"] + events["on_train_end"]
