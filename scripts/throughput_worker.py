@@ -15,7 +15,8 @@ usage per step, the time to build TrainingArguments, the engine start-up time, t
 engine ran with, and after the segment was torn down the resident set (it must not grow segment by segment) and
 the number of DeepSpeed engines still alive (it must not grow either). It also times hf-ext's own callbacks
 (``HookClock``): the extension's code that runs inside the training loop, measured directly rather than as the
-difference of two noisy throughputs.
+difference of two noisy throughputs. ``--trace`` also counts every Python call of the training steps by package and
+names the hf-ext functions among them (``StepCodeTracer``; it slows the steps, so not for timing).
 Under ZeRO-3 that needs ``release_zero3_globals``: without it every dropped engine stays alive, with its partitions.
 """
 
@@ -24,8 +25,12 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import sys
 import time
+from collections import Counter
+from pathlib import Path
 
+import transformers
 from deepspeed import DeepSpeedEngine
 from memory_worker import StepTimer, build_arguments, build_trainer
 
@@ -82,10 +87,69 @@ class HookClock:
         return sum(t for name, t in self.seconds.items() if name not in self.ONCE) / steps
 
 
+class StepCodeTracer(transformers.TrainerCallback):
+    """Which Python functions run during the training steps, counted by package (``--trace``).
+
+    A profile function (``sys.setprofile``) sees every Python call of the training thread from the first step's
+    begin to the last step's end: the counts per package say how much interpreter work a step does on each path, and
+    the hf-ext functions seen are the extension's own code on the step path (by name). Calls of this worker's own
+    instruments (StepTimer, HookClock) count as ``benchmark``. Tracing slows a step several
+    times over, so a traced segment's throughput means nothing.
+    """
+
+    PACKAGES = ("hf_ext", "transformers", "accelerate", "deepspeed", "torch")
+
+    def __init__(self):
+        self.calls: Counter = Counter()
+        self.hf_ext_functions: Counter = Counter()
+        self.steps = 0
+        self._roots = {name: self._package_dir(name) for name in self.PACKAGES}
+        self._roots["benchmark"] = str(Path(__file__).resolve().parent) + "/"  # this worker's timers and wrappers
+        self._package_of: dict[str, str] = {}  # by code file, so that each file is classified once
+
+    @staticmethod
+    def _package_dir(name: str) -> str:
+        module = sys.modules.get(name) or __import__(name)
+        return str(Path(module.__file__).resolve().parent) + "/"
+
+    def _package(self, filename: str) -> str:
+        package = self._package_of.get(filename)
+        if package is None:
+            resolved = str(Path(filename).resolve())
+            package = next((n for n, root in self._roots.items() if resolved.startswith(root)), "other")
+            self._package_of[filename] = package
+        return package
+
+    def _profile(self, frame, event, arg):
+        if event != "call":
+            return
+        code = frame.f_code
+        package = self._package(code.co_filename)
+        self.calls[package] += 1
+        if package == "hf_ext":
+            self.hf_ext_functions[f"{Path(code.co_filename).name}:{getattr(code, 'co_qualname', code.co_name)}"] += 1
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.steps == 0 and state.global_step == 0:
+            sys.setprofile(self._profile)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps += 1
+        if state.global_step >= state.max_steps:
+            sys.setprofile(None)
+
+    def result(self) -> dict:
+        return {
+            "python_calls_per_step": {name: n / self.steps for name, n in sorted(self.calls.items())},
+            "hf_ext_functions_in_steps": dict(self.hf_ext_functions),
+        }
+
+
 def segment(opts, path: str, index: int) -> tuple[dict, int]:
     args, trainer_class, args_seconds = build_arguments(opts, path, f"{opts.out}.run/{index}")
     timer = StepTimer()
-    trainer, _ = build_trainer(opts, args, trainer_class, timer)
+    tracer = StepCodeTracer() if opts.trace else None
+    trainer, _ = build_trainer(opts, args, trainer_class, timer, *([tracer] if tracer else []))
     hooks = HookClock(trainer)
     train_called = time.perf_counter()
     trainer.train()
@@ -102,7 +166,9 @@ def segment(opts, path: str, index: int) -> tuple[dict, int]:
         "hf_ext_hook_seconds_per_step": hooks.per_step_seconds(len(timer.step_ends)),
         "zero_stage": engine_config["zero_optimization"]["stage"],
         "train_batch_size": engine_config["train_batch_size"],
+        "engine_config": engine_config,  # the whole config the engine ran with: both paths' must be identical
         "global_batch": args.per_device_train_batch_size * args.world_size * args.gradient_accumulation_steps,
+        **(tracer.result() if tracer else {}),
     }
     # drop everything the segment built, as transformers does between hyper-parameter search trials
     engine = getattr(trainer, "deepspeed", None)
@@ -128,6 +194,7 @@ def main() -> None:
     parser.add_argument("--seq_len", type=int, default=32)
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps per segment")
     parser.add_argument("--segments", type=int, default=4, help="a multiple of 4 gives each path each position alike")
+    parser.add_argument("--trace", action="store_true", help="count the Python calls of each step (slows steps)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--local_rank", type=int, default=-1)
     opts = parser.parse_args()

@@ -27,7 +27,7 @@ def interleaved(request, tmp_path_factory, tiny_model_dir) -> list[dict]:
     config.write_text(json.dumps(load_deepspeed_config(f"zero{request.param}")))
     out = work / "run"
     cmd = launcher_cmd("deepspeed", WORKER) + ["--model", str(tiny_model_dir), "--config", str(config)]
-    run(cmd + ["--out", str(out), "--batch", "2", "--steps", "6", "--segments", "4"], OMP_NUM_THREADS=1)
+    run(cmd + ["--out", str(out), "--batch", "2", "--steps", "6", "--segments", "4", "--trace"], OMP_NUM_THREADS=1)
     return [json.loads(Path(f"{out}.rank{r}.json").read_text())["segments"] for r in (0, 1)]
 
 
@@ -53,6 +53,23 @@ def test_both_paths_run_the_same_engine(interleaved):
         stages = {(s["path"], s["zero_stage"], s["train_batch_size"]) for s in segments}
         stage = segments[0]["zero_stage"]
         assert stage in (2, 3) and stages == {("stock", stage, 2 * 2), ("hf-ext", stage, 2 * 2)}
+        # the whole config the engine ran with, every "auto" filled: stock's fill and hf-ext's resolution agree key by
+        # key (bucket sizes, optimizer, scheduler steps, precision), so the throughput ratio compares the same engine
+        stock = next(s for s in segments if s["path"] == "stock")["engine_config"]
+        ours = next(s for s in segments if s["path"] == "hf-ext")["engine_config"]
+        assert "auto" not in json.dumps(stock)
+        assert flatten(ours) == flatten(stock)
+
+
+def flatten(config: dict, prefix: str = "") -> dict:
+    """``{"a.b": value}`` for a nested config, so that a failure names the keys that differ."""
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 @pytest.mark.distributed
@@ -78,3 +95,22 @@ def test_hf_ext_callbacks_are_timed_on_every_step(interleaved):
             events = s["hf_ext_hook_seconds"]
             assert {"on_train_begin", "on_step_begin", "on_step_end", "on_train_end"} <= set(events)
             assert 0 < s["hf_ext_hook_seconds_per_step"] < events["on_train_begin"] + events["on_train_end"]
+
+
+@pytest.mark.distributed
+def test_no_hf_ext_function_runs_inside_a_training_step(interleaved):
+    """Every Python call from the first step's begin to the last step's end, counted by package: hf-ext's Trainer and
+    TrainingArguments add nothing to the step path (its callbacks' step events are transformers' own no-ops), and
+    the step does no more interpreter work than stock's (it skips stock's cross-rank token count)."""
+    for segments in interleaved:
+        calls = {}
+        for s in segments:
+            assert s["hf_ext_functions_in_steps"] == {}, s["path"]
+            # the tracer sees the step: the Trainer's loop, accelerate's backward and DeepSpeed's engine
+            assert all(s["python_calls_per_step"].get(p, 0) > 0 for p in ("transformers", "accelerate", "deepspeed"))
+            calls.setdefault(s["path"], s["python_calls_per_step"])
+            # the same path does the same interpreter work in each of its segments
+            assert s["python_calls_per_step"] == pytest.approx(calls[s["path"]], rel=0.02)
+        # the worker's own instruments (its timers, and HookClock on hf-ext's callbacks) left out
+        ours, stock = ({k: v for k, v in calls[p].items() if k != "benchmark"} for p in ("hf-ext", "stock"))
+        assert sum(ours.values()) <= sum(stock.values()), (ours, stock)
