@@ -1,7 +1,7 @@
 """Training throughput of hf_ext.Trainer vs the stock transformers.Trainer: the extension must cost nothing.
 
-    python scripts/bench_train.py --sizes tiny 400m --configs zero2 zero3 --steps 60 5 --repeats 6 --interleave \
-        --out runs/bench/train_interleaved.json
+    python scripts/bench_train.py --sizes tiny 400m --configs zero2 zero3 --steps 60 12 --repeats 4 --interleave \
+        --out runs/bench/train_interleaved_r4.json
     python scripts/bench_train.py --sizes tiny 400m --configs zero2 zero3 --steps 60 10 --repeats 3 --threads 1 \
         --out runs/bench/train.json
 
@@ -18,7 +18,8 @@ hf-ext's TrainingArguments (by default off in these runs: it is on only when the
 turns (stock, hf-ext, hf-ext, stock, …; ``2 × --repeats`` segments of ``--steps`` steps). Each segment builds its own
 TrainingArguments, model, Trainer and engine and drops them after. Pairs of adjacent segments are a minute or two
 apart instead of a launch apart, and share the launch's process placement. On the 2-core test host this did not
-narrow the 400M interval: its speed drifts within a minute (docs/benchmarks.md, "Both paths inside one launch").
+narrow the 400M interval much: its speed drifts within a minute (docs/benchmarks.md, "Training throughput"), which
+is why the worker's ``--trace`` also counts what runs in a step.
 Both paths then share one thread count (``--threads``, by default hf-ext's rule: cores ÷ local ranks).
 
 Reported per launch, from rank 0: steady-state samples/s (global batch × steps ÷ time from the end of step
