@@ -93,8 +93,8 @@ class StepCodeTracer(transformers.TrainerCallback):
     A profile function (``sys.setprofile``) sees every Python call of the training thread from the first step's
     begin to the last step's end: the counts per package say how much interpreter work a step does on each path, and
     the hf-ext functions seen are the extension's own code on the step path (by name). Calls of this worker's own
-    instruments (StepTimer, HookClock) count as ``benchmark``. Tracing slows a step several
-    times over, so a traced segment's throughput means nothing.
+    instruments (StepTimer, HookClock) count as ``benchmark``. Tracing slows a step several times over, so a traced
+    segment's throughput means nothing.
     """
 
     PACKAGES = ("hf_ext", "transformers", "accelerate", "deepspeed", "torch")

@@ -97,6 +97,25 @@ def test_hf_ext_callbacks_are_timed_on_every_step(interleaved):
             assert 0 < s["hf_ext_hook_seconds_per_step"] < events["on_train_begin"] + events["on_train_end"]
 
 
+def test_the_step_tracer_names_hf_ext_code(monkeypatch):
+    """The tracer behind the next test sees hf-ext's functions when they run, and files them under hf_ext."""
+    import sys
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    from throughput_worker import StepCodeTracer
+
+    from hf_ext.deepspeed_config import load_deepspeed_config
+
+    tracer = StepCodeTracer()
+    sys.setprofile(tracer._profile)
+    try:
+        load_deepspeed_config("zero2")
+    finally:
+        sys.setprofile(None)
+    assert tracer.hf_ext_functions["deepspeed_config.py:load_deepspeed_config"] == 1
+    assert tracer.calls["hf_ext"] >= 1
+
+
 @pytest.mark.distributed
 def test_no_hf_ext_function_runs_inside_a_training_step(interleaved):
     """Every Python call from the first step's begin to the last step's end, counted by package: hf-ext's Trainer and
