@@ -130,7 +130,7 @@ class StepCodeTracer(transformers.TrainerCallback):
             self.hf_ext_functions[f"{Path(code.co_filename).name}:{getattr(code, 'co_qualname', code.co_name)}"] += 1
 
     def on_step_begin(self, args, state, control, **kwargs):
-        if self.steps == 0 and state.global_step == 0:
+        if self.steps == 0:  # the first step: trace from here
             sys.setprofile(self._profile)
 
     def on_step_end(self, args, state, control, **kwargs):
