@@ -1,7 +1,8 @@
 """hf-ext: a Hugging Face Trainer extension for DeepSpeed fine-tuning.
 
-Names are imported on first use, so that light users (the Chat-E app, ``hf_ext.dialogue``) do not pay for importing
-transformers' Trainer and DeepSpeed.
+One package per feature: ``deepspeed`` (config auto-filling, doctor), ``memory`` (planner), ``saving`` (streaming
+16-bit saves, checkpoints, export), ``peft`` (adapter checkpoints), ``evaluation`` (BLEU), ``cli``; ``trainer`` and
+``training_args`` switch them all on. Names below are imported on first use, so that ``import hf_ext`` stays light.
 """
 
 from __future__ import annotations
@@ -11,19 +12,21 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "BleuEvalCallback": ".bleu_eval",
-    "BleuEvalConfig": ".bleu_eval",
-    "DeepSpeedConfigError": ".deepspeed_config",
-    "PRESETS": ".deepspeed_config",
-    "ResolvedDeepSpeedConfigCallback": ".deepspeed_config",
-    "explain_deepspeed_config": ".deepspeed_config",
-    "load_deepspeed_config": ".deepspeed_config",
-    "resolve_deepspeed_config": ".deepspeed_config",
+    "BleuEvalCallback": ".evaluation.bleu",
+    "BleuEvalConfig": ".evaluation.bleu",
+    "DeepSpeedConfigError": ".deepspeed",
+    "PRESETS": ".deepspeed",
+    "ResolvedDeepSpeedConfigCallback": ".deepspeed",
+    "explain_deepspeed_config": ".deepspeed",
+    "load_deepspeed_config": ".deepspeed",
+    "resolve_deepspeed_config": ".deepspeed",
+    "MemoryPlanCallback": ".memory.measure",
     "Seq2SeqTrainer": ".trainer",
     "Trainer": ".trainer",
     "Seq2SeqTrainingArguments": ".training_args",
     "TrainingArguments": ".training_args",
     "end_distributed": ".runtime",
+    "prepare_run": ".runtime",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,9 +1,17 @@
-"""Where we run: launcher detection, accelerator presence and CPU thread placement."""
+"""Where a run happens and what it needs from the process: launcher, accelerator, cores, threads, DeepSpeed's comm
+layer on CPU, shared-memory and malloc housekeeping, and a clean end.
+
+The queries (``detect_launcher``, ``has_accelerator``, ``Hardware``, ``local_world_size``, ``usable_cores``) have no
+side effects. The actions run from two places only: :func:`start_deepspeed_comm` where stock ``TrainingArguments``
+starts the process group (its device set-up), and :func:`prepare_run` once per process when the trainer starts
+training or evaluating.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -16,6 +24,35 @@ LAUNCH_ENV = {key: os.environ[key] for key in _LAUNCH_KEYS if key in os.environ}
 USER_OMP_NUM_THREADS = LAUNCH_ENV.get("OMP_NUM_THREADS")
 
 
+def detect_launcher(env=None) -> str:
+    """What started this process: ``deepspeed``, ``accelerate``, ``torchrun``, ``mpi`` or ``python``."""
+    env = os.environ if env is None else env
+    if "CROSS_RANK" in env and "LOCAL_SIZE" in env:  # DeepSpeed's launcher sets both
+        return "deepspeed"
+    if any(key.startswith("ACCELERATE_") for key in env) and "LOCAL_RANK" in env:
+        return "accelerate"
+    if "TORCHELASTIC_RUN_ID" in env:
+        return "torchrun"
+    if "OMPI_COMM_WORLD_SIZE" in env or "PMI_SIZE" in env:
+        return "mpi"
+    return "python"
+
+
+#: the launcher as seen at import, before accelerate adds its own variables
+LAUNCHER = detect_launcher()
+
+
+def launched_by_deepspeed() -> bool:
+    """True under DeepSpeed's own launcher (``deepspeed script.py``)."""
+    return detect_launcher() == "deepspeed"
+
+
+def launch_world_size() -> int:
+    """The world size the launcher announced (``WORLD_SIZE``; 1 when run as a plain script)."""
+    value = os.environ.get("WORLD_SIZE", "")
+    return int(value) if value.isdigit() and int(value) > 0 else 1
+
+
 def has_accelerator() -> bool:
     """True when torch sees a GPU (CUDA/ROCm), XPU, MPS, HPU, NPU... — anything but the CPU."""
     accelerator = getattr(torch, "accelerator", None)
@@ -24,9 +61,33 @@ def has_accelerator() -> bool:
     return torch.cuda.is_available()  # pragma: no cover - torch < 2.6
 
 
-def launched_by_deepspeed() -> bool:
-    """True under DeepSpeed's own launcher (``deepspeed script.py``), which sets ``CROSS_RANK`` and ``LOCAL_SIZE``."""
-    return "CROSS_RANK" in os.environ and "LOCAL_SIZE" in os.environ
+@dataclass(frozen=True)
+class Hardware:
+    """Where training runs and which half precisions it supports (as DeepSpeed's accelerator reports them)."""
+
+    device: str
+    fp16: bool
+    bf16: bool
+
+    @classmethod
+    def detect(cls, use_cpu: bool = False) -> Hardware:
+        if use_cpu or not has_accelerator():
+            from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+            accelerator = CPU_Accelerator()
+        else:
+            from deepspeed.accelerator import get_accelerator
+
+            accelerator = get_accelerator()
+        return cls(
+            accelerator.device_name(), bool(accelerator.is_fp16_supported()), bool(accelerator.is_bf16_supported())
+        )
+
+    def default_precision(self) -> str | None:
+        """bf16, else fp16, on an accelerator; full fp32 on CPU (where half precision trains slower, not faster)."""
+        if self.device == "cpu":
+            return None
+        return "bf16" if self.bf16 else "fp16" if self.fp16 else None
 
 
 def local_world_size() -> int:
@@ -62,20 +123,92 @@ def place_cpu_threads() -> int:
     return threads
 
 
-def _detect_launcher(env) -> str:
-    if "CROSS_RANK" in env and "LOCAL_SIZE" in env:
-        return "deepspeed"
-    if any(key.startswith("ACCELERATE_") for key in env) and "LOCAL_RANK" in env:
-        return "accelerate"
-    if "TORCHELASTIC_RUN_ID" in env:
-        return "torchrun"
-    if "OMPI_COMM_WORLD_SIZE" in env or "PMI_SIZE" in env:
-        return "mpi"
-    return "python"
+# --- actions ----------------------------------------------------------------------------------------------------
 
 
-#: what started this process: deepspeed, accelerate, torchrun, mpi or python (read at import, like LAUNCH_ENV)
-LAUNCHER = _detect_launcher(os.environ)
+def start_deepspeed_comm() -> None:
+    """Bring up DeepSpeed's comm layer on the process group stock ``TrainingArguments`` just created.
+
+    On an accelerator, stock's device set-up (accelerate's ``PartialState`` with DeepSpeed) starts it; on CPU
+    (``use_cpu``) accelerate starts torch.distributed but not DeepSpeed's comm, and ``zero.Init`` in
+    ``from_pretrained`` would then see a world of one rank. Called from the same place, for the same reason.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    import deepspeed
+    import deepspeed.comm as ds_comm
+
+    if not ds_comm.is_initialized():
+        deepspeed.init_distributed(dist_backend=dist.get_backend())
+
+
+def wants_freed_memory_released(args) -> bool:
+    """``args.release_freed_memory``, or when it is None (the default): whether the memory planner planned the run.
+
+    Releasing costs page faults (every large allocation then starts with fresh pages), so it is on where memory is
+    the point: when the run was fitted to a budget, whose plan assumes it, or when asked for.
+    """
+    wanted = getattr(args, "release_freed_memory", None)
+    if wanted is None:
+        return getattr(args, "memory_plan", None) is not None
+    return bool(wanted)
+
+
+def return_freed_memory_to_os(threshold: int = 64 * 1024) -> bool:
+    """Make glibc hand large freed blocks back to the OS instead of keeping them in its heap (CPU training).
+
+    ZeRO-2/3 allocate and free many mid-sized temporaries (gathered parameters, flattened gradients) every step;
+    glibc serves blocks under its adaptive mmap threshold (up to 32 MiB) from the heap and keeps them after
+    ``free``, so the resident set grows far beyond what is live (docs/benchmarks.md, "Memory"). Blocks of
+    ``threshold`` bytes or more are mmapped (returned on free) and the heap is trimmed eagerly. The price is page
+    faults: each such allocation starts from fresh pages. No effect (False) where glibc's ``mallopt`` is
+    unavailable, or when the user set ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``.
+    """
+    import ctypes
+    import ctypes.util
+
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(mallopt(m_mmap_threshold, threshold)) and bool(mallopt(m_trim_threshold, 0))
+
+
+@dataclass
+class RunSetup:
+    """What :func:`prepare_run` did: torch threads per rank, and whether freed memory goes back to the OS."""
+
+    torch_threads: int
+    released_freed_memory: bool
+
+
+_RUN_SETUP: RunSetup | None = None
+
+
+def prepare_run(args) -> RunSetup:
+    """The process-wide set-up of a run, done once per process when the trainer first trains or evaluates.
+
+    On CPU: ``cores // local ranks`` torch threads per rank unless the user set ``OMP_NUM_THREADS``, and freed
+    memory handed back to the OS when the memory planner planned the run (or ``release_freed_memory`` asks). Under
+    distributed DeepSpeed on CPU, the names of its shared-memory workspaces are unlinked (a collective: every rank
+    starts training or evaluating, so every rank gets here).
+    """
+    global _RUN_SETUP
+    if _RUN_SETUP is not None:
+        return _RUN_SETUP
+    released = False
+    if args.device.type == "cpu":
+        place_cpu_threads()
+        released = wants_freed_memory_released(args) and return_freed_memory_to_os()
+    release_deepspeed_shm_names()
+    _RUN_SETUP = RunSetup(torch.get_num_threads(), released)
+    return _RUN_SETUP
 
 
 def run_summary(trainer) -> dict:
@@ -91,6 +224,7 @@ def run_summary(trainer) -> dict:
         "zero_stage": stage() if callable(stage) else None,
         "device": str(trainer.args.device),
         "torch_threads": torch.get_num_threads(),
+        "released_freed_memory": bool(_RUN_SETUP and _RUN_SETUP.released_freed_memory),
     }
 
 

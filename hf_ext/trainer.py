@@ -1,19 +1,27 @@
-"""``Trainer`` / ``Seq2SeqTrainer`` that accept ``deepspeed=`` and compose hf-ext's features."""
+"""``Trainer`` / ``Seq2SeqTrainer`` that accept ``deepspeed=`` and compose hf-ext's features.
+
+Each feature lives in its own package and is a callback or a function a stock ``Trainer`` user can add alone; these
+classes switch them all on. Public hooks are overridden (``train``, ``evaluate``, ``predict``, ``save_model``), plus
+two private methods with no public counterpart, ``_save_checkpoint`` and ``_load_optimizer_and_scheduler``:
+``tests/unit/test_private_surface.py`` fails when transformers changes either.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 
 from transformers import Seq2SeqTrainer as _Seq2SeqTrainer
 from transformers import Trainer as _Trainer
 
-from . import checkpoints, deepspeed_config, peft_checkpoint, saving
-from .bleu_eval import BleuEvalCallback, BleuEvalConfig
-from .memory import MemoryPlanCallback
+from . import peft, runtime
+from .deepspeed import callbacks as deepspeed_callbacks
+from .evaluation.bleu import BleuEvalCallback, BleuEvalConfig
+from .evaluation.zero_eval import plain_eval_without_engine
+from .memory.measure import MemoryPlanCallback
+from .saving import checkpoints
+from .saving import zero as saving
 from .training_args import Seq2SeqTrainingArguments, TrainingArguments
-from .zero_eval import plain_eval_without_engine
 
 logger = logging.getLogger(__name__)
 
@@ -33,24 +41,28 @@ def as_hf_ext_args(args, args_class, deepspeed=None):
     return args_class(**values)
 
 
+#: model types whose ``forward`` takes ``**kwargs`` but returns the mean loss of its own batch, whatever
+#: ``num_items_in_batch`` says (they compute ``CrossEntropyLoss()`` themselves, not ``self.loss_function``).
+#: ``tests/unit/test_loss_rule.py`` checks each against a hand-computed mean cross-entropy.
+OWN_MEAN_LOSS_MODEL_TYPES = frozenset(
+    {"bart", "mbart", "plbart", "blenderbot", "blenderbot-small", "marian", "pegasus", "pegasus_x", "bigbird_pegasus"}
+)
+
+
 def loss_ignores_num_items(model) -> bool:
-    """True when ``forward`` takes ``**kwargs`` but averages the loss itself (BART family, BlenderBot, ...).
+    """True when the model averages its own loss although its ``forward`` takes ``**kwargs`` (BART family,
+    BlenderBot): by the model's own ``accepts_loss_kwargs`` when it declares one, else by its model type.
 
     The stock Trainer then believes the model divides by the token count of the *global* batch, and multiplies the
     loss by the number of processes: the logged loss and the gradients come out N times too large on N ranks.
     """
-    if model is None or hasattr(model, "accepts_loss_kwargs"):
+    if model is None:
         return False
     get_base = getattr(model, "get_base_model", None)  # PEFT
-    forward = (get_base() if callable(get_base) else model).forward
-    params = inspect.signature(forward).parameters.values()
-    if not any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params):
-        return False
-    try:
-        source = inspect.getsource(forward)
-    except (OSError, TypeError):
-        return False
-    return "num_items_in_batch" not in source and "loss_function" not in source
+    base = get_base() if callable(get_base) else model
+    if hasattr(base, "accepts_loss_kwargs"):
+        return False  # the model says itself; stock reads the same attribute
+    return getattr(getattr(base, "config", None), "model_type", None) in OWN_MEAN_LOSS_MODEL_TYPES
 
 
 class _HfExtTrainerMixin:
@@ -58,19 +70,20 @@ class _HfExtTrainerMixin:
 
     def __init__(self, model=None, args=None, *pos, deepspeed=None, **kwargs):
         super().__init__(model, as_hf_ext_args(args, self.args_class, deepspeed), *pos, **kwargs)
-        deepspeed_config.attach_to_trainer(self)  # model-dependent "auto" keys; resolved config file at train start
+        deepspeed_callbacks.attach_to_trainer(self)  # model-dependent "auto" keys; resolved config file at train start
         self.add_callback(MemoryPlanCallback())  # plan at train start, measured peak at train end
         if self.model_accepts_loss_kwargs and loss_ignores_num_items(model):
             logger.info(f"{type(model).__name__} averages its own loss: not rescaling it by the global token count.")
             self.model_accepts_loss_kwargs = False
 
-    # --- saving (hf_ext.saving, hf_ext.checkpoints) ---
+    # --- training, saving (hf_ext.saving), resume (hf_ext.peft) ---
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        runtime.prepare_run(self.args)
         resume_from_checkpoint = checkpoints.resolve_resume_from_checkpoint(self, resume_from_checkpoint)
         if self.deepspeed is not None and self.optimizer is None:  # an engine from evaluate(): inference only
             self._drop_inference_engine()
-        deepspeed_config.reopen_step_keys(self)  # an evaluate() before train() may have filled them for inference
-        with peft_checkpoint.deepspeed_resume(self, resume_from_checkpoint):
+        deepspeed_callbacks.reopen_step_keys(self)  # an evaluate() before train() may have filled them for inference
+        with peft.deepspeed_resume(self, resume_from_checkpoint):
             return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _drop_inference_engine(self) -> None:
@@ -87,9 +100,9 @@ class _HfExtTrainerMixin:
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         # Private override: the stock loader only knows per-rank optimizer files; an hf-ext PEFT checkpoint holds
-        # the trainable state by parameter name, loadable on any world size (hf_ext.peft_checkpoint).
-        if peft_checkpoint.is_trainable_state_checkpoint(checkpoint):
-            return peft_checkpoint.load_trainable_state(self, checkpoint)
+        # the trainable state by parameter name, loadable on any world size (hf_ext.peft).
+        if peft.is_trainable_state_checkpoint(checkpoint):
+            return peft.load_trainable_state(self, checkpoint)
         return super()._load_optimizer_and_scheduler(checkpoint)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -100,8 +113,10 @@ class _HfExtTrainerMixin:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _save_checkpoint(self, model, trial):
-        # Private override: no public hook chooses the directory a checkpoint is written to, and crash safety needs
-        # it written elsewhere and renamed when complete. The stock steps are kept, in order, in hf_ext.checkpoints.
+        # Private override: stock writes into checkpoint-N and, on rank 0, rotates older checkpoints away before the
+        # other ranks have finished writing theirs; both happen before any public hook runs, so a crash there can
+        # lose the newest complete checkpoint. hf-ext writes tmp-checkpoint-N and renames it once every rank is done
+        # (hf_ext.saving.checkpoints keeps the stock steps, in order).
         checkpoints.save_checkpoint_atomically(self, model, trial)
 
 
@@ -140,6 +155,7 @@ class Seq2SeqTrainer(_HfExtTrainerMixin, _Seq2SeqTrainer):
         return gen_kwargs
 
     def evaluate(self, *args, **gen_kwargs):
+        runtime.prepare_run(self.args)
         gen_kwargs = self._with_min_length(gen_kwargs)
         callback = getattr(self, "bleu_eval_callback", None)
         if callback is not None:
@@ -152,5 +168,6 @@ class Seq2SeqTrainer(_HfExtTrainerMixin, _Seq2SeqTrainer):
                 callback.call_gen_kwargs = {}
 
     def predict(self, *args, **gen_kwargs):
+        runtime.prepare_run(self.args)
         with plain_eval_without_engine(self):
             return super().predict(*args, **self._with_min_length(gen_kwargs))

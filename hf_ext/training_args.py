@@ -1,7 +1,14 @@
-"""TrainingArguments that place a run right on any hardware and under any launcher."""
+"""hf-ext's TrainingArguments: the stock fields plus every hf-ext setting as a documented field.
+
+``__post_init__`` validates and resolves only (the DeepSpeed config, the memory planner's choices, the launcher's
+implied preset). Its one action is the one stock takes in the same place: starting the distributed layer (on CPU,
+DeepSpeed's comm beside the process group stock starts). Threads, malloc tuning and shared-memory housekeeping run
+once, at train start (:func:`hf_ext.runtime.prepare_run`).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -9,103 +16,112 @@ from dataclasses import dataclass, field
 from transformers import Seq2SeqTrainingArguments as _Seq2SeqTrainingArguments
 from transformers import TrainingArguments as _TrainingArguments
 
-from .deepspeed_config import DeepSpeedConfigError, Problem, explain_deepspeed_config, launch_world_size
-from .ds_loading import accelerate_launch_config
-from .memory import return_freed_memory_to_os, wants_freed_memory_released
-from .plan_auto import MemoryPlanArguments
-from .runtime import has_accelerator, launched_by_deepspeed, place_cpu_threads, release_deepspeed_shm_names
+from .deepspeed.errors import DeepSpeedConfigError, Problem
+from .deepspeed.load import accelerate_launch_config
+from .deepspeed.resolve import Resolution, explain_deepspeed_config
+from .runtime import has_accelerator, launch_world_size, launched_by_deepspeed, start_deepspeed_comm
+from .sizes import parse_bytes
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_LAUNCHER_PRESET = "zero2"
 
 
-class _HfExtArgsMixin:
-    """What stock ``TrainingArguments`` leaves to the user, done before and after its ``__post_init__``:
+@dataclass(kw_only=True)
+class HfExtArguments:
+    """The hf-ext fields shared by :class:`TrainingArguments` and :class:`Seq2SeqTrainingArguments`.
 
-    * ``deepspeed`` may be a preset name (``zero1``/``zero2``/``zero3``/``zero3_offload``), a JSON path, an
-      accelerate YAML or a dict; it is resolved by :func:`hf_ext.explain_deepspeed_config` (every ``"auto"`` that
-      does not need the model or the step count filled, spellings normalized, everything validated by DeepSpeed's
-      own config models, all mismatches with these arguments raised at once). The record is kept in
-      ``hf_ext_deepspeed``;
-    * under ``accelerate launch`` with a DeepSpeed YAML and no ``deepspeed`` argument, the YAML's config (its
-      ``deepspeed_config_file``, or one built from its inline settings) is resolved the same way;
-    * under DeepSpeed's launcher with no ``deepspeed`` config, the ``zero2`` preset is used (the launcher means it);
-    * on a host with no accelerator, ``use_cpu`` is switched on — otherwise torchrun / accelerate ranks each believe
-      they are alone (world size 1) and DeepSpeed's batch-size assertion fires;
-    * CPU ranks get ``cores // local ranks`` threads unless ``OMP_NUM_THREADS`` was set by the user;
-    * on CPU, freed memory goes back to the OS at once when the memory planner plans the run or
-      ``release_freed_memory`` asks for it (lower peak RSS, some time in page faults).
+    Args:
+        memory_per_device (`str`, *optional*):
+            Per-rank memory budget for the planner's ``"auto"`` choices, e.g. ``8GB`` or ``7.5GiB``. Default:
+            accelerator memory on GPUs, available RAM divided by the ranks on this node on CPU.
+        plan_model (`str`, *optional*):
+            Model path or hub id the planner probes for activation memory (needed when the DeepSpeed config or the
+            batch size is ``"auto"`` and the model is not known yet).
+        plan_seq_len (`int`, defaults to 128):
+            Tokens per example the memory plan assumes.
+        release_freed_memory (`bool`, *optional*):
+            On CPU, hand freed memory back to the OS at once: a lower peak resident set for more page faults.
+            Default: on when the memory planner plans the run, off otherwise.
+        save_max_shard_size (`str`, defaults to ``"5GB"``):
+            Largest safetensors shard ``save_model`` writes (``"200MB"``, ``"5GB"``, ``"1GiB"``).
+        save_gather_size (`str`, defaults to ``"256MiB"``):
+            Under ZeRO-3, the parameters gathered at once while saving: the extra memory a save needs per rank.
     """
 
-    def __post_init__(self):
-        if not self.deepspeed and (from_accelerate := accelerate_launch_config(os.environ)) is not None:
-            logger.info("Using the DeepSpeed config given to `accelerate launch`.")
-            self.deepspeed = from_accelerate
-            if isinstance(from_accelerate, dict):  # its inline settings are now in the config: accelerate must not
-                os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)  # refuse them as conflicting with a config file
-        if not self.deepspeed and launched_by_deepspeed():
-            logger.info(f"Launched by `deepspeed` without --deepspeed: using the {DEFAULT_LAUNCHER_PRESET!r} preset.")
-            self.deepspeed = DEFAULT_LAUNCHER_PRESET
-        if not self.use_cpu and not has_accelerator():
-            self.use_cpu = True
-        if self.deepspeed:
-            self._resolve_deepspeed()
-        super().__post_init__()
-        stock_mismatches = getattr(getattr(self, "hf_deepspeed_config", None), "mismatches", None)
-        if stock_mismatches:  # e.g. the launcher's world size differs from the one the distributed state reports
-            raise DeepSpeedConfigError([Problem("", m.lstrip("- ")) for m in stock_mismatches], "TrainingArguments")
-        if self.deepspeed:
-            _start_deepspeed_comm()
-        if self.device.type == "cpu":
-            place_cpu_threads()
-            # hf_ext.memory: ZeRO's temporaries otherwise stay in glibc's heap
-            self.hf_ext_released_freed_memory = wants_freed_memory_released(self) and return_freed_memory_to_os()
-
-    def _resolve_deepspeed(self):
-        resolution = explain_deepspeed_config(self.deepspeed, self, world_size=launch_world_size(), defer=True)
-        for name, value in resolution.args_updates.items():
-            logger.info(f"TrainingArguments.{name} = {value!r}, as the DeepSpeed config implies.")
-            setattr(self, name, value)
-        self.deepspeed = resolution.config
-        self.hf_ext_deepspeed = resolution
-
-
-def _start_deepspeed_comm():
-    """Bring up DeepSpeed's comm layer on the process group TrainingArguments just created.
-
-    On CPU (``use_cpu``) accelerate starts torch.distributed but not DeepSpeed's comm; ``zero.Init`` in
-    ``from_pretrained`` then believes the world size is 1 and DeepSpeed's batch-size assertion fails.
-    """
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    import deepspeed
-    import deepspeed.comm as ds_comm
-
-    if not ds_comm.is_initialized():
-        deepspeed.init_distributed(dist_backend=dist.get_backend())
-    release_deepspeed_shm_names()
-
-
-@dataclass
-class TrainingArguments(_HfExtArgsMixin, _TrainingArguments, MemoryPlanArguments):
-    __doc__ = _TrainingArguments.__doc__
-
-
-@dataclass
-class Seq2SeqTrainingArguments(_HfExtArgsMixin, _Seq2SeqTrainingArguments, MemoryPlanArguments):
-    __doc__ = _Seq2SeqTrainingArguments.__doc__
-
-    generation_min_length: int | None = field(
+    memory_per_device: str | None = field(
         default=None,
-        metadata={"help": "min_length for generation during evaluation/prediction (default: the model's)."},
+        metadata={"help": "Per-rank memory budget for the planner's auto choices, e.g. 8GB or 7.5GiB (default: "
+                  "accelerator memory on GPUs, available RAM / ranks on this node on CPU)."},
+    )  # fmt: skip
+    plan_model: str | None = field(
+        default=None,
+        metadata={"help": "Model path or hub id the planner probes for activation memory (needed when the DeepSpeed "
+                  "config or the batch size is auto; the recipe passes --model_name_or_path)."},
+    )  # fmt: skip
+    plan_seq_len: int = field(
+        default=128, metadata={"help": "Sequence length (tokens per example) the memory plan assumes."}
     )
-    # generation eval (hf_ext.bleu_eval): BLEU/chrF and sample generations at each evaluation
+    release_freed_memory: bool | None = field(
+        default=None,
+        metadata={"help": "On CPU, hand freed memory back to the OS at once: lower peak RSS, more page faults. "
+                  "Default: on when the memory planner plans the run, off otherwise."},
+    )  # fmt: skip
+    save_max_shard_size: str = field(
+        default="5GB", metadata={"help": "Largest safetensors shard written by save_model (e.g. 200MB, 5GB, 1GiB)."}
+    )
+    save_gather_size: str = field(
+        default="256MiB",
+        metadata={"help": "Under ZeRO-3, parameters gathered at once while saving (the extra memory of a save)."},
+    )
+    # what resolution found: declared, not passed (init=False keeps them out of to_dict and the command line)
+    deepspeed_resolution: Resolution | None = field(default=None, init=False, repr=False)
+
+    @property
+    def memory_plan(self):
+        """The memory planner's plan of this run (``None`` when it did not plan it)."""
+        return self.deepspeed_resolution.memory_plan if self.deepspeed_resolution is not None else None
+
+    def _validate_hf_ext(self) -> None:
+        for name in ("save_max_shard_size", "save_gather_size", "memory_per_device"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            try:
+                if parse_bytes(value) <= 0:
+                    raise ValueError(f"{name} must be positive")
+            except ValueError as err:
+                raise ValueError(f"`{name}`={value!r}: {err}. Write it like 200MB, 5GB or 8GiB.") from None
+
+
+@dataclass(kw_only=True)
+class GenerationEvalArguments:
+    """The generation-eval fields of :class:`Seq2SeqTrainingArguments` (BLEU/chrF at every evaluation).
+
+    Args:
+        generation_eval (`bool`, defaults to `True`):
+            Generate at each evaluation and log ``eval_bleu``, ``eval_chrf``, ``eval_gen_len`` and samples.
+        generation_min_length (`int`, *optional*):
+            ``min_length`` of eval generations (default: the model's generation config).
+        generation_no_repeat_ngram_size (`int`, *optional*):
+            ``no_repeat_ngram_size`` of eval generations (default: the model's).
+        generation_batch_size (`int`, *optional*):
+            Examples per ``generate()`` call and rank (default: ``per_device_eval_batch_size``).
+        generation_bucket_by_length (`bool`, defaults to `True`):
+            Sort eval examples by length before batching (the output keeps the original order).
+        log_samples (`int`, defaults to 5):
+            (context, generation, reference) rows printed and logged at each evaluation.
+        save_generations (`bool`, defaults to `True`):
+            Write every row to ``output_dir/generations/step-N.jsonl``.
+    """
+
     generation_eval: bool = field(
         default=True,
         metadata={"help": "Generate at each evaluation and log eval_bleu/eval_chrf/eval_gen_len and samples."},
+    )
+    generation_min_length: int | None = field(
+        default=None,
+        metadata={"help": "min_length for generation during evaluation/prediction (default: the model's)."},
     )
     generation_no_repeat_ngram_size: int | None = field(
         default=None, metadata={"help": "no_repeat_ngram_size for eval generation (default: the model's)."}
@@ -122,3 +138,87 @@ class Seq2SeqTrainingArguments(_HfExtArgsMixin, _Seq2SeqTrainingArguments, Memor
         default=5,
         metadata={"help": "(context, generation, reference) rows printed and logged at each evaluation."},
     )
+    save_generations: bool = field(
+        default=True, metadata={"help": "Write every generation row to output_dir/generations/step-N.jsonl."}
+    )
+
+    def _validate_generation_eval(self) -> None:
+        if self.generation_batch_size is not None and self.generation_batch_size < 1:
+            raise ValueError(f"`generation_batch_size` must be >= 1 or None, got {self.generation_batch_size}.")
+        if self.log_samples < 0:
+            raise ValueError(f"`log_samples` must be >= 0, got {self.log_samples}.")
+
+
+@contextlib.contextmanager
+def _accelerate_inline_fields_consumed(consumed: bool):
+    """While stock arguments build the DeepSpeed plugin: hide accelerate's list of inline DeepSpeed fields once hf-ext
+    has folded them into the config (accelerate refuses inline fields next to a config). Restored afterwards."""
+    saved = os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None) if consumed else None
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["ACCELERATE_CONFIG_DS_FIELDS"] = saved
+
+
+class _HfExtArgsMixin:
+    """What stock ``TrainingArguments`` leaves to the user, resolved before and after its ``__post_init__``:
+
+    * ``deepspeed`` may be a preset name (``zero1``/``zero2``/``zero3``/``zero3_offload``), a JSON path, an
+      accelerate YAML or a dict; it is resolved by :func:`hf_ext.explain_deepspeed_config` (every ``"auto"`` that
+      does not need the model or the step count filled, spellings normalized, everything validated by DeepSpeed's
+      own config models, all mismatches with these arguments raised at once). The record is ``deepspeed_resolution``;
+    * under ``accelerate launch`` with a DeepSpeed YAML and no ``deepspeed`` argument, the YAML's config (its
+      ``deepspeed_config_file``, or one built from its inline settings) is resolved the same way;
+    * under DeepSpeed's launcher with no ``deepspeed`` config, the ``zero2`` preset is used (the launcher means it);
+    * on a host with no accelerator, ``use_cpu`` is switched on — otherwise torchrun / accelerate ranks each believe
+      they are alone (world size 1) and DeepSpeed's batch-size assertion fires.
+    """
+
+    def __post_init__(self):
+        self._validate_hf_ext()
+        inline_consumed = False
+        if not self.deepspeed and (from_accelerate := accelerate_launch_config(os.environ)) is not None:
+            logger.info("Using the DeepSpeed config given to `accelerate launch`.")
+            self.deepspeed = from_accelerate
+            inline_consumed = isinstance(from_accelerate, dict)  # its inline settings are now in the config
+        if not self.deepspeed and launched_by_deepspeed():
+            logger.info(f"Launched by `deepspeed` without --deepspeed: using the {DEFAULT_LAUNCHER_PRESET!r} preset.")
+            self.deepspeed = DEFAULT_LAUNCHER_PRESET
+        if not self.use_cpu and not has_accelerator():
+            self.use_cpu = True
+        if self.deepspeed:
+            self._resolve_deepspeed()
+        with _accelerate_inline_fields_consumed(inline_consumed):
+            super().__post_init__()
+        stock_mismatches = getattr(getattr(self, "hf_deepspeed_config", None), "mismatches", None)
+        if stock_mismatches:  # e.g. the launcher's world size differs from the one the distributed state reports
+            raise DeepSpeedConfigError([Problem("", m.lstrip("- ")) for m in stock_mismatches], "TrainingArguments")
+        if self.deepspeed:
+            start_deepspeed_comm()
+
+    def _resolve_deepspeed(self):
+        resolution = explain_deepspeed_config(self.deepspeed, self, world_size=launch_world_size(), defer=True)
+        for name, value in resolution.args_updates.items():
+            logger.info(f"TrainingArguments.{name} = {value!r}, as the DeepSpeed config implies.")
+            setattr(self, name, value)
+        self.deepspeed = resolution.config
+        self.deepspeed_resolution = resolution
+
+
+@dataclass
+class TrainingArguments(_HfExtArgsMixin, _TrainingArguments, HfExtArguments):
+    __doc__ = (_TrainingArguments.__doc__ or "") + (HfExtArguments.__doc__ or "").split("Args:", 1)[-1]
+
+
+@dataclass
+class Seq2SeqTrainingArguments(_HfExtArgsMixin, _Seq2SeqTrainingArguments, HfExtArguments, GenerationEvalArguments):
+    __doc__ = (
+        (_Seq2SeqTrainingArguments.__doc__ or "")
+        + (HfExtArguments.__doc__ or "").split("Args:", 1)[-1]
+        + (GenerationEvalArguments.__doc__ or "").split("Args:", 1)[-1]
+    )
+
+    def __post_init__(self):
+        self._validate_generation_eval()
+        super().__post_init__()

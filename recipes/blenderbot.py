@@ -23,13 +23,13 @@ import transformers
 from transformers import AutoTokenizer, BlenderbotForConditionalGeneration, DataCollatorForSeq2Seq, set_seed
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
+from chat_e.corpora import DataArguments, load_dialogue_dataset, tokenize_dataset
+from chat_e.dialogue import encode_texts
+from chat_e.models import SIZES, build
+from chat_e.plotting import plot_training_curves
 from hf_ext import Seq2SeqTrainer, Seq2SeqTrainingArguments
 from hf_ext.config_args import parse_args_with_config
-from hf_ext.data import DataArguments, load_dialogue_dataset, tokenize_dataset
-from hf_ext.dialogue import encode_texts
-from hf_ext.plotting import plot_training_curves
 from hf_ext.runtime import end_distributed, run_summary
-from hf_ext.tiny_model import SIZES, build
 
 logger = logging.getLogger("recipes.blenderbot")
 

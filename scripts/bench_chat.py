@@ -44,10 +44,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app.engine import ChatEngine  # noqa: E402
-from hf_ext.bleu_eval import compute_bleu_chrf  # noqa: E402
-from hf_ext.data import DataArguments, load_dialogue_dataset  # noqa: E402
-from hf_ext.dialogue import HEADER_TEMPLATES, encode_texts, parse_texts  # noqa: E402
+from chat_e.corpora import DataArguments, load_dialogue_dataset  # noqa: E402
+from chat_e.dialogue import HEADER_TEMPLATES, encode_texts, parse_texts  # noqa: E402
+from chat_e.engine import ChatEngine  # noqa: E402
+from hf_ext.evaluation.bleu import compute_bleu_chrf  # noqa: E402
 
 #: precision -> ChatEngine.from_pretrained keywords
 PRECISIONS = {"fp32": {}, "bf16": {"dtype": "bf16"}, "int8": {"quantize": "int8"}}
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> dict:
     tmp = None
     model_dir = args.model
     if model_dir is None:
-        from hf_ext.tiny_model import build
+        from chat_e.models import build
 
         tmp = tempfile.TemporaryDirectory()
         model_dir = str(build(str(Path(tmp.name) / args.size), args.size, seed=0))
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> dict:
     load["end"] = load_average()
 
     report = {
-        "model": args.model or f"random-init {args.size} (hf_ext.tiny_model, seed 0)",
+        "model": args.model or f"random-init {args.size} (chat_e.models, seed 0)",
         "parameters": latency.pop("parameters"),
         "prompts": len(PROMPTS),
         "repeats": args.repeats,

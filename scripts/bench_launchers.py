@@ -33,7 +33,7 @@ def port() -> str:
 STOCK_PROBE = """
 import torch
 from transformers import TrainingArguments
-args = TrainingArguments(output_dir="{out}", use_cpu=True, deepspeed="recipes/ds/zero2.json")
+args = TrainingArguments(output_dir="{out}", use_cpu=True, deepspeed="zero2")
 print("THREADS", torch.get_num_threads(), flush=True)
 """
 
@@ -60,7 +60,7 @@ def launch(name: str, model_dir: str, out: Path, steps: int, env_extra: dict) ->
         ],
         "python": [sys.executable, recipe],
     }[name.split("+")[0]]  # fmt: skip
-    extra = ["--deepspeed", "recipes/ds/zero2.json"] if name.startswith("torchrun") else []
+    extra = ["--deepspeed", "zero2"] if name.startswith("torchrun") else []
     cmd = prefix + [
         "--config", "recipes/configs/tiny.yaml", "--model_name_or_path", model_dir, "--output_dir", str(out),
         "--max_steps", str(steps), "--samples_to_print", "0", "--do_eval", "false", "--logging_steps", "1000",
@@ -86,7 +86,7 @@ def main() -> None:
     parser.add_argument("--out", default="runs/bench/launchers.json")
     parser.add_argument("--steps", type=int, default=60)
     args = parser.parse_args()
-    from hf_ext.tiny_model import build
+    from chat_e.models import build
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(build(f"{tmp}/tiny", "tiny", seed=0))

@@ -40,7 +40,7 @@ def planner_inputs(model_dir: Path, seq_len: int, checkpointing: tuple[bool, ...
 
     from transformers import AutoModelForSeq2SeqLM
 
-    from hf_ext import planner
+    from hf_ext.memory.measure import formulas as planner
 
     model = AutoModelForSeq2SeqLM.from_pretrained(model_dir)
     facts = planner.model_facts(model)
@@ -51,7 +51,7 @@ def planner_inputs(model_dir: Path, seq_len: int, checkpointing: tuple[bool, ...
 
 
 def predict(name: str, facts, profile, budget: int, baseline: int) -> tuple[int, object]:
-    from hf_ext import planner
+    from hf_ext.memory.measure import formulas as planner
 
     zero = None if name == "ddp" else preset_zero(name, facts.hidden_size)
     candidate = planner.Candidate(0, ddp=True) if zero is None else planner.Candidate(zero["stage"])
@@ -164,7 +164,7 @@ def main(argv=None) -> dict:
 
     model = Path(opts.model or ROOT / "runs" / "models" / opts.size)
     if not (model / "config.json").exists():
-        from hf_ext.tiny_model import build
+        from chat_e.models import build
 
         build(str(model), opts.size, seed=0)
     budget = int(opts.budget_gib * GiB)

@@ -85,7 +85,7 @@ def launch_worker(
 
 def preset_zero(config: str, hidden: int | None) -> dict:
     """The ``zero_optimization`` section hf-ext runs preset ``config`` with on this host, "auto" sizes filled."""
-    from hf_ext.deepspeed_config import CPU_ZERO3_GRANULARITY, CPU_ZERO3_KEYS, load_deepspeed_config
+    from hf_ext.deepspeed.resolve import CPU_ZERO3_GRANULARITY, CPU_ZERO3_KEYS, load_deepspeed_config
     from hf_ext.runtime import has_accelerator
 
     zero = load_deepspeed_config(config)["zero_optimization"]
@@ -101,7 +101,7 @@ def predictions(model_dir: Path, opts) -> dict:
 
     from transformers import AutoModelForSeq2SeqLM
 
-    from hf_ext import planner
+    from hf_ext.memory.measure import formulas as planner
 
     model = AutoModelForSeq2SeqLM.from_pretrained(model_dir)
     facts = planner.model_facts(model)
@@ -250,7 +250,7 @@ def main(argv=None) -> dict:
 
     model = Path(opts.model or ROOT / "runs" / "models" / opts.size)
     if not (model / "config.json").exists():
-        from hf_ext.tiny_model import build
+        from chat_e.models import build
 
         build(str(model), opts.size, seed=0)
     pred = predictions(model, opts)

@@ -3,7 +3,7 @@
 
     python scripts/bench_save.py --size 400m --out runs/bench_save.json [--max_shard_size 200MB]
 
-Builds a random-init BlenderBot of the given shape (hf_ext.tiny_model), then runs two 2-rank ZeRO-3 jobs under
+Builds a random-init BlenderBot of the given shape (chat_e.models), then runs two 2-rank ZeRO-3 jobs under
 ``deepspeed --num_gpus 2`` (one optimizer step each, so the engine exists):
 
 * full model: rank-0 peak extra RSS (sampled every 2 ms above the RSS before the call) and wall time of hf-ext's
@@ -70,7 +70,7 @@ def worker(opts) -> None:
     from transformers import BlenderbotForConditionalGeneration, default_data_collator
 
     import hf_ext
-    from hf_ext.deepspeed_config import load_deepspeed_config
+    from hf_ext.deepspeed.resolve import load_deepspeed_config
 
     config = load_deepspeed_config("zero3")
     config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
@@ -214,7 +214,7 @@ def table(full: dict, lora: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", default="400m", help="model shape from hf_ext.tiny_model.SIZES")
+    parser.add_argument("--size", default="400m", help="model shape from chat_e.models.SIZES")
     parser.add_argument("--max_shard_size", default="200MB")
     parser.add_argument("--out", default=None, help="JSON file for the results")
     parser.add_argument("--workdir", default=None, help="scratch directory (default: runs/bench_save)")
@@ -231,7 +231,7 @@ def main() -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     model = workdir / f"model-{opts.size}"
     if not (model / "config.json").exists():
-        from hf_ext.tiny_model import build
+        from chat_e.models import build
 
         build(str(model), opts.size, seed=0)
     full = launch(model, "full", workdir, opts.max_shard_size)

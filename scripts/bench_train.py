@@ -47,7 +47,7 @@ sys.path[:0] = [str(ROOT / "scripts"), str(ROOT)]
 
 from bench_memory import launch, launch_worker  # noqa: E402  (the same 2-rank launcher as the memory benchmark)
 
-from hf_ext.deepspeed_config import load_deepspeed_config  # noqa: E402
+from hf_ext.deepspeed.resolve import load_deepspeed_config  # noqa: E402
 from hf_ext.runtime import usable_cores  # noqa: E402  (hf-ext's own thread rule: cores ÷ local ranks)
 
 SECTION = "## Training throughput"
@@ -84,7 +84,7 @@ def measured_row(size: str, config: str, path: str, repeat: int, rank0: dict, pa
 def ensure_model(size: str) -> Path:
     model = ROOT / "runs" / "models" / size
     if not (model / "config.json").exists():
-        from hf_ext.tiny_model import build
+        from chat_e.models import build
 
         build(str(model), size, seed=0)
     return model

@@ -15,7 +15,7 @@ import argparse
 
 from transformers import AutoTokenizer, BlenderbotForConditionalGeneration
 
-from hf_ext.tiny_model import SIZES, build
+from chat_e.models import SIZES, build
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -24,8 +24,8 @@ import transformers
 from transformers import AutoModelForSeq2SeqLM, default_data_collator
 
 import hf_ext
-from hf_ext.deepspeed_config import load_deepspeed_config
-from hf_ext.memory import MemoryPlanCallback, current_rss, peak_rss, reset_peak_rss
+from hf_ext.deepspeed.resolve import load_deepspeed_config
+from hf_ext.memory.measure import MemoryPlanCallback, current_rss, peak_rss, reset_peak_rss
 
 
 def synthetic_dataset(n: int, vocab: int, seq_len: int, seed: int = 0) -> list[dict]:

@@ -35,7 +35,7 @@ from deepspeed import DeepSpeedEngine
 from memory_worker import StepTimer, build_arguments, build_trainer
 
 import hf_ext
-from hf_ext.memory import current_rss
+from hf_ext.memory.measure import current_rss
 
 ORDER = ("stock", "hf-ext", "hf-ext", "stock")
 

@@ -19,7 +19,7 @@ TINY_YAML = ROOT / "recipes" / "configs" / "tiny.yaml"
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A random-init tiny BlenderBot + tokenizer trained on the offline corpus (built by the project's builder)."""
-    from hf_ext.tiny_model import build
+    from chat_e.models import build
 
     return build(str(tmp_path_factory.mktemp("models") / "tiny"), "tiny", seed=0)
 

@@ -1,0 +1,127 @@
+"""hf-ext against stock transformers in the same 2-rank DeepSpeed launch: same model, data, seed and config file.
+
+scripts/throughput_worker.py (the engine of ``bench_train.py --interleave``) trains stock, hf-ext, hf-ext, stock,
+each segment from nothing. These tests check what the throughput ratio relies on: the segments really are
+independent, both paths run the same engine, and what hf-ext changes on the way is only the loss fix.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from hf_ext.deepspeed.resolve import _walk  # nested config -> ("a.b", value) pairs
+
+from .conftest import ROOT, launcher_cmd, run
+
+WORKER = ROOT / "scripts" / "throughput_worker.py"
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
+def interleaved(request, tmp_path_factory, tiny_model_dir) -> list[dict]:
+    from hf_ext.deepspeed.resolve import load_deepspeed_config
+
+    work = tmp_path_factory.mktemp("interleaved")
+    config = work / f"zero{request.param}.json"
+    # the preset's JSON: stock fills its "auto"s, hf-ext resolves them
+    config.write_text(json.dumps(load_deepspeed_config(f"zero{request.param}")))
+    out = work / "run"
+    cmd = launcher_cmd("deepspeed", WORKER) + ["--model", str(tiny_model_dir), "--config", str(config)]
+    run(cmd + ["--out", str(out), "--batch", "2", "--steps", "6", "--segments", "4", "--trace"], OMP_NUM_THREADS=1)
+    return [json.loads(Path(f"{out}.rank{r}.json").read_text())["segments"] for r in (0, 1)]
+
+
+@pytest.mark.distributed
+def test_segments_take_turns_and_start_from_nothing(interleaved):
+    for segments in interleaved:
+        assert [s["path"] for s in segments] == ["stock", "hf-ext", "hf-ext", "stock"]
+        by_path = {p: [s for s in segments if s["path"] == p] for p in ("stock", "hf-ext")}
+        for first, again in by_path.values():
+            # a segment run after the other path's gives the same result: nothing carries over
+            assert again["final_loss"] == pytest.approx(first["final_loss"], rel=1e-6)
+            assert len(again["step_end_times"]) == len(first["step_end_times"]) == 6
+        # dropped engines do not pile up (under ZeRO-3 only with release_zero3_globals): at most the last one is
+        # still referenced after its segment, and the resident set after each segment stays where it was
+        assert [s["engines_alive"] for s in segments] in ([0] * 4, [1] * 4)
+        rss = [s["rss_after_bytes"] for s in segments]
+        assert max(rss) - rss[0] < 64 * 2**20, [r / 2**20 for r in rss]
+
+
+@pytest.mark.distributed
+def test_both_paths_run_the_same_engine(interleaved):
+    for segments in interleaved:
+        stages = {(s["path"], s["zero_stage"], s["train_batch_size"]) for s in segments}
+        stage = segments[0]["zero_stage"]
+        assert stage in (2, 3) and stages == {("stock", stage, 2 * 2), ("hf-ext", stage, 2 * 2)}
+        # the whole config the engine ran with, every "auto" filled: stock's fill and hf-ext's resolution agree key by
+        # key (bucket sizes, optimizer, scheduler steps, precision), so the throughput ratio compares the same engine
+        stock = next(s for s in segments if s["path"] == "stock")["engine_config"]
+        ours = next(s for s in segments if s["path"] == "hf-ext")["engine_config"]
+        # as {"a.b": value}, so that a failure names the keys that differ
+        stock, ours = dict(_walk(stock)), dict(_walk(ours))
+        assert "auto" not in stock.values()
+        assert ours == stock
+
+
+@pytest.mark.distributed
+def test_hf_ext_logs_the_true_loss_where_stock_logs_it_world_size_times(interleaved):
+    """BlenderBot's forward takes ``**kwargs`` but averages its loss itself; stock still multiplies it by the number of
+    ranks (its fix for models that divide by the global token count), hf-ext does not. The same training otherwise:
+    with the gradient clipped and Adam's step scale-free, the two runs follow the same trajectory."""
+    for segments in interleaved:
+        stock = next(s for s in segments if s["path"] == "stock")["final_loss"]
+        ours = next(s for s in segments if s["path"] == "hf-ext")["final_loss"]
+        assert stock == pytest.approx(2 * ours, rel=2e-3)
+
+
+@pytest.mark.distributed
+def test_hf_ext_callbacks_are_timed_on_every_step(interleaved):
+    """The benchmark's direct measure of hf-ext's own per-step code: its callbacks, timed on every step event of the
+    hf-ext segments only (stock segments have none)."""
+    for segments in interleaved:
+        for s in segments:
+            if s["path"] == "stock":
+                assert s["hf_ext_hook_seconds"] == {} and s["hf_ext_hook_seconds_per_step"] == 0
+                continue
+            events = s["hf_ext_hook_seconds"]
+            assert {"on_train_begin", "on_step_begin", "on_step_end", "on_train_end"} <= set(events)
+            assert 0 < s["hf_ext_hook_seconds_per_step"] < events["on_train_begin"] + events["on_train_end"]
+
+
+def test_the_step_tracer_names_hf_ext_code(monkeypatch):
+    """The tracer behind the next test sees hf-ext's functions when they run, and files them under hf_ext."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    from throughput_worker import StepCodeTracer
+
+    from hf_ext.deepspeed.resolve import load_deepspeed_config
+
+    tracer = StepCodeTracer()
+    sys.setprofile(tracer._profile)
+    try:
+        load_deepspeed_config("zero2")
+    finally:
+        sys.setprofile(None)
+    assert tracer.hf_ext_functions["deepspeed_config.py:load_deepspeed_config"] == 1
+    assert tracer.calls["hf_ext"] >= 1
+
+
+@pytest.mark.distributed
+def test_no_hf_ext_function_runs_inside_a_training_step(interleaved):
+    """Every Python call from the first step's begin to the last step's end, counted by package: hf-ext's Trainer and
+    TrainingArguments add nothing to the step path (its callbacks' step events are transformers' own no-ops), and
+    the step does no more interpreter work than stock's (it skips stock's cross-rank token count)."""
+    for segments in interleaved:
+        calls = {}
+        for s in segments:
+            assert s["hf_ext_functions_in_steps"] == {}, s["path"]
+            # the tracer sees the step: the Trainer's loop, accelerate's backward and DeepSpeed's engine
+            assert all(s["python_calls_per_step"].get(p, 0) > 0 for p in ("transformers", "accelerate", "deepspeed"))
+            calls.setdefault(s["path"], s["python_calls_per_step"])
+            # the same path does the same interpreter work in each of its segments
+            assert s["python_calls_per_step"] == pytest.approx(calls[s["path"]], rel=0.02)
+        # the worker's own instruments (its timers, and HookClock on hf-ext's callbacks) left out
+        ours, stock = ({k: v for k, v in calls[p].items() if k != "benchmark"} for p in ("hf-ext", "stock"))
+        assert sum(ours.values()) <= sum(stock.values()), (ours, stock)

@@ -1,0 +1,434 @@
+"""ChatEngine: load a fine-tuned BlenderBot, build its MuDoConv context, generate or stream a reply.
+
+No Gradio here: the UI (:mod:`chat_e.ui`) is a thin layer over this module, which is tested on its own.
+
+The context is built by :mod:`chat_e.dialogue` -- the same code that prepares the training data -- so what the bot
+sees at serving time is exactly what it was trained on::
+
+    engine = ChatEngine.from_pretrained("runs/demo/final")
+    engine.chat("Hi! Any plans for the summer?", mode="domain", context="vacation ideas")
+    for piece in engine.stream_chat("Tell me more.", history=["Hi!", "Hello there."], num_beams=1):
+        print(piece, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from hf_ext.saving.model_dir import ModelDirError as ModelLoadError
+from hf_ext.saving.model_dir import describe_model_dir
+
+from .dialogue import MODES, encode_history, format_context
+
+logger = logging.getLogger(__name__)
+
+#: UI names of the context modes -> :data:`chat_e.dialogue.MODES` (free chat has no header).
+MODE_ALIASES: dict[str, str] = {"free": "none", "": "none"}
+#: Longest message (characters) that is kept; longer ones are cut, the model only sees its last 128 tokens anyway.
+MAX_MESSAGE_CHARS = 2000
+#: Newest turns of a history that are considered (a turn is at least one token, and the window is 128 tokens).
+MAX_HISTORY_TURNS = 128
+DTYPES = ("fp32", "bf16")
+QUANTIZE = ("none", "int8")
+
+
+@dataclass
+class GenerationSettings:
+    """Per-reply generation settings; :meth:`ChatEngine.default_settings` fills them from the model's defaults."""
+
+    num_beams: int = field(default=10, metadata={"help": "Beams for beam search; 1 streams token by token."})
+    do_sample: bool = field(default=False, metadata={"help": "Sample instead of searching for the likeliest reply."})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (only with do_sample)."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass (only with do_sample)."})
+    max_new_tokens: int = field(default=59, metadata={"help": "Longest reply in tokens."})
+    min_new_tokens: int = field(default=19, metadata={"help": "Shortest reply in tokens."})
+
+    @classmethod
+    def from_generation_config(cls, config) -> GenerationSettings:
+        """BlenderBot's defaults as settings: for an encoder-decoder, ``max_length`` counts the decoder start token."""
+        max_new = config.max_new_tokens or max(int(config.max_length or 60) - 1, 1)
+        min_new = (
+            config.min_new_tokens if config.min_new_tokens is not None else max(int(config.min_length or 0) - 1, 0)
+        )
+        return cls(
+            num_beams=int(config.num_beams or 1),
+            do_sample=bool(config.do_sample),
+            temperature=float(config.temperature if config.temperature is not None else 1.0),
+            top_p=float(config.top_p if config.top_p is not None else 1.0),
+            max_new_tokens=int(max_new),
+            min_new_tokens=int(min_new),
+        )
+
+    def replace(self, **overrides) -> GenerationSettings:
+        names = {f.name for f in fields(self)}
+        unknown = sorted(set(overrides) - names)
+        if unknown:
+            raise TypeError(f"Unknown generation setting(s) {unknown}; choose from {sorted(names)}.")
+        return GenerationSettings(**{**asdict(self), **{k: v for k, v in overrides.items() if v is not None}})
+
+
+def normalize_mode(mode: str | None) -> str:
+    """A UI or API mode name (``persona``, ``emotion``, ``domain``, ``topic``, ``free``/``none``) -> dialogue mode."""
+    mode = MODE_ALIASES.get((mode or "").strip().lower(), (mode or "").strip().lower())
+    if mode not in MODES:
+        raise ValueError(f"Unknown context mode {mode!r}; choose one of persona, emotion, domain, topic or free.")
+    return mode
+
+
+def clip_message(message: str, limit: int = MAX_MESSAGE_CHARS) -> tuple[str, bool]:
+    """``message`` cut to ``limit`` characters, and whether it was cut."""
+    message = str(message or "")
+    return (message[:limit], True) if len(message) > limit else (message, False)
+
+
+def message_text(content: Any) -> str:
+    """The text of a chat message's content: a string, a ``{"text": ...}`` part, or a list of parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, Mapping):
+        return str(content.get("text") or content.get("content") or "") if "file" not in content else ""
+    if isinstance(content, Sequence):
+        return " ".join(t for t in (message_text(c) for c in content) if t)
+    return str(content)
+
+
+def history_turns(history: Sequence[Any] | None) -> list[str]:
+    """Turns (oldest first) from a history: strings, ``{"role", "content"}`` messages, or ``[user, bot]`` pairs.
+
+    Empty turns and system messages are dropped; consecutive messages of one speaker are joined into one turn, since
+    MuDoConv alternates speakers.
+    """
+    turns: list[tuple[str | None, str]] = []
+    for item in (history or [])[-2 * MAX_HISTORY_TURNS :]:
+        if isinstance(item, Mapping):
+            role = str(item.get("role") or "")
+            if role == "system":
+                continue
+            pieces = [(role, message_text(item.get("content")))]
+        elif isinstance(item, (list, tuple)):
+            pieces = [("user", message_text(item[0]) if item else ""), ("assistant", message_text(item[1:2]))]
+        else:
+            pieces = [(None, message_text(item))]
+        for role, text in pieces:
+            text = clip_message(" ".join(text.split()))[0]
+            if not text:
+                continue
+            if role is not None and turns and turns[-1][0] == role:
+                turns[-1] = (role, f"{turns[-1][1]} {text}")
+            else:
+                turns.append((role, text))
+    return [text for _, text in turns[-MAX_HISTORY_TURNS:]]
+
+
+def _has_tokenizer(path: Path) -> bool:
+    return any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json"))
+
+
+def quantize_int8(model):
+    """Dynamic int8 quantization of every ``nn.Linear`` (weights int8, activations quantized on the fly)."""
+    import torch
+
+    with warnings.catch_warnings():  # torch.ao's eager quantization warns that it is moving to torchao
+        warnings.simplefilter("ignore")
+        return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+
+
+class _Cancelled:
+    """A stopping criterion that ends generation when its event is set (the reader went away)."""
+
+    def __init__(self, event: threading.Event):
+        self.event = event
+
+    def __call__(self, input_ids, scores, **kwargs):
+        import torch
+
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
+class ChatEngine:
+    """A BlenderBot, its tokenizer and generation defaults, and the MuDoConv context format.
+
+    Args:
+        model: a seq2seq model in eval mode.
+        tokenizer: its tokenizer.
+        generation_config: generation defaults (the model's own when None).
+        max_input_length: longest model input in tokens (the model's ``max_position_embeddings`` when None).
+        name: how the model is shown in the UI.
+    """
+
+    def __init__(self, model, tokenizer, generation_config=None, max_input_length: int | None = None, name: str = ""):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.generation_config = copy.deepcopy(generation_config or model.generation_config)
+        positions = getattr(model.config, "max_position_embeddings", None) or tokenizer.model_max_length
+        self.max_input_length = int(max_input_length or positions)
+        self.max_positions = int(positions)
+        self.name = name or getattr(model.config, "name_or_path", "") or type(model).__name__
+        self.info: dict[str, Any] = {}
+
+    # ---- loading ---------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, dtype: str = "fp32", quantize: str = "none", device: str = "cpu"
+    ) -> ChatEngine:
+        """Load a recipe's model directory: a 16-bit save or an exported merge (``config.json``), or a PEFT adapter
+        (``adapter_config.json``, merged into its base at load).
+
+        Args:
+            path: the model directory.
+            dtype: ``fp32`` (default; CPU half precision is slow) or ``bf16``.
+            quantize: ``none`` or ``int8`` (dynamic quantization of the linear layers; needs ``fp32``).
+            device: torch device.
+
+        Raises:
+            ModelLoadError: the directory is missing, is not a model directory, or its files cannot be loaded.
+        """
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not supported; choose one of {', '.join(DTYPES)}.")
+        if quantize not in QUANTIZE:
+            raise ValueError(f"quantize={quantize!r} is not supported; choose one of {', '.join(QUANTIZE)}.")
+        if quantize == "int8" and (dtype != "fp32" or device != "cpu"):
+            raise ValueError("int8 dynamic quantization runs on CPU in fp32: drop --dtype bf16 or --quantize int8.")
+        found = describe_model_dir(path)
+        path = found["path"]
+
+        import torch
+        from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+        torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+        started = time.perf_counter()
+        try:
+            if found["kind"] == "adapter":
+                from peft import PeftModel
+
+                base = found["base"]
+                try:
+                    model = AutoModelForSeq2SeqLM.from_pretrained(str(base), dtype=torch_dtype)
+                except Exception as err:
+                    raise ModelLoadError(
+                        f"The adapter in {path} needs its base model {base}, which could not be loaded: "
+                        f"{_one_line(err)}"
+                    ) from err
+                model = PeftModel.from_pretrained(model, str(path)).merge_and_unload()
+                tokenizer_dir = path if _has_tokenizer(path) else Path(str(base))
+            else:
+                model = AutoModelForSeq2SeqLM.from_pretrained(str(path), dtype=torch_dtype)
+                tokenizer_dir = path
+            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        except ModelLoadError:
+            raise
+        except Exception as err:
+            raise ModelLoadError(f"Could not load the model in {path}: {_one_line(err)}") from err
+
+        model = model.to(device).eval()
+        parameters = sum(p.numel() for p in model.parameters())
+        if quantize == "int8":
+            model = quantize_int8(model)
+        engine = cls(model, tokenizer, name=str(path))
+        engine.info = {
+            "path": str(path),
+            "kind": "base + adapter" if found["kind"] == "adapter" else "model",
+            "base": str(found["base"]) if found["base"] else None,
+            "parameters": parameters,
+            "dtype": dtype,
+            "quantize": quantize,
+            "load_seconds": round(time.perf_counter() - started, 2),
+        }
+        return engine
+
+    def describe(self) -> str:
+        """One line saying which model is loaded, for the UI."""
+        info = self.info or {"path": self.name}
+        parts = [str(info.get("path"))]
+        if info.get("kind") == "base + adapter":
+            parts.append(f"adapter on {info.get('base')}")
+        if info.get("parameters"):
+            parts.append(f"{info['parameters'] / 1e6:.1f}M parameters")
+        precision = info.get("dtype", "fp32") + (" + int8 linear" if info.get("quantize") == "int8" else "")
+        parts.append(precision)
+        parts.append(f"context window {self.max_input_length} tokens")
+        return " · ".join(parts)
+
+    # ---- context ---------------------------------------------------------------------------------------------
+
+    def default_settings(self) -> GenerationSettings:
+        """The model's generation defaults (BlenderBot's: 10 beams, 19-59 new tokens)."""
+        settings = GenerationSettings.from_generation_config(self.generation_config)
+        return settings.replace(max_new_tokens=min(settings.max_new_tokens, self.max_positions - 1))
+
+    @staticmethod
+    def turns(message: str | None, history: Sequence[Any] | None = None) -> list[str]:
+        """All turns so far, oldest first, with ``message`` (the user's newest) last."""
+        turns = history_turns(history)
+        if message is not None and " ".join(str(message).split()):
+            turns.append(" ".join(clip_message(message)[0].split()))
+        return turns
+
+    def build_context(
+        self, message: str | None, history: Sequence[Any] | None = None, mode: str = "none", context: str | None = None
+    ) -> str:
+        """The MuDoConv ``texts`` string for this chat (before truncation), as :func:`chat_e.dialogue.format_context`."""
+        return format_context(self.turns(message, history), normalize_mode(mode), context)
+
+    def encode(
+        self, message: str | None, history: Sequence[Any] | None = None, mode: str = "none", context: str | None = None
+    ) -> list[int]:
+        """Model input ids, left-truncated to the model's window: the header and the newest turns stay."""
+        turns = self.turns(message, history)
+        return encode_history(self.tokenizer, turns, normalize_mode(mode), context, self.max_input_length)
+
+    def model_input_text(self, *args, **kwargs) -> str:
+        """What the model sees, as text (after truncation)."""
+        return self.tokenizer.decode(self.encode(*args, **kwargs), skip_special_tokens=False)
+
+    # ---- generation ------------------------------------------------------------------------------------------
+
+    def _generation_config(self, settings: GenerationSettings):
+        config = copy.deepcopy(self.generation_config)
+        max_new = max(1, min(int(settings.max_new_tokens), self.max_positions - 1))
+        min_new = max(0, min(int(settings.min_new_tokens), max_new))
+        beams = max(1, int(settings.num_beams))
+        # an encoder-decoder's max_length / min_length count decoder tokens, the start token included; setting them
+        # (rather than max_new_tokens) overrides BlenderBot's own values without transformers' "both set" warning
+        update = dict(
+            num_beams=beams,
+            do_sample=bool(settings.do_sample),
+            max_length=max_new + 1,
+            min_length=min_new + 1,
+            max_new_tokens=None,
+            min_new_tokens=None,
+        )
+        if settings.do_sample:
+            update.update(temperature=float(settings.temperature), top_p=float(settings.top_p))
+        if beams == 1:
+            update.update(length_penalty=1.0, early_stopping=False)  # beam-only flags
+        config.update(**update)
+        return config
+
+    def _inputs(self, message, history, mode, context):
+        import torch
+
+        ids = self.encode(message, history, mode, context)
+        device = next(self.model.parameters(), torch.empty(0)).device
+        input_ids = torch.tensor([ids], dtype=torch.long, device=device)
+        return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+
+    def _settings(self, settings: GenerationSettings | None, overrides: dict) -> GenerationSettings:
+        return (settings or self.default_settings()).replace(**overrides)
+
+    def chat(
+        self,
+        message: str,
+        history: Sequence[Any] | None = None,
+        mode: str = "none",
+        context: str | None = None,
+        settings: GenerationSettings | None = None,
+        **overrides,
+    ) -> str:
+        """The bot's reply to ``message`` after ``history`` under a context ``mode``.
+
+        Args:
+            message: the user's newest message.
+            history: earlier turns (strings, ``{"role", "content"}`` messages or ``[user, bot]`` pairs), oldest first.
+            mode: ``persona``, ``emotion``, ``domain``, ``topic`` or ``free``/``none``.
+            context: the persona sentences, emotion or domain for the header.
+            settings: generation settings (:meth:`default_settings` when None); keyword overrides win.
+        """
+        import torch
+
+        settings = self._settings(settings, overrides)
+        inputs = self._inputs(message, history, mode, context)
+        started = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(**inputs, generation_config=self._generation_config(settings))
+        reply = self.tokenizer.decode(out[0], skip_special_tokens=True).strip()
+        self._log(inputs, out.shape[-1] - 1, started, mode)
+        return reply
+
+    def stream_chat(
+        self,
+        message: str,
+        history: Sequence[Any] | None = None,
+        mode: str = "none",
+        context: str | None = None,
+        settings: GenerationSettings | None = None,
+        **overrides,
+    ) -> Iterator[str]:
+        """Yield the reply in pieces as it is generated; their concatenation is what :meth:`chat` returns.
+
+        Beam search cannot stream (the best beam is only known at the end): with ``num_beams > 1`` the whole reply
+        comes as one piece. Closing the iterator early stops generation.
+        """
+        from transformers import StoppingCriteriaList, TextIteratorStreamer
+
+        settings = self._settings(settings, overrides)
+        if settings.num_beams > 1:
+            yield self.chat(message, history, mode, context, settings)
+            return
+        inputs = self._inputs(message, history, mode, context)
+        streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)
+        cancel = threading.Event()
+        failure: list[BaseException] = []
+        lengths: list[int] = []
+
+        def run():
+            import torch
+
+            try:
+                with torch.inference_mode():
+                    out = self.model.generate(
+                        **inputs,
+                        generation_config=self._generation_config(settings),
+                        streamer=streamer,
+                        stopping_criteria=StoppingCriteriaList([_Cancelled(cancel)]),
+                    )
+                lengths.append(out.shape[-1] - 1)
+            except BaseException as err:  # handed to the reading thread, which re-raises it
+                failure.append(err)
+                streamer.end()
+
+        started = time.perf_counter()
+        worker = threading.Thread(target=run, name="chat-e-generate", daemon=True)
+        worker.start()
+        pending, first = "", True
+        try:
+            for piece in streamer:
+                text = pending + piece
+                if first:
+                    text = text.lstrip()
+                    first = not text
+                body = text.rstrip()
+                pending = text[len(body) :]  # trailing whitespace waits for more text (a reply is stripped)
+                if body:
+                    yield body
+        finally:
+            cancel.set()
+            worker.join()
+        if failure:
+            raise failure[0]
+        self._log(inputs, lengths[0] if lengths else 0, started, mode)
+
+    def _log(self, inputs, new_tokens: int, started: float, mode: str) -> None:
+        logger.info(
+            "generate: mode=%s input_tokens=%d new_tokens=%d seconds=%.3f",
+            normalize_mode(mode),
+            inputs["input_ids"].shape[-1],
+            new_tokens,
+            time.perf_counter() - started,
+        )
+
+
+def _one_line(err: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= limit else text[: limit - 1] + "…"

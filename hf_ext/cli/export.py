@@ -1,0 +1,42 @@
+"""``hf-ext export SRC --out DIR [--merge] [--dtype bf16|fp16|fp32]``: parsing only; the work is
+:func:`hf_ext.saving.export.export`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from ..saving.export import DTYPES, export
+
+EXPORT_HELP = "Write a serving-ready model (weights, config, generation config, tokenizer) from a run or checkpoint."
+
+
+def export_command_parser(subparsers):
+    parser = subparsers.add_parser("export", help=EXPORT_HELP, description=EXPORT_HELP)
+    parser.add_argument("src", help="a run's output_dir or a checkpoint directory")
+    parser.add_argument("--out", required=True, help="directory to write the exported model to")
+    parser.add_argument("--merge", action="store_true", help="merge a PEFT adapter into its base model")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="weights dtype (default: as stored)")
+    parser.add_argument("--base_model", default=None, help="base model of an adapter (default: from adapter_config)")
+    parser.add_argument("--max_shard_size", default="5GB", help="largest safetensors shard (default: 5GB)")
+    parser.set_defaults(func=export_command)
+    return parser
+
+
+def export_command(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        out = export(
+            args.src,
+            args.out,
+            merge=args.merge,
+            dtype=args.dtype,
+            base_model=args.base_model,
+            max_shard_size=args.max_shard_size,
+        )
+    except (FileNotFoundError, ValueError) as err:
+        print(f"hf-ext export: {err}", file=sys.stderr)
+        return 1
+    print(out)
+    return 0

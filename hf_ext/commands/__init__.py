@@ -1,1 +1,0 @@
-"""``hf-ext`` command modules (see :mod:`hf_ext.cli`)."""

@@ -1,0 +1,556 @@
+"""DeepSpeed configs: presets, loading, and resolution of every ``"auto"`` against TrainingArguments and the model.
+
+:func:`resolve_deepspeed_config` does what transformers' ``HfTrainerDeepSpeedConfig`` does when it fills ``"auto"``
+(batch sizes, accumulation, clipping, optimizer and scheduler values, precision, the hidden-size based bucket sizes)
+and also what it leaves to crash late or to go silently wrong:
+
+* the normalizations of :mod:`hf_ext.ds_normalize` (deprecated spellings, string booleans, float literals, ...);
+* precision: ``"auto"`` (or no fp16/bf16 section) with TrainingArguments saying nothing picks from the hardware
+  (bf16, else fp16, on an accelerator; fp32 on CPU); a precision the config enables explicitly is adopted by
+  TrainingArguments when they say nothing; fp16/bf16 the hardware lacks is an error;
+* batch-size keys and ``gradient_clipping`` missing from the config are added from TrainingArguments (DeepSpeed would
+  otherwise use accumulation 1 and no clipping while the Trainer assumes the arguments' values);
+* a top-level ``"gradient_checkpointing": true`` (ignored by DeepSpeed) turns on activation checkpointing;
+* ZeRO-3-only keys at stage < 3 are warned about (``"auto"`` ones dropped);
+* explicit values that disagree with TrainingArguments are all collected and raised at once, each with its fix;
+* an ``"auto"`` nothing can fill is an error naming the key: after resolution no ``"auto"`` is left;
+* the result is checked with DeepSpeed's own config models: unknown keys at any level (with "did you mean"),
+  wrong types, and DeepSpeed's own consistency checks.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..memory import auto
+from ..memory.formulas import Plan
+from ..model_info import hidden_size_buckets, hidden_size_of
+from ..runtime import Hardware, local_world_size
+from ..sizes import gb
+from . import schema
+from .errors import Change, DeepSpeedConfigError, Problem, Report, logger, short
+from .load import PRESETS, describe, load
+from .normalize import GATHER_KEY, normalize
+
+RESOLVED_CONFIG_NAME = "deepspeed_config.resolved.json"
+HIDDEN_SIZE_KEYS = tuple(f"zero_optimization.{key}" for key in hidden_size_buckets(1))
+STEP_KEYS = ("scheduler.params.total_num_steps", "scheduler.params.warmup_num_steps")
+
+
+def load_deepspeed_config(config: str | Path | dict) -> dict:
+    """A DeepSpeed config as a fresh dict, from a dict, a JSON/YAML path or a preset name (nothing resolved)."""
+    return load(config, Report())
+
+
+@dataclass
+class Resolution:
+    """The resolved config and the record of how it was obtained."""
+
+    config: dict
+    origin: str
+    changes: list[Change] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
+    args_updates: dict = field(default_factory=dict)  # TrainingArguments values the config implies
+    memory_plan: Plan | None = None  # the memory planner's plan, when it planned the run
+
+    def table(self) -> str:
+        """Every filled/normalized key, its value and where the value came from, as an aligned text table."""
+        rows = [("key", "value", "action", "source")]
+        rows += [(c.key, short(c.value), c.action, c.source) for c in self.changes]
+        widths = [min(60, max(len(r[i]) for r in rows)) for i in range(3)]
+        return "\n".join(
+            "  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths)) + "  " + row[3] for row in rows
+        ).rstrip()
+
+
+def resolve_deepspeed_config(config, training_args, model=None, world_size: int | None = None, **kwargs) -> dict:
+    """Resolve a DeepSpeed config against ``training_args`` (and ``model`` for the hidden-size based keys).
+
+    Args:
+        config: a path to a JSON file or an accelerate YAML, a dict, or a preset name (``zero1``, ``zero2``,
+            ``zero3``, ``zero3_offload``).
+        training_args: the :class:`transformers.TrainingArguments` of the run.
+        model: a model, its config, or a path/hub id of one; needed when bucket sizes are ``"auto"``.
+        world_size: number of ranks; defaults to ``training_args.world_size``.
+        **kwargs: ``num_training_steps`` (defaults to ``training_args.max_steps`` when > 0) and ``hardware``
+            (a :class:`Hardware`, detected when omitted); see :func:`explain_deepspeed_config`.
+
+    Returns:
+        The resolved config: no ``"auto"`` left, validated by DeepSpeed's own config models. Use
+        :func:`explain_deepspeed_config` for the record of every filled or normalized key and its source.
+
+    Raises:
+        DeepSpeedConfigError: with every problem found (mismatches with ``training_args``, unknown keys, invalid
+            values, unfillable ``"auto"``), one line each with its fix.
+    """
+    return explain_deepspeed_config(config, training_args, model, world_size, **kwargs).config
+
+
+def explain_deepspeed_config(
+    config,
+    training_args,
+    model=None,
+    world_size: int | None = None,
+    *,
+    num_training_steps: int | None = None,
+    hardware: Hardware | None = None,
+    defer: bool = False,
+    raise_errors: bool = True,
+) -> Resolution:
+    """Like :func:`resolve_deepspeed_config`, but returns the whole :class:`Resolution` record.
+
+    ``defer=True`` leaves the ``"auto"`` values that need the model or the number of training steps in place when
+    those are unknown (they are filled at train start); ``raise_errors=False`` returns problems in
+    ``Resolution.problems`` instead of raising.
+    """
+    report = Report()
+    origin = describe(config)
+    try:
+        raw = load(config, report)
+    except DeepSpeedConfigError as err:
+        if raise_errors:
+            err.origin = err.origin or origin
+            raise
+        return Resolution({}, origin, report.changes, report.warnings, err.problems)
+    resolved, normal = normalize(raw)
+    report.extend(normal)
+    resolution = Resolution(resolved, origin)
+    args = training_args
+    world = world_size if world_size is not None else args.world_size
+    _gradient_checkpointing(resolved, report, resolution)
+    hardware = hardware or Hardware.detect(getattr(args, "use_cpu", False))
+    precision = _precision(resolved, args, hardware, report, resolution)
+    _memory_autos(resolved, args, model, world, hardware, precision, report, resolution)
+    _fill_from_args(resolved, args, world, report)
+    stage = _stage(resolved)
+    _stage3_only(resolved, stage, report)
+    if stage == 3:
+        _gather_default(resolved, report)
+        if hardware.device == "cpu" and isinstance(config, str) and config in PRESETS:
+            _cpu_zero3_preset(resolved, report)
+    if model is not None:
+        try:
+            report.changes += fill_model_keys(resolved, model)
+        except DeepSpeedConfigError as err:
+            report.problems += err.problems
+    steps = num_training_steps
+    if steps is None and not defer and args.max_steps > 0:
+        steps = args.max_steps
+    if steps is not None:
+        _fill_steps(resolved, args, steps, report)
+    _leftover_autos(resolved, report, defer)
+    _validate(resolved, report)
+    resolution.changes, resolution.warnings, resolution.problems = report.changes, report.warnings, report.problems
+    for message in report.warnings:
+        logger.warning(message)
+    if report.problems and raise_errors:
+        raise DeepSpeedConfigError(report.problems, origin)
+    return resolution
+
+
+# --- helpers on dotted keys -------------------------------------------------------------------------------------
+
+
+def node_of(config: dict, key: str, create: bool = False) -> tuple[dict | None, str]:
+    *parents, leaf = key.split(".")
+    node = config
+    for part in parents:
+        if not isinstance(node.get(part), dict):
+            if not create:
+                return None, leaf
+            node[part] = {}
+        node = node[part]
+    return node, leaf
+
+
+def get_value(config: dict, key: str, default=None):
+    node, leaf = node_of(config, key)
+    return default if node is None else node.get(leaf, default)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b or a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
+    return a == b
+
+
+def _fill(config, report, key, value, source, args_field=None, args_fix=None, add=False, match=True):
+    """Replace ``"auto"`` at ``key`` by ``value``; add it when missing and ``add``; else compare when ``match``."""
+    node, leaf = node_of(config, key, create=add)
+    if node is None:
+        return
+    if leaf not in node:
+        if add:
+            node[leaf] = value
+            report.change(key, value, f"{source} (missing in the config)", "added")
+        return
+    current = node[leaf]
+    if current == "auto":
+        node[leaf] = value
+        report.change(key, value, source)
+    elif match and not _same(current, value):
+        fix = f'set {key} to "auto"'
+        if args_fix:
+            flags = " ".join(f"--{k} {short(v)}" for k, v in args_fix.items())
+            fix += f", or pass {flags}"
+        report.problem(key, f"is {short(current)} but {args_field} is {short(value)}", fix, args_fix)
+
+
+def _stage(config: dict) -> int:
+    stage = get_value(config, "zero_optimization.stage", 0)
+    return stage if isinstance(stage, int) else 0
+
+
+# --- resolution steps -------------------------------------------------------------------------------------------
+
+
+def _gradient_checkpointing(config: dict, report: Report, resolution: Resolution):
+    if "gradient_checkpointing" not in config:
+        return
+    value = config.pop("gradient_checkpointing")
+    if value is True:
+        resolution.args_updates["activation_checkpointing"] = True
+        report.change("gradient_checkpointing", True, "TrainingArguments.activation_checkpointing=True", "moved")
+        report.warn(
+            'DeepSpeed ignores a top-level "gradient_checkpointing": true; activation checkpointing is turned on '
+            "in the model instead (TrainingArguments.activation_checkpointing=True). Set that argument and drop the "
+            "key to silence this."
+        )
+    else:
+        report.change("gradient_checkpointing", value, "top-level key DeepSpeed ignores", "removed")
+
+
+def _memory_autos(config: dict, args, model, world: int, hardware: Hardware, precision: str | None, report: Report,
+                  resolution: Resolution):  # fmt: skip
+    """ZeRO stage / offload devices / micro-batch ``"auto"``: chosen by the memory planner (hf_ext.memory.auto)."""
+    micro = args.per_device_train_batch_size
+    keys = auto.auto_keys(config, micro)
+    plan_model = getattr(args, "plan_model", None)
+    if not keys and plan_model is None:
+        return  # nothing to choose and no plan asked for: no probe
+    model = model if model is not None else plan_model
+    if model is None:
+        for key in keys:
+            report.problem(key, '"auto" needs the model to plan memory', "pass plan_model=PATH (--plan_model PATH)")
+        return
+    checkpointing = bool(
+        getattr(args, "activation_checkpointing", False)
+        or getattr(args, "gradient_checkpointing", False)
+        or resolution.args_updates.get("activation_checkpointing")
+    )
+    decision = auto.decide(
+        config,
+        keys,
+        model,
+        world_size=world,
+        local_ranks=local_world_size(),
+        precision=precision or "fp32",
+        device=hardware.device,
+        micro_batch=None if micro == "auto" else int(micro),
+        accumulation_steps=args.gradient_accumulation_steps,
+        seq_len=int(getattr(args, "plan_seq_len", 128) or 128),
+        checkpointing=checkpointing,
+        memory_per_device=getattr(args, "memory_per_device", None),
+    )
+    chosen, source = decision.plan, decision.budget_source
+    if chosen is None:
+        smallest = decision.smallest
+        report.problem(
+            keys[0],
+            f"nothing fits the {gb(smallest.budget)} per rank ({source}): the smallest plan, "
+            f"{smallest.candidate.name} at micro-batch {smallest.micro_batch}, needs "
+            f"{gb(smallest.total_bytes + smallest.baseline)}",
+            "lower per_device_train_batch_size or plan_seq_len, turn on activation checkpointing, add ranks, "
+            "or raise memory_per_device",
+        )
+        _apply_memory_plan(config, smallest, keys, report, source)  # so that the only error is the one above
+        if micro == "auto":
+            args.per_device_train_batch_size = 1
+        return
+    _apply_memory_plan(config, chosen, keys, report, source)
+    if micro == "auto":
+        args.per_device_train_batch_size = chosen.micro_batch
+        resolution.args_updates["per_device_train_batch_size"] = chosen.micro_batch
+        report.change("TrainingArguments.per_device_train_batch_size", chosen.micro_batch,
+                      f"planner: largest micro-batch that fits ({source})")  # fmt: skip
+    resolution.memory_plan = chosen
+
+
+def _apply_memory_plan(config: dict, plan, keys: list[str], report: Report, source: str) -> None:
+    zero = config.setdefault("zero_optimization", {})
+    c = plan.candidate
+    why = auto.describe_choice(plan, source)
+    if auto.STAGE_KEY in keys:
+        zero["stage"] = c.stage
+        report.change(auto.STAGE_KEY, c.stage, why)
+        if c.stage < 3:  # the stage-3 settings of the auto preset do not apply
+            for key in [k for k in zero if k in schema.STAGE3_ONLY_KEYS and k != "offload_param"]:
+                report.change(f"zero_optimization.{key}", zero.pop(key), f"planner chose stage {c.stage}", "removed")
+    for section, on in (("offload_optimizer", c.offload_optimizer), ("offload_param", c.offload_param)):
+        key = f"zero_optimization.{section}.device"
+        if key not in keys:
+            continue
+        if on:
+            zero[section]["device"] = "cpu"
+            report.change(key, "cpu", why)
+        else:
+            zero.pop(section)
+            report.change(f"zero_optimization.{section}", "auto", why + ": no offload", "removed")
+    logger.info(f"Memory plan: {c.name} at micro-batch {plan.micro_batch}, {gb(plan.total_bytes)} per rank "
+                f"above the process baseline (budget {gb(plan.budget)}, {source})")  # fmt: skip
+
+
+def _fill_from_args(config: dict, args, world: int, report: Report):
+    micro, accum = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    _fill(config, report, "train_micro_batch_size_per_gpu", micro, "TrainingArguments.per_device_train_batch_size",
+          "per_device_train_batch_size", {"per_device_train_batch_size": get_value(config, "train_micro_batch_size_per_gpu")}, add=True)  # fmt: skip
+    _fill(config, report, "gradient_accumulation_steps", accum, "TrainingArguments.gradient_accumulation_steps",
+          "gradient_accumulation_steps", {"gradient_accumulation_steps": config.get("gradient_accumulation_steps")}, add=True)  # fmt: skip
+    _fill(config, report, "train_batch_size", world * micro * accum,
+          f"world size {world} x per_device_train_batch_size {micro} x gradient_accumulation_steps {accum}",
+          "world_size x per_device_train_batch_size x gradient_accumulation_steps", add=True)  # fmt: skip
+    _fill(config, report, "gradient_clipping", args.max_grad_norm, "TrainingArguments.max_grad_norm",
+          "max_grad_norm", {"max_grad_norm": config.get("gradient_clipping")}, add=True)  # fmt: skip
+    if "zero_optimization" not in config:
+        config["zero_optimization"] = {"stage": 0}
+        report.change("zero_optimization.stage", 0, "DeepSpeed's default (accelerate refuses a config without it)", "added")  # fmt: skip
+    params = get_value(config, "optimizer.params")
+    lr = args.learning_rate
+    if isinstance(params, dict):
+        _fill(config, report, "optimizer.params.lr", lr, "TrainingArguments.learning_rate", "learning_rate",
+              {"learning_rate": params.get("lr")})  # fmt: skip
+        betas = params.get("betas")
+        beta_fix = {"adam_beta1": betas[0], "adam_beta2": betas[1]} if isinstance(betas, list) and len(betas) == 2 else None  # fmt: skip
+        _fill(config, report, "optimizer.params.betas", [args.adam_beta1, args.adam_beta2],
+              "TrainingArguments.adam_beta1/adam_beta2", "[adam_beta1, adam_beta2]", beta_fix)  # fmt: skip
+        _fill(config, report, "optimizer.params.eps", args.adam_epsilon, "TrainingArguments.adam_epsilon",
+              "adam_epsilon", {"adam_epsilon": params.get("eps")})  # fmt: skip
+        _fill(config, report, "optimizer.params.weight_decay", args.weight_decay, "TrainingArguments.weight_decay",
+              "weight_decay", {"weight_decay": params.get("weight_decay")})  # fmt: skip
+    if isinstance(get_value(config, "scheduler.params"), dict):
+        _fill(config, report, "scheduler.params.warmup_min_lr", 0, "0, as transformers does", match=False)
+        _fill(config, report, "scheduler.params.warmup_max_lr", lr, "TrainingArguments.learning_rate",
+              "learning_rate", {"learning_rate": get_value(config, "scheduler.params.warmup_max_lr")})  # fmt: skip
+    if getattr(args, "save_on_each_node", False):
+        _fill(
+            config, report, "checkpoint.use_node_local_storage", True, "TrainingArguments.save_on_each_node", add=True
+        )
+
+
+def _precision(config: dict, args, hardware: Hardware, report: Report, resolution: Resolution) -> str | None:
+    """The one precision rule: what TrainingArguments ask for, else what the config enables explicitly, else the
+    hardware's default. Fills the fp16/bf16 sections and returns ``"bf16"``, ``"fp16"`` or ``None`` (fp32)."""
+    asked = "bf16" if (args.bf16 or args.bf16_full_eval) else "fp16" if (args.fp16 or args.fp16_full_eval) else None
+    current = {}
+    for name in ("fp16", "bf16"):
+        section = config.get(name)
+        if section is not None and not isinstance(section, dict):
+            report.problem(name, f'must be a section like {{"enabled": true}}, got {short(section)}')
+            return None
+        current[name] = (section or {}).get("enabled", "auto")
+    if asked:
+        source, flag = f"TrainingArguments.{asked}", f"--{asked}"
+        chosen = asked
+        for name in ("fp16", "bf16"):
+            if current[name] not in ("auto", name == asked):
+                report.problem(
+                    f"{name}.enabled",
+                    f"is {short(current[name])} but TrainingArguments asks for {asked} ({flag})",
+                    f'set {name}.enabled to "auto", or drop {flag}',
+                )
+    else:
+        explicit = [name for name in ("fp16", "bf16") if current[name] is True]
+        if len(explicit) == 2:
+            report.problem("fp16.enabled", "fp16 and bf16 are both enabled", "enable at most one of them")
+            return None
+        if explicit:
+            chosen, source = explicit[0], "the config (TrainingArguments said nothing)"
+            resolution.args_updates[chosen] = True
+        else:
+            chosen = hardware.default_precision()
+            source = f"hardware: {hardware.device}" + ("" if chosen else " (full fp32)")
+            if chosen:
+                resolution.args_updates[chosen] = True
+    if chosen and not getattr(hardware, chosen):
+        report.problem(
+            f"{chosen}.enabled",
+            f"{chosen} is requested ({source}) but this {hardware.device} host has no {chosen} support",
+            f'set {chosen}.enabled to "auto" (or false), or train where {chosen} is supported',
+        )
+    for name in ("fp16", "bf16"):
+        wanted = name == chosen
+        if current[name] == "auto" or name not in config:
+            config.setdefault(name, {})["enabled"] = wanted
+            report.change(f"{name}.enabled", wanted, source)
+    if "bf16" in resolution.args_updates or "fp16" in resolution.args_updates:
+        report.change(f"TrainingArguments.{chosen}", True, source, "filled")
+    return chosen
+
+
+def _stage3_only(config: dict, stage: int, report: Report):
+    zero = config.get("zero_optimization")
+    if stage >= 3 or not isinstance(zero, dict):
+        return
+    for key in [k for k in zero if k in schema.STAGE3_ONLY_KEYS]:
+        if zero[key] == "auto":
+            zero.pop(key)
+            report.change(f"zero_optimization.{key}", "auto", f"ZeRO-3-only key at stage {stage}", "removed")
+        elif key != GATHER_KEY or zero[key] is True:
+            report.warn(f"zero_optimization.{key} only matters at ZeRO stage 3; it has no effect at stage {stage}")
+
+
+def _gather_default(config: dict, report: Report):
+    zero = config["zero_optimization"]
+    if zero.get(GATHER_KEY) == "auto":
+        zero[GATHER_KEY] = True
+        report.change(f"zero_optimization.{GATHER_KEY}", True, "hf-ext default, so that save_model() writes weights")
+    elif zero.get(GATHER_KEY) is not True:
+        report.warn(
+            f"zero_optimization.{GATHER_KEY} is not true: under ZeRO-3, save_model() will not write usable weights "
+            "(only the DeepSpeed checkpoint). Set it to true to save a loadable model."
+        )
+
+
+#: ZeRO-3 granularity of hf-ext's presets on a CPU-only host (elements): the size of one optimizer-step sub-group
+#: and the most gathered parameters kept alive. The GPU values (1e9, transformers' documented ones) keep the whole
+#: model gathered between uses and step the optimizer over the whole partition at once, which on CPU costs up to the
+#: full model plus two partition-sized temporaries of RAM per rank (BlenderBot-400M on 2 ranks: peak 5.98 GiB per
+#: rank with 1e9, 4.19 GiB with 1e7; docs/benchmarks.md, "Memory").
+CPU_ZERO3_GRANULARITY = 10_000_000
+CPU_ZERO3_KEYS = ("sub_group_size", "stage3_max_live_parameters", "stage3_max_reuse_distance")
+
+
+def _cpu_zero3_preset(config: dict, report: Report):
+    zero = config["zero_optimization"]
+    for key in CPU_ZERO3_KEYS:
+        if zero.get(key) != CPU_ZERO3_GRANULARITY:
+            zero[key] = CPU_ZERO3_GRANULARITY
+            report.change(f"zero_optimization.{key}", CPU_ZERO3_GRANULARITY, "preset on a CPU-only host: bounded RAM")
+
+
+def fill_model_keys(config: dict, model) -> list[Change]:
+    """Fill the hidden-size based ``"auto"`` keys of ``config`` in place (integers, as DeepSpeed requires)."""
+    auto_keys = [k for k in HIDDEN_SIZE_KEYS if get_value(config, k) == "auto"]
+    if not auto_keys:
+        return []
+    hidden = hidden_size_of(model)
+    if hidden is None:
+        raise DeepSpeedConfigError(
+            [
+                Problem(k, '"auto" needs the model\'s hidden size, which its config does not have', "set an integer")
+                for k in auto_keys
+            ]  # fmt: skip
+        )
+    rules = {f"zero_optimization.{key}": rule for key, rule in hidden_size_buckets(hidden).items()}
+    changes = []
+    for key in auto_keys:
+        node, leaf = node_of(config, key)
+        value, formula = rules[key]
+        node[leaf] = value
+        changes.append(Change(key, value, f"model: {formula}"))
+    return changes
+
+
+def _fill_steps(config: dict, args, steps: int, report: Report):
+    if not isinstance(get_value(config, "scheduler.params"), dict):
+        return
+    _fill(config, report, "scheduler.params.total_num_steps", steps, "number of training steps",
+          "the number of training steps")  # fmt: skip
+    warmup = max(1, args.get_warmup_steps(steps))
+    _fill(config, report, "scheduler.params.warmup_num_steps", warmup, "TrainingArguments warmup (at least 1)",
+          "TrainingArguments warmup", {"warmup_steps": get_value(config, "scheduler.params.warmup_num_steps")})  # fmt: skip
+
+
+def walk(node, prefix=""):
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from walk(value, f"{prefix}{key}.")
+    else:
+        yield prefix[:-1], node
+
+
+def _leftover_autos(config: dict, report: Report, defer: bool):
+    for key, value in walk(config):
+        if value != "auto" or key.split(".")[0] not in schema.known_top_level_keys():
+            continue  # unknown keys are reported once, as unknown
+        if key in HIDDEN_SIZE_KEYS:
+            if defer:
+                report.change(key, "auto", "model: filled when the Trainer gets the model", "deferred")
+            else:
+                report.problem(key, '"auto" needs the model\'s hidden size', "pass the model (--model PATH)")
+        elif key in STEP_KEYS:
+            if defer:
+                report.change(key, "auto", "number of training steps: filled at train start", "deferred")
+            else:
+                report.problem(key, '"auto" needs the number of training steps', "pass --max_steps N")
+        elif not any(problem.key == key for problem in report.problems):  # said once, by whoever knew why
+            report.problem(key, '"auto" here has no source to fill it from', "replace it with a value")
+
+
+def _validate(config: dict, report: Report):
+    for key in config:
+        if key not in schema.known_top_level_keys():
+            report.problem(
+                key,
+                f"unknown top-level key{schema.did_you_mean(key, schema.known_top_level_keys())}; DeepSpeed "
+                "would silently ignore it",
+                "fix or remove it",
+            )
+    for section in schema.section_models():
+        if isinstance(config.get(section), dict):
+            for key, message in schema.section_problems(section, config[section]):
+                fix = (
+                    'set it to "auto" (from the model\'s hidden size) or a positive integer'
+                    if key in HIDDEN_SIZE_KEYS
+                    else ""
+                )
+                report.problem(key, message, fix)
+    _validate_named(config, "optimizer", ("type", "params", "legacy_fusion"), _optimizer_names(), report)
+    _validate_named(config, "scheduler", ("type", "params"), _scheduler_names(), report)
+    if not report.problems:
+        for key, message in schema.validate_with_deepspeed(config):
+            report.problem(key, message)
+
+
+def _optimizer_names() -> tuple[set[str], set[str]]:
+    """(names DeepSpeed matches case-insensitively, torch.optim names it looks up as written)."""
+    import torch
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+
+    return set(DEEPSPEED_OPTIMIZERS), {n for n in dir(torch.optim) if n[0].isupper() and n != "Optimizer"}
+
+
+def _scheduler_names() -> tuple[set[str], set[str]]:
+    from deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES
+
+    return set(), set(VALID_LR_SCHEDULES)
+
+
+def _validate_named(config: dict, section: str, allowed: tuple, names: tuple[set[str], set[str]], report: Report):
+    value = config.get(section)
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        report.problem(section, f"must be a section with a type and params, got {short(value)}")
+        return
+    for key in value:
+        if key not in allowed:
+            report.problem(
+                f"{section}.{key}", f"unknown key{schema.did_you_mean(key, allowed)}", "fix or remove it"
+            )
+    kind = value.get("type")
+    any_case, exact = names
+    if not isinstance(kind, str) or (kind.lower() not in any_case and kind not in exact):
+        choices = sorted(any_case | exact)
+        close = difflib.get_close_matches(str(kind), choices, n=1, cutoff=0.6)
+        close = close or difflib.get_close_matches(str(kind).lower(), choices, n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        report.problem(f"{section}.type", f"unknown {section} {kind!r}{hint}", f"use one of {', '.join(choices)}")

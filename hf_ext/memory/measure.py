@@ -1,0 +1,124 @@
+"""Measured memory: this process's resident set (current and peak, with a resettable peak on Linux), the peak
+accelerator memory, and a callback that logs the memory plan at train start and the measured peak beside it at the
+end.
+
+On CPU the number that decides whether a run fits is the resident set size (RSS): Linux keeps its high-water mark
+(``VmHWM``) and lets a process reset it (``/proc/self/clear_refs``), so a peak can be measured over one phase
+(training) without the model loading or the planner's own probe counting.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+
+from ..sizes import GiB, gb
+
+logger = logging.getLogger(__name__)
+
+_STATUS = Path("/proc/self/status")
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        match = re.search(rf"^{field}:\s+(\d+) kB", _STATUS.read_text(), re.MULTILINE)
+    except OSError:
+        return None
+    return int(match.group(1)) * 1024 if match else None
+
+
+def current_rss() -> int:
+    """Resident set size of this process, in bytes."""
+    value = _status_kib("VmRSS")
+    if value is not None:
+        return value
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def peak_rss() -> int:
+    """Peak resident set size of this process since start (or since :func:`reset_peak_rss`), in bytes."""
+    value = _status_kib("VmHWM")
+    if value is not None:
+        return value
+    import resource
+    import sys
+
+    scale = 1 if sys.platform == "darwin" else 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def reset_peak_rss() -> bool:
+    """Restart the peak RSS measurement at the current RSS (Linux ≥ 4.0); False where that is not possible."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def accelerator_in_use() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def reset_peak() -> int:
+    """Start a peak measurement; returns the baseline (bytes in use now) the peak will be compared with."""
+    if accelerator_in_use():
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    reset_peak_rss()
+    return current_rss()
+
+
+def measured_peak() -> int:
+    """Peak bytes since :func:`reset_peak`: accelerator memory on GPUs, resident set size on CPU."""
+    if accelerator_in_use():
+        return torch.cuda.max_memory_allocated()
+    return peak_rss()
+
+
+class MemoryPlanCallback(TrainerCallback):
+    """Logs the memory plan (prediction per component) at train start and the measured per-rank peak at train end.
+
+    The peak is measured from train start (model loading does not count): resident set size on CPU, peak allocated
+    accelerator memory on GPUs; it is compared with the plan's total minus the process baseline. Results are kept in
+    ``self.result`` (and ``state.log_history`` gets ``memory_peak_gib`` / ``memory_predicted_gib``). Usable with
+    the stock :class:`transformers.Trainer` too: pass ``MemoryPlanCallback(plan)``, or with no plan to only
+    measure.
+    """
+
+    def __init__(self, plan=None):
+        self.plan = plan
+        self.baseline = 0
+        self.peak_before_train = 0
+        self.result: dict = {}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.plan is None:
+            self.plan = getattr(args, "memory_plan", None)
+        if self.plan is not None and state.is_world_process_zero:
+            logger.info("Memory plan (per rank):\n" + self.plan.describe())
+        self.peak_before_train = measured_peak()  # model loading and engine set-up, for whoever measures those
+        self.baseline = reset_peak()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        peak = measured_peak()
+        self.result = {"peak_bytes": peak, "baseline_bytes": self.baseline, "increment_bytes": peak - self.baseline}
+        line = f"Measured peak memory on rank {args.process_index}: {gb(peak)} ({gb(peak - self.baseline)} above the "
+        line += f"{gb(self.baseline)} in use at train start)"
+        if self.plan is not None:
+            predicted = self.plan.total_bytes
+            self.result["predicted_bytes"] = predicted
+            line += f"; planned {gb(predicted)} for model states + activations + buffers"
+            self.result["ratio"] = (peak - self.baseline) / predicted if predicted else None
+        logger.info(line)
+        if state.log_history is not None:
+            entry = {"memory_peak_gib": round(peak / GiB, 4), "step": state.global_step}
+            if self.plan is not None:
+                entry["memory_predicted_gib"] = round(self.plan.total_bytes / GiB, 4)
+            state.log_history.append(entry)

@@ -1,0 +1,63 @@
+"""What hf-ext reads off a model or its config: the hidden size, the bucket sizes DeepSpeed derives from it, and the
+model class an architecture name stands for. One place for each rule (config resolution, the memory planner and
+export all ask here)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def hidden_size_of(model) -> int | None:
+    """The hidden size transformers uses for the bucket sizes: ``hidden_size``, else ``max(hidden_sizes)``, also in
+    ``text_config``. ``model`` is a model, a config, or a path / hub id."""
+    if isinstance(model, (str, Path)):
+        from transformers import AutoConfig
+
+        model = AutoConfig.from_pretrained(str(model))
+    config = getattr(model, "config", model)
+    for cfg in (config, getattr(config, "text_config", None)):
+        if cfg is None:
+            continue
+        if getattr(cfg, "hidden_size", None):
+            return int(cfg.hidden_size)
+        if getattr(cfg, "hidden_sizes", None):
+            return int(max(cfg.hidden_sizes))
+    return None
+
+
+#: ZeRO keys transformers derives from the hidden size h when they are "auto": (value, formula) per key
+def hidden_size_buckets(hidden: int) -> dict[str, tuple[int, str]]:
+    """``{zero_optimization key: (integer value, formula)}`` for hidden size ``hidden`` (integers: DeepSpeed refuses
+    floats)."""
+    return {
+        "reduce_bucket_size": (hidden * hidden, f"hidden_size^2 (h={hidden})"),
+        "stage3_prefetch_bucket_size": (int(0.9 * hidden * hidden), f"int(0.9 x hidden_size^2) (h={hidden})"),
+        "stage3_param_persistence_threshold": (10 * hidden, f"10 x hidden_size (h={hidden})"),
+    }
+
+
+def model_class(config):
+    """The transformers class named by ``config.architectures`` (first one transformers has), else ``AutoModel``."""
+    import transformers
+
+    for name in getattr(config, "architectures", None) or ():
+        if hasattr(transformers, name):
+            return getattr(transformers, name)
+    return transformers.AutoModel
+
+
+def random_init_model(model_or_config, seed: int = 0):
+    """A random-init model of the architecture ``model_or_config`` names (a config, a path or a hub id; only the
+    config is read)."""
+    import torch
+    from transformers import AutoConfig, PretrainedConfig
+
+    config = (
+        model_or_config
+        if isinstance(model_or_config, PretrainedConfig)
+        else AutoConfig.from_pretrained(str(model_or_config))
+    )
+    cls = model_class(config)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return cls.from_config(config) if cls is __import__("transformers").AutoModel else cls._from_config(config)

@@ -1,0 +1,265 @@
+"""PEFT-aware saving and checkpoints that resume on any number of ranks, with or without DeepSpeed.
+
+* :func:`save_adapter` gathers the trainable parameters (adapters and ``modules_to_save``, full shapes even under
+  ZeRO-3 — PEFT alone can save ``[0]``-shaped tensors there, peft #2450) and writes them with
+  ``PeftModel.save_pretrained``.
+* :func:`save_trainable_state` writes, per trainable parameter *name*, its fp32 value and its full (un-partitioned)
+  optimizer state, plus the optimizer step and the scheduler state: a world-size-independent file whose size follows
+  the adapter, not the base model. DeepSpeed's own ``safe_get_full_*`` utilities read the partitioned state.
+* :func:`load_trainable_state` puts it back into a fresh trainer after its optimizer exists (any ZeRO stage, any
+  world size, or no DeepSpeed).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from .saving.gather import gathered, is_partitioned
+
+logger = logging.getLogger(__name__)
+
+TRAINABLE_STATE_NAME = "hf_ext_trainable_state.pt"
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+OPTIMIZER_STATE_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def is_peft_model(model) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def is_trainable_state_checkpoint(path) -> bool:
+    return path is not None and not isinstance(path, bool) and (Path(path) / TRAINABLE_STATE_NAME).is_file()
+
+
+def trainable_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+
+def gathered_trainable_state_dict(model) -> dict[str, torch.Tensor]:
+    """Full-shape CPU copies of the trainable parameters (call on every rank under ZeRO-3)."""
+    named = trainable_parameters(model)
+    with gathered([p for _, p in named]):
+        return {name: p.detach().to("cpu", copy=True) for name, p in named}
+
+
+def save_adapter(trainer, output_dir: str | Path) -> None:
+    """``save_model`` for a PEFT model, on every rank: the adapter (and ``modules_to_save``) with full shapes."""
+    model = trainer.model
+    state_dict = gathered_trainable_state_dict(model)
+    if trainer.args.should_save:
+        out = Path(output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(str(out), state_dict=state_dict, safe_serialization=True)
+        verify_adapter(out)
+        base = model.get_base_model()
+        if trainer.processing_class is not None:
+            trainer.processing_class.save_pretrained(out)
+        torch.save(trainer.args, out / "training_args.bin")
+        if getattr(base, "generation_config", None) is not None and base.can_generate():
+            base.generation_config.save_pretrained(out)
+    trainer.accelerator.wait_for_everyone()
+
+
+def verify_adapter(output_dir: str | Path) -> dict[str, tuple[int, ...]]:
+    """Refuse an adapter file that is missing, empty, or holds an empty or ``[0]``-shaped tensor."""
+    from safetensors import safe_open
+
+    path = Path(output_dir) / ADAPTER_FILES[0]
+    if not path.is_file():
+        raise RuntimeError(f"No {ADAPTER_FILES[0]} was written to {output_dir}.")
+    with safe_open(str(path), framework="pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    bad = [f"{k} has shape {list(s)}" for k, s in shapes.items() if 0 in s]
+    if not shapes or bad:
+        path.unlink()
+        raise RuntimeError(
+            f"Refusing the adapter saved in {output_dir}: {'; '.join(bad) or 'no tensors'}. Under ZeRO-3 the "
+            "trainable parameters must be gathered before saving (hf_ext.peft.save_adapter does)."
+        )
+    return shapes
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# trainable state: parameters, optimizer, scheduler — by name, full shapes
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _inner_optimizer(optimizer):
+    """The torch optimizer that holds the state: unwraps accelerate's and DeepSpeed's wrappers."""
+    while hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def _inner_scheduler(scheduler):
+    """The schedule itself: accelerate wraps it (and its DeepSpeed wrapper's ``step`` does nothing)."""
+    while scheduler is not None and hasattr(scheduler, "scheduler"):
+        scheduler = scheduler.scheduler
+    return scheduler
+
+
+def _deepspeed_param(param) -> bool:
+    return is_partitioned(param) or hasattr(param, "_hp_mapping")
+
+
+def _optimizer_step(optimizer) -> int:
+    for state in _inner_optimizer(optimizer).state.values():
+        if "step" in state:
+            step = state["step"]
+            return int(step.item() if torch.is_tensor(step) else step)
+    return 0
+
+
+def _full_state(optimizer, param, key: str) -> torch.Tensor | None:
+    if _deepspeed_param(param):
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        value = safe_get_full_optimizer_state(param, key)
+    else:
+        value = _inner_optimizer(optimizer).state.get(param, {}).get(key)
+    return None if value is None else value.detach().to("cpu", copy=True)
+
+
+def _full_fp32(param) -> torch.Tensor:
+    if _deepspeed_param(param):
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        value = safe_get_full_fp32_param(param)
+        if value is not None:
+            return value.detach().to("cpu", dtype=torch.float32, copy=True)
+    with gathered([param]):
+        return param.detach().to("cpu", dtype=torch.float32, copy=True)
+
+
+def save_trainable_state(trainer, output_dir: str | Path) -> None:
+    """Write :data:`TRAINABLE_STATE_NAME` (every rank takes part in the gathers; the main process writes)."""
+    model, optimizer, scheduler = trainer.model, trainer.optimizer, _inner_scheduler(trainer.lr_scheduler)
+    params = {}
+    for name, param in trainable_parameters(model):
+        entry = {"param": _full_fp32(param)}
+        for key in OPTIMIZER_STATE_KEYS:
+            value = _full_state(optimizer, param, key)
+            if value is not None:
+                entry[key] = value.reshape(entry["param"].shape)
+        params[name] = entry
+    state = {
+        "format": 1,
+        "params": params,
+        "optimizer_step": _optimizer_step(optimizer),
+        "scheduler_class": type(scheduler).__name__ if scheduler is not None else None,
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "global_step": trainer.state.global_step,
+        "world_size": trainer.args.world_size,
+    }
+    if trainer.args.should_save:
+        torch.save(state, Path(output_dir) / TRAINABLE_STATE_NAME)
+
+
+def _ensure_optimizer_state(optimizer, step: int) -> None:
+    """Create Adam-style state for every parameter the torch optimizer holds, so that it can be overwritten."""
+    inner = _inner_optimizer(optimizer)
+    holders = [p for group in inner.param_groups for p in group["params"]]
+    wrapper = optimizer
+    while getattr(wrapper, "optimizer", None) is not None and wrapper.optimizer is not inner:
+        wrapper = wrapper.optimizer
+    # DeepSpeed's flat fp32 partitions carry the state (ZeRO-3 / ZeRO-1/2), whatever param_groups say before a step
+    for attr in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups"):
+        holders += list(getattr(wrapper, attr, None) or [])
+    for p in {id(p): p for p in holders}.values():
+        state = inner.state[p]
+        if "step" in state:
+            state["step"] = torch.tensor(float(step)) if torch.is_tensor(state["step"]) else step
+            continue
+        state["step"] = torch.tensor(float(step))
+        for key in OPTIMIZER_STATE_KEYS:
+            state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _set_param(param, value: torch.Tensor) -> None:
+    with gathered([param], modifier_rank=0):
+        with torch.no_grad():
+            param.data.copy_(value.to(param.dtype).reshape(param.shape))
+    if _deepspeed_param(param):
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        safe_set_full_fp32_param(param, value.to(torch.float32))
+
+
+def _set_state(optimizer, param, key: str, value: torch.Tensor) -> None:
+    if _deepspeed_param(param):
+        from deepspeed.utils import safe_set_full_optimizer_state
+
+        safe_set_full_optimizer_state(param, value, key)
+    else:
+        _inner_optimizer(optimizer).state[param][key].copy_(value.reshape(param.shape))
+
+
+def load_trainable_state(trainer, checkpoint: str | Path) -> None:
+    """Restore parameters, optimizer and scheduler from :data:`TRAINABLE_STATE_NAME` (every rank)."""
+    state = torch.load(Path(checkpoint) / TRAINABLE_STATE_NAME, map_location="cpu", weights_only=False)
+    model, optimizer, scheduler = trainer.model, trainer.optimizer, _inner_scheduler(trainer.lr_scheduler)
+    named = dict(trainable_parameters(model))
+    missing = sorted(set(named) - set(state["params"]))
+    unexpected = sorted(set(state["params"]) - set(named))
+    if missing or unexpected:
+        raise ValueError(
+            f"{checkpoint} does not match the model's trainable parameters (missing: {missing[:5]}, unexpected: "
+            f"{unexpected[:5]}). Resume with the same PEFT config it was written with."
+        )
+    _ensure_optimizer_state(optimizer, state["optimizer_step"])
+    for name, param in named.items():
+        entry = state["params"][name]
+        _set_param(param, entry["param"])
+        for key in OPTIMIZER_STATE_KEYS:
+            if key in entry:
+                _set_state(optimizer, param, key, entry[key])
+    if scheduler is not None and state.get("scheduler") is not None:
+        saved = state["scheduler"]
+        same_groups = len(saved.get("base_lrs", ())) == len(getattr(scheduler, "base_lrs", ()))
+        if type(scheduler).__name__ == state["scheduler_class"] and same_groups:
+            scheduler.load_state_dict(saved)
+        else:  # another schedule class, or other optimizer groups (DeepSpeed vs not): replay the steps
+            logger.info(
+                f"Scheduler {type(scheduler).__name__} cannot load the checkpoint's {state['scheduler_class']} state: "
+                f"stepping it {state['optimizer_step']} times instead."
+            )
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
+                for _ in range(state["optimizer_step"]):
+                    scheduler.step()
+    logger.info(
+        f"Resumed {len(named)} trainable tensors, optimizer step {state['optimizer_step']} from {checkpoint} "
+        f"(written on {state['world_size']} rank(s), now {trainer.args.world_size})."
+    )
+
+
+@contextmanager
+def deepspeed_resume(trainer, checkpoint):
+    """While ``trainer.train`` runs: let transformers' DeepSpeed resume skip an hf-ext trainable-state checkpoint.
+
+    transformers resumes a DeepSpeed run with ``deepspeed_load_checkpoint``, which needs a ZeRO checkpoint of the same
+    world size and raises without one; there is no public hook to replace it. The state is loaded instead by
+    :func:`load_trainable_state`, from ``Trainer._load_optimizer_and_scheduler`` right after.
+    """
+    if not (getattr(trainer, "is_deepspeed_enabled", False) and is_trainable_state_checkpoint(checkpoint)):
+        yield
+        return
+    import transformers.trainer as hf_trainer
+
+    original = hf_trainer.deepspeed_load_checkpoint
+
+    def load(engine, path, *args, **kwargs):
+        if is_trainable_state_checkpoint(path):
+            return None
+        return original(engine, path, *args, **kwargs)
+
+    hf_trainer.deepspeed_load_checkpoint = load
+    try:
+        yield
+    finally:
+        hf_trainer.deepspeed_load_checkpoint = original

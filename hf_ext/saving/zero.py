@@ -1,0 +1,138 @@
+"""ZeRO checkpoints as loadable weights: fp32 consolidation with DeepSpeed's own ``zero_to_fp32`` utilities (tied
+weights stored once, which DeepSpeed's ``--safe_serialization`` cannot do), and ``Trainer.save_model`` for full models
+under any ZeRO stage (:func:`save_trainer_model`)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from ..peft import is_peft_model, save_adapter
+from .writer import (
+    DEFAULT_MAX_SHARD_SIZE,
+    TensorEntry,
+    model_entries,
+    remove_weight_files,
+    state_dict_entries,
+    verify_saved_weights,
+    write_entries,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def save_fp32_from_zero_checkpoint(
+    checkpoint_dir: str | Path,
+    output_dir: str | Path,
+    model=None,
+    *,
+    tag: str | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    dtype: torch.dtype | None = None,
+) -> list[Path]:
+    """Consolidate fp32 weights from the ZeRO checkpoint in ``checkpoint_dir`` (DeepSpeed's ``zero_to_fp32``) and
+    write them to ``output_dir`` as safetensors, tied weights stored once. Single process; no engine needed.
+    """
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    state_dict = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
+    written = write_entries(state_dict_entries(state_dict, model, dtype), output_dir, max_shard_size=max_shard_size)
+    verify_saved_weights(output_dir, model)
+    return written
+
+
+
+TRAINING_ARGS_NAME = "training_args.bin"
+
+
+def _barrier(trainer) -> None:
+    trainer.accelerator.wait_for_everyone()
+
+
+def _engine(trainer):
+    return trainer.model_wrapped if getattr(trainer, "is_deepspeed_enabled", False) else None
+
+
+def gathers_16bit_weights(engine) -> bool:
+    """Whether DeepSpeed gathers 16-bit weights at save time (ZeRO-3). Reads the engine's own parsed config, which
+    understands every spelling DeepSpeed accepts — transformers and accelerate only know one of them."""
+    return bool(engine.zero_gather_16bit_weights_on_model_save())
+
+
+def save_model_files(trainer, model, output_dir: str | Path, stored_dtype: torch.dtype | None = None) -> None:
+    """Everything but the weights, as ``save_pretrained`` + ``Trainer._save`` write it (main process only)."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = getattr(model, "config", None)
+    if config is not None:
+        config.architectures = [type(model).__name__]
+        if stored_dtype is not None:
+            config.dtype = str(stored_dtype).split(".")[-1]
+        config.save_pretrained(out)
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None and getattr(model, "can_generate", lambda: False)():
+        generation_config.save_pretrained(out)
+    if trainer.processing_class is not None:
+        trainer.processing_class.save_pretrained(out)
+    torch.save(trainer.args, out / TRAINING_ARGS_NAME)
+
+
+def _stored_dtype(entries: list[TensorEntry]) -> torch.dtype | None:
+    floats = [e.dtype for e in entries if e.dtype.is_floating_point]
+    return max(set(floats), key=floats.count) if floats else None
+
+
+def save_trainer_model(trainer, output_dir: str | Path, *, checkpoint: bool = False) -> None:
+    """``Trainer.save_model`` for full models, on every rank: a loadable ``output_dir`` whatever the ZeRO stage.
+
+    * ZeRO-3 with 16-bit gathering on, ZeRO-1/2 and no DeepSpeed: :func:`save_streaming`.
+    * ZeRO-3 with gathering off: the final save writes a ZeRO checkpoint and consolidates fp32 weights from it;
+      a mid-run ``checkpoint`` skips the weights (the ZeRO checkpoint the Trainer writes next holds them, and
+      ``hf-ext export`` consolidates them).
+    """
+    args = trainer.args
+    model = trainer.model
+    if is_peft_model(model):
+        return save_adapter(trainer, output_dir)
+    is_main = args.should_save
+    max_shard_size = args.save_max_shard_size
+    gather_bytes = args.save_gather_bytes
+    engine = _engine(trainer)
+    if is_main:
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+    if engine is not None and engine.zero_optimization_partition_weights() and not gathers_16bit_weights(engine):
+        if checkpoint and not args.save_only_model:
+            if is_main:
+                remove_weight_files(output_dir)
+                save_model_files(trainer, model, output_dir)
+            _barrier(trainer)
+            return
+        engine.save_checkpoint(str(output_dir))
+        _barrier(trainer)
+        if is_main:
+            logger.warning(
+                "16-bit gathering at save time is off in the DeepSpeed config: consolidating fp32 weights from the "
+                f"ZeRO checkpoint in {output_dir}. Set `stage3_gather_16bit_weights_on_model_save: true` to save "
+                "16-bit weights directly."
+            )
+            save_fp32_from_zero_checkpoint(output_dir, output_dir, model, max_shard_size=max_shard_size)
+            save_model_files(trainer, model, output_dir, torch.float32)
+        _barrier(trainer)
+        return
+    entries = model_entries(model)
+    write_entries(entries, output_dir, is_main=is_main, max_shard_size=max_shard_size, gather_bytes=gather_bytes)
+    if is_main:
+        verify_saved_weights(output_dir, model)
+        save_model_files(trainer, model, output_dir, _stored_dtype(entries))
+    _barrier(trainer)
+
+
+def handles(trainer) -> bool:
+    """Whether :func:`save_trainer_model` saves this trainer's model (else the stock ``save_model`` does)."""
+    from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
+
+    if is_torch_xla_available() or is_sagemaker_mp_enabled() or getattr(trainer, "is_fsdp_enabled", False):
+        return False
+    return hasattr(trainer.model, "config")  # arbitrary nn.Modules: the stock path

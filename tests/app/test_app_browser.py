@@ -1,0 +1,137 @@
+"""Chat-E in a real browser: Debian's headless Chromium (``make browser``) driven by playwright, no browser download."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from chat_e.__main__ import resolve_quantize
+from chat_e.engine import ChatEngine
+from chat_e.ui import APOLOGY, EXAMPLES
+
+from .support import TEST_SETTINGS, ChatEServer
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+BOT = "#chatbot [data-testid='bot']"
+USER = "#chatbot [data-testid='user']"
+
+pytestmark = pytest.mark.skipif(
+    not os.access(CHROMIUM, os.X_OK), reason="needs Debian's chromium at /usr/bin/chromium: run `make browser`"
+)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    srv = ChatEServer(tiny_model_dir, tmp_path_factory.mktemp("chat-e-browser") / "server.log")
+    try:
+        yield srv.wait_ready()
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def expected_reply(tiny_model_dir):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    engine = ChatEngine.from_pretrained(tiny_model_dir, quantize=resolve_quantize("auto", "fp32"))  # as chat-e serves
+    settings = engine.default_settings().replace(**TEST_SETTINGS)
+    yield lambda message, mode, context: " ".join(engine.chat(message, [], mode, context, settings).split())
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def page(tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch_persistent_context(
+            str(tmp_path / "profile"),
+            executable_path=str(CHROMIUM),
+            args=CHROMIUM_ARGS,
+            headless=True,
+            viewport={"width": 1280, "height": 860},
+        )
+        try:
+            yield browser.new_page()
+        finally:
+            browser.close()
+
+
+def texts(page, selector: str) -> list[str]:
+    return [" ".join(t.split()) for t in page.locator(selector).all_inner_texts()]
+
+
+def wait_for_bot(page, count: int, reply: str) -> None:
+    """Until the chat shows ``count`` bot messages, the last one reading ``reply`` (the stream has finished)."""
+    page.wait_for_function(
+        """([sel, n, want]) => {
+            const bots = document.querySelectorAll(sel);
+            return bots.length === n && bots[n - 1].innerText.split(/\\s+/).join(" ").trim() === want;
+        }""",
+        arg=[BOT, count, reply],
+        timeout=120_000,
+    )
+
+
+def test_pick_a_persona_chat_and_see_replies(server, page, expected_reply, tmp_path, tiny_model_dir):
+    page.goto(server.url)
+    page.wait_for_selector("#chatbot")
+    assert page.title() == "Chat-E"
+    assert str(tiny_model_dir) in page.locator("#model-line").inner_text()
+
+    # pick a persona: switching modes fills the context box with that mode's example
+    page.get_by_test_id("emotion-radio-label").click()
+    page.wait_for_function("document.querySelector('#context textarea').value === 'happy'")
+    page.get_by_test_id("persona-radio-label").click()
+    page.wait_for_function(
+        "want => document.querySelector('#context textarea').value === want", arg=EXAMPLES["persona"]
+    )
+
+    message = "Hi! Who are you?"
+    reply = expected_reply(message, "persona", EXAMPLES["persona"])
+    assert reply and reply != APOLOGY
+    page.locator("#message textarea").fill(message)
+    page.locator("#send").click()
+    wait_for_bot(page, 1, reply)
+    assert texts(page, USER) == [message]
+    shot = tmp_path / "chat-e.png"
+    page.screenshot(path=str(shot), full_page=True)
+    assert shot.stat().st_size > 10_000
+
+    # markup typed by the user is shown as text and never runs
+    markup = '<b>bold</b><img src=x onerror="window.__chat_e_pwned=1"><script>window.__chat_e_pwned=2</script>'
+    page.locator("#message textarea").fill(markup)
+    page.locator("#message textarea").press("Enter")
+    wait_for_bot(page, 2, expected_reply(markup, "persona", EXAMPLES["persona"]))
+    assert texts(page, USER) == [message, markup]
+    assert page.evaluate("window.__chat_e_pwned") is None
+    assert page.locator("#chatbot b, #chatbot img[src='x'], #chatbot script").count() == 0
+
+    # undo puts the last message back in the box; regenerate answers the last message again; clear empties the chat
+    page.locator("#undo").click()
+    page.wait_for_function("sel => document.querySelectorAll(sel).length === 1", arg=BOT)
+    assert page.locator("#message textarea").input_value() == markup
+    generated = server.generations()
+    page.locator("#regenerate").click()
+    deadline = time.monotonic() + 120
+    while server.generations() == generated and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert server.generations() == generated + 1
+    wait_for_bot(page, 1, reply)
+    assert texts(page, USER) == [message]
+    page.locator("#clear").click()
+    page.wait_for_function("sel => document.querySelectorAll(sel).length === 0", arg=USER)

@@ -1,0 +1,238 @@
+"""ChatEngine on the tiny BlenderBot: context format, truncation, streaming, the three model-dir kinds, precision."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import threading
+
+import pytest
+import torch
+
+from chat_e import dialogue
+from chat_e.engine import ChatEngine, GenerationSettings, ModelLoadError, history_turns
+
+from .support import make_broken_model, make_sensitive_model
+
+GREEDY = dict(num_beams=1, do_sample=False, max_new_tokens=12, min_new_tokens=3)
+HISTORY = ["hello, who are you?", "I am a bot. And you?", "a person who likes cats"]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir) -> ChatEngine:
+    return ChatEngine.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def sensitive_dir(tiny_model_dir, tmp_path_factory):
+    return make_sensitive_model(tiny_model_dir, tmp_path_factory.mktemp("sensitive"))
+
+
+@pytest.fixture(scope="module")
+def sensitive(sensitive_dir) -> ChatEngine:
+    return ChatEngine.from_pretrained(sensitive_dir)
+
+
+@pytest.mark.parametrize(
+    "ui_mode, mode, context",
+    [
+        ("persona", "persona", "My name is Chat-E. I'm helpful, creative, clever, sarcastic and very friendly."),
+        ("emotion", "emotion", "happy"),
+        ("domain", "domain", "vacation ideas"),
+        ("topic", "topic", "Cats"),
+        ("free", "none", "ignored in free chat"),
+    ],
+)
+def test_context_string_and_ids_per_mode(engine, ui_mode, mode, context):
+    turns = [*HISTORY, "what do you like?"]
+    expected = dialogue.format_context(turns, mode, context)
+    assert engine.build_context("what do you like?", HISTORY, ui_mode, context) == expected
+    header = dialogue.make_header(mode, context)
+    assert (header != "") == (mode != "none") and expected.startswith(header)
+    expected_ids = dialogue.encode_history(engine.tokenizer, turns, mode, context, 128)
+    assert engine.encode("what do you like?", HISTORY, ui_mode, context) == expected_ids
+
+
+def test_unknown_mode_is_refused(engine):
+    with pytest.raises(ValueError, match="persona, emotion, domain"):
+        engine.build_context("hi", [], "pirate", "arr")
+
+
+def test_history_formats_give_the_same_turns():
+    as_messages = [
+        {"role": "system", "content": "not a turn"},
+        {"role": "user", "content": HISTORY[0]},
+        {"role": "assistant", "content": [{"type": "text", "text": HISTORY[1]}]},  # gradio 6's normalized content
+        {"role": "user", "content": "a person"},
+        {"role": "user", "content": "who likes  cats"},  # same speaker twice: one MuDoConv turn
+        {"role": "assistant", "content": "   "},
+    ]
+    assert history_turns(as_messages) == [HISTORY[0], HISTORY[1], "a person who likes cats"]
+    assert history_turns([[HISTORY[0], HISTORY[1]], [HISTORY[2], None]]) == HISTORY
+    assert history_turns(HISTORY) == HISTORY
+    assert history_turns(None) == []
+
+
+def test_truncation_keeps_header_and_newest_turn(engine):
+    history = [f"old turn number {i} with a few extra words to fill the window" for i in range(60)]
+    newest = "this newest question must survive truncation"
+    ids = engine.encode(newest, history, "persona", "I love flowers.")
+    assert len(ids) <= engine.max_input_length == 128
+    text = engine.tokenizer.decode(ids, skip_special_tokens=False)
+    assert text.strip().startswith(dialogue.make_header("persona", "I love flowers."))
+    assert text.rstrip("</s>").rstrip().endswith(newest)
+    assert "old turn number 59 " in text and "old turn number 0 " not in text
+
+
+def test_huge_message_is_cut_and_answered(engine):
+    message = "word " * 20_000 + "the very end"
+    ids = engine.encode(message, HISTORY, "domain", "vacation ideas")
+    assert len(ids) <= 128
+    assert dialogue.make_header("domain", "vacation ideas") in engine.tokenizer.decode(ids)
+    assert isinstance(engine.chat(message, HISTORY, "domain", "vacation ideas", **GREEDY), str)
+
+
+@pytest.mark.parametrize("turn", range(3))
+def test_stream_concatenation_equals_chat_under_greedy(sensitive, turn):
+    message = ["hi there!", "tell me about your weekend plans", "<b>really?</b> & why"][turn]
+    history = HISTORY[: turn + 1]
+    pieces = list(sensitive.stream_chat(message, history, "persona", "I like hiking.", **GREEDY))
+    reply = sensitive.chat(message, history, "persona", "I like hiking.", **GREEDY)
+    assert reply and "".join(pieces) == reply
+    assert len(pieces) > 1  # it did stream
+
+
+def test_beam_search_streams_the_whole_reply_at_once(sensitive):
+    settings = dict(GREEDY, num_beams=3)
+    pieces = list(sensitive.stream_chat("hi", [], "emotion", "happy", **settings))
+    assert pieces == [sensitive.chat("hi", [], "emotion", "happy", **settings)]
+
+
+def test_closing_the_stream_stops_generation(sensitive):
+    stream = sensitive.stream_chat("hi", [], "free", None, **dict(GREEDY, max_new_tokens=100, min_new_tokens=100))
+    next(stream)
+    stream.close()
+    assert not [t for t in threading.enumerate() if t.name == "chat-e-generate"]
+
+
+def test_defaults_are_blenderbots_and_settings_apply(engine, caplog):
+    assert engine.default_settings() == GenerationSettings(
+        num_beams=10, do_sample=False, temperature=1.0, top_p=1.0, max_new_tokens=59, min_new_tokens=19
+    )
+    config = engine.generation_config
+    assert (config.length_penalty, config.no_repeat_ngram_size, config.encoder_no_repeat_ngram_size) == (0.65, 3, 3)
+    with caplog.at_level(logging.INFO, logger="chat_e.engine"):
+        engine.chat("hi", [], "free", None, num_beams=2, max_new_tokens=5, min_new_tokens=5)
+    assert "new_tokens=5 " in caplog.text
+    with pytest.raises(TypeError, match="Unknown generation setting"):
+        engine.chat("hi", beams=3)
+
+
+def test_generation_errors_reach_the_caller(tiny_model_dir, tmp_path):
+    broken = ChatEngine.from_pretrained(make_broken_model(tiny_model_dir, tmp_path / "broken"))
+    with pytest.raises(IndexError):
+        broken.chat("hi", **GREEDY)
+    with pytest.raises(IndexError):
+        list(broken.stream_chat("hi", **GREEDY))
+
+
+# ---- the three model-dir kinds ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lora_dirs(sensitive_dir, tmp_path_factory):
+    """A PEFT LoRA adapter on the sensitive tiny model, and the same adapter merged and exported."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    base = AutoModelForSeq2SeqLM.from_pretrained(sensitive_dir)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = get_peft_model(base, lora)
+    root = tmp_path_factory.mktemp("lora")
+    model.save_pretrained(root / "adapter")
+    merged = model.merge_and_unload()
+    merged.save_pretrained(root / "merged")
+    AutoTokenizer.from_pretrained(sensitive_dir).save_pretrained(root / "merged")
+    return root / "adapter", root / "merged"
+
+
+def _logits(engine: ChatEngine) -> torch.Tensor:
+    inputs = engine._inputs("how are you?", HISTORY, "persona", "I like cats.")
+    with torch.no_grad():
+        return engine.model(**inputs, decoder_input_ids=torch.tensor([[1, 5, 9]])).logits.float()
+
+
+def test_loads_a_16_bit_save(sensitive_dir, sensitive, tmp_path):
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    AutoModelForSeq2SeqLM.from_pretrained(sensitive_dir, dtype=torch.bfloat16).save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(sensitive_dir).save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
+    engine = ChatEngine.from_pretrained(tmp_path)
+    assert next(engine.model.parameters()).dtype == torch.float32  # served in fp32 unless asked
+    assert engine.info["kind"] == "model"
+    source = sensitive.model.state_dict()
+    for name, value in engine.model.state_dict().items():  # the 16-bit weights, upcast
+        assert torch.equal(value, source[name].to(torch.bfloat16).float()), name
+    assert isinstance(engine.chat("hi", **GREEDY), str)
+
+
+def test_loads_an_adapter_and_an_exported_merge_alike(lora_dirs, sensitive, sensitive_dir):
+    adapter_dir, merged_dir = lora_dirs
+    assert json.loads((adapter_dir / "adapter_config.json").read_text())["base_model_name_or_path"] == str(
+        sensitive_dir
+    )
+    adapter = ChatEngine.from_pretrained(adapter_dir)
+    merged = ChatEngine.from_pretrained(merged_dir)
+    assert adapter.info["kind"] == "base + adapter" and adapter.info["base"] == str(sensitive_dir)
+    assert "adapter on" in adapter.describe()
+    assert merged.info["kind"] == "model"
+    torch.testing.assert_close(_logits(adapter), _logits(merged), atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(_logits(adapter), _logits(sensitive), atol=1e-3)  # the adapter is applied
+    assert adapter.chat("hi", HISTORY, "emotion", "sad", **GREEDY) == merged.chat(
+        "hi", HISTORY, "emotion", "sad", **GREEDY
+    )
+
+
+def test_load_errors_name_the_path(tmp_path, tiny_model_dir):
+    with pytest.raises(ModelLoadError, match=str(tmp_path / "missing")):
+        ChatEngine.from_pretrained(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="config.json"):
+        ChatEngine.from_pretrained(tmp_path / "empty")
+    (tmp_path / "weightless").mkdir()
+    (tmp_path / "weightless" / "config.json").write_text(json.dumps({"model_type": "blenderbot"}))
+    with pytest.raises(ModelLoadError, match="no weights"):
+        ChatEngine.from_pretrained(tmp_path / "weightless")
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(tiny_model_dir, corrupt)
+    (corrupt / "model.safetensors").write_bytes(b"\0" * 64)
+    with pytest.raises(ModelLoadError, match=f"Could not load the model in {corrupt}"):
+        ChatEngine.from_pretrained(corrupt)
+    (tmp_path / "orphan").mkdir()
+    (tmp_path / "orphan" / "adapter_config.json").write_text(
+        json.dumps({"base_model_name_or_path": str(tmp_path / "no-base"), "peft_type": "LORA"})
+    )
+    (tmp_path / "orphan" / "adapter_model.safetensors").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="no-base"):
+        ChatEngine.from_pretrained(tmp_path / "orphan")
+
+
+# ---- serving precision ------------------------------------------------------------------------------------------
+
+
+def test_bf16_and_int8(tiny_model_dir):
+    bf16 = ChatEngine.from_pretrained(tiny_model_dir, dtype="bf16")
+    assert next(bf16.model.parameters()).dtype == torch.bfloat16
+    assert isinstance(bf16.chat("hi", **GREEDY), str)
+    int8 = ChatEngine.from_pretrained(tiny_model_dir, quantize="int8")
+    modules = list(int8.model.modules())
+    assert any(isinstance(m, torch.ao.nn.quantized.dynamic.Linear) for m in modules)
+    assert not any(type(m) is torch.nn.Linear for m in modules)
+    assert int8.info["parameters"] == ChatEngine.from_pretrained(tiny_model_dir).info["parameters"]
+    assert "int8" in int8.describe()
+    assert isinstance(int8.chat("hi", **GREEDY), str)
+    with pytest.raises(ValueError, match="drop --dtype bf16"):
+        ChatEngine.from_pretrained(tiny_model_dir, dtype="bf16", quantize="int8")

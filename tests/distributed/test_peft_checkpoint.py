@@ -1,0 +1,142 @@
+"""PEFT (LoRA on q/v + a ``modules_to_save``) under 2-rank ZeRO-3 and on 1 rank without DeepSpeed: adapter saves with
+full shapes, adapter-sized checkpoints, and resumes across world sizes (2→1, 1→2) that match uninterrupted runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import BlenderbotForConditionalGeneration
+
+from hf_ext import peft as peft_checkpoint
+
+from ..conftest import ROOT, launcher_cmd, run
+
+pytestmark = pytest.mark.distributed
+
+SCRIPT = ROOT / "tests" / "distributed" / "workers" / "train_save.py"
+LORA = ("--lora", "--modules_to_save", "decoder.layer_norm", "--epochs", "1", "--save_total_limit", "3")
+TOLERANCE = 1e-6
+
+
+def train(launcher: str, tiny_model_dir, out: Path, dump: Path, *extra: str) -> subprocess.CompletedProcess:
+    ranks = ("--stage", "3") if launcher == "deepspeed" else ("--no_ds", "--batch", "4")  # same global batch: 4
+    cmd = [*launcher_cmd(launcher, SCRIPT), "--model", str(tiny_model_dir), "--out", str(out), "--dump", str(dump)]
+    return run([*cmd, *ranks, *LORA, *extra])
+
+
+@pytest.fixture(scope="module")
+def lora_zero3(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_zero3")
+    train("deepspeed", tiny_model_dir, root / "out", root / "trained.pt")
+    return root
+
+
+@pytest.fixture(scope="module")
+def lora_single(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_single")
+    train("python", tiny_model_dir, root / "out", root / "trained.pt")
+    return root
+
+
+def trainable(state: dict) -> dict:
+    return {k: v for k, v in state.items() if "lora_" in k or "modules_to_save" in k}
+
+
+def fresh_peft_model(tiny_model_dir):
+    from peft import LoraConfig, get_peft_model
+
+    base = BlenderbotForConditionalGeneration.from_pretrained(tiny_model_dir, dropout=0.0, attention_dropout=0.0)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=["decoder.layer_norm"])
+    return get_peft_model(base, config)
+
+
+def assert_close(expected: dict, actual: dict) -> None:
+    assert expected.keys() == actual.keys()
+    worst = max((expected[k] - actual[k]).abs().max().item() for k in expected)
+    assert worst <= TOLERANCE, worst
+
+
+def test_lora_trains_adapter_only_and_checkpoint_is_adapter_sized(lora_zero3, tiny_model_dir):
+    trained = torch.load(lora_zero3 / "trained.pt")
+    assert json.loads((lora_zero3 / "trained.pt.json").read_text())["world_size"] == 2
+    initial = dict(fresh_peft_model(tiny_model_dir).named_parameters(remove_duplicate=False))
+    for name, value in trained.items():
+        if name in trainable(trained):
+            if "lora_A" not in name:  # lora_B starts at zero, modules_to_save at the base values: both must move
+                assert not torch.equal(value, initial[name]), name
+        else:
+            assert torch.equal(value, initial[name]), name  # the base model did not change
+
+    checkpoint = lora_zero3 / "out" / "checkpoint-4"
+    state = torch.load(checkpoint / peft_checkpoint.TRAINABLE_STATE_NAME, weights_only=False)
+    assert set(state["params"]) == {
+        k for k, p in fresh_peft_model(tiny_model_dir).named_parameters() if p.requires_grad
+    }
+    assert state["world_size"] == 2 and state["optimizer_step"] == 4
+    assert all(set(entry) == {"param", "exp_avg", "exp_avg_sq"} for entry in state["params"].values())
+    assert not list(checkpoint.glob("global_step*")) and not list(checkpoint.glob("model*.safetensors"))
+    shapes = peft_checkpoint.verify_adapter(checkpoint)
+    layer_norm = [k for k in shapes if "decoder.layer_norm" in k]
+    assert layer_norm and all(shapes[k] == (32,) for k in layer_norm)  # full shapes under ZeRO-3 (peft #2450)
+    stored = sum(p.stat().st_size for p in checkpoint.glob("*") if p.suffix in (".safetensors", ".pt"))
+    base_bytes = (Path(tiny_model_dir) / "model.safetensors").stat().st_size
+    assert stored < base_bytes / 2, (stored, base_bytes)
+
+
+def test_adapter_reloads_on_fresh_base_with_same_outputs(lora_zero3, tiny_model_dir):
+    from peft import PeftModel
+
+    trained = fresh_peft_model(tiny_model_dir)
+    trained.load_state_dict(torch.load(lora_zero3 / "trained.pt"), strict=False)
+    base = BlenderbotForConditionalGeneration.from_pretrained(tiny_model_dir, dropout=0.0, attention_dropout=0.0)
+    reloaded = PeftModel.from_pretrained(base, lora_zero3 / "out")
+    ids = torch.randint(4, 1000, (2, 10), generator=torch.Generator().manual_seed(0))
+    labels = torch.randint(4, 1000, (2, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = trained.eval()(input_ids=ids, labels=labels).logits
+        actual = reloaded.eval()(input_ids=ids, labels=labels).logits
+    assert torch.equal(expected, actual)
+
+
+def test_resume_two_ranks_to_one(lora_zero3, tiny_model_dir, tmp_path):
+    train(
+        "python",
+        tiny_model_dir,
+        tmp_path / "out",
+        tmp_path / "final.pt",
+        "--resume",
+        str(lora_zero3 / "out" / "checkpoint-4"),
+    )
+    assert_close(trainable(torch.load(lora_zero3 / "trained.pt")), trainable(torch.load(tmp_path / "final.pt")))
+
+
+def test_resume_one_rank_to_two(lora_single, tiny_model_dir, tmp_path):
+    train(
+        "deepspeed",
+        tiny_model_dir,
+        tmp_path / "out",
+        tmp_path / "final.pt",
+        "--resume",
+        str(lora_single / "out" / "checkpoint-4"),
+    )
+    assert_close(trainable(torch.load(lora_single / "trained.pt")), trainable(torch.load(tmp_path / "final.pt")))
+
+
+def test_export_merged_adapter_generates_like_trained_model(lora_zero3, tiny_model_dir, tmp_path):
+    from hf_ext.saving.export import export
+
+    trained = fresh_peft_model(tiny_model_dir)
+    trained.load_state_dict(torch.load(lora_zero3 / "trained.pt"), strict=False)
+    export(lora_zero3 / "out", tmp_path / "merged", merge=True)
+    merged = BlenderbotForConditionalGeneration.from_pretrained(tmp_path / "merged")
+    assert not any("lora_" in k for k, _ in merged.named_parameters())
+    prompts = torch.randint(4, 1000, (3, 10), generator=torch.Generator().manual_seed(2))
+    kwargs = dict(num_beams=1, do_sample=False, min_length=0, max_new_tokens=12)
+    with torch.no_grad():
+        assert torch.equal(
+            merged.eval().generate(prompts, **kwargs), trained.eval().generate(input_ids=prompts, **kwargs)
+        )

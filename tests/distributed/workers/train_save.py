@@ -1,0 +1,167 @@
+"""Train a tiny BlenderBot on synthetic token data with hf-ext's Seq2SeqTrainer and leave artifacts to check.
+
+    deepspeed --num_gpus 2 tests/distributed/workers/train_save.py --model DIR --out DIR --stage 3 [--gather on|off|misnamed]
+        [--resume true|PATH] [--dump FILE] [--stock_save DIR] [--max_shard_size 20KB]
+
+With --lora, LoRA (r=4) on q_proj/v_proj (+ --modules_to_save NAME); dropout is off so that runs on different
+world sizes compare within float tolerance. --no_ds runs without DeepSpeed (launch it with plain python).
+
+HF_EXT_TEST_KILL_AT_STEP=N makes rank 1 SIGKILL itself while the checkpoint of step N is being written (after the
+model and the optimizer state went into the temporary directory, before the RNG and trainer state).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+from contextlib import nullcontext
+
+import torch
+import transformers
+from transformers import AutoTokenizer, BlenderbotForConditionalGeneration, default_data_collator
+
+import hf_ext
+from hf_ext.deepspeed.resolve import load_deepspeed_config
+
+GATHER_KEY = "stage3_gather_16bit_weights_on_model_save"
+
+
+def ds_config(stage: int, gather: str, own_scheduler: bool = True) -> dict:
+    config = load_deepspeed_config(f"zero{stage}")
+    if not own_scheduler:  # transformers' schedule, as in a run without DeepSpeed
+        config.pop("scheduler")
+    zero = config["zero_optimization"]
+    zero.pop(GATHER_KEY, None)
+    if stage == 3:
+        if gather == "on":
+            zero[GATHER_KEY] = True
+        elif gather == "off":
+            zero[GATHER_KEY] = False
+        elif gather == "misnamed":
+            zero["gather_16bit_weights_on_model_save"] = True  # DeepSpeed's own spelling; transformers misses it
+    return config
+
+
+def synthetic_dataset(n: int, vocab: int, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        {
+            "input_ids": torch.randint(4, vocab, (12,), generator=g).tolist(),
+            "attention_mask": [1] * 12,
+            "labels": torch.randint(4, vocab, (8,), generator=g).tolist() + [2],
+        }
+        for _ in range(n)
+    ]
+
+
+def gathered_state_dict(model) -> dict[str, torch.Tensor]:
+    params = list(model.parameters())
+    zero3 = any(hasattr(p, "ds_id") for p in params)
+    if zero3:
+        import deepspeed
+
+        ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+    else:
+        ctx = nullcontext()
+    with ctx:
+        return {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--stage", type=int, default=3)
+    parser.add_argument("--gather", default="on", choices=["on", "off", "misnamed"])
+    parser.add_argument("--resume", default=None)
+    parser.add_argument("--dump", default=None)
+    parser.add_argument("--stock_save", default=None)
+    parser.add_argument("--max_shard_size", default="20KB")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--n", type=int, default=32)
+    parser.add_argument("--save_steps", type=int, default=4)
+    parser.add_argument("--save_total_limit", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=2, help="per-device batch size")
+    parser.add_argument("--lora", action="store_true")
+    parser.add_argument("--modules_to_save", default=None)
+    parser.add_argument("--no_ds", action="store_true")
+    parser.add_argument("--local_rank", type=int, default=-1)
+    opts = parser.parse_args()
+
+    args = hf_ext.Seq2SeqTrainingArguments(
+        output_dir=opts.out,
+        per_device_train_batch_size=opts.batch,
+        num_train_epochs=opts.epochs,
+        learning_rate=1e-3,
+        save_strategy="steps",
+        save_steps=opts.save_steps,
+        save_total_limit=opts.save_total_limit,
+        logging_steps=1,
+        report_to=[],
+        seed=0,
+        deepspeed=None if opts.no_ds else ds_config(opts.stage, opts.gather, own_scheduler=not opts.lora),
+        optim="adamw_torch",
+        disable_tqdm=True,
+    )
+    args.save_max_shard_size = opts.max_shard_size
+    if not opts.no_ds:
+        import deepspeed
+
+        # torch.distributed is up (TrainingArguments did it) but DeepSpeed's comm layer is not yet on CPU: without
+        # it zero.Init in from_pretrained believes the world size is 1 and its batch-size check fails.
+        deepspeed.init_distributed(dist_backend="gloo")
+    transformers.set_seed(0)
+    no_dropout = dict(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0) if opts.lora else {}
+    model = BlenderbotForConditionalGeneration.from_pretrained(opts.model, **no_dropout)
+    if opts.lora:
+        from peft import LoraConfig, get_peft_model
+
+        modules_to_save = [opts.modules_to_save] if opts.modules_to_save else None
+        lora = LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], modules_to_save=modules_to_save
+        )
+        model = get_peft_model(model, lora)
+    trainer = hf_ext.Seq2SeqTrainer(
+        model=model,
+        args=args,
+        train_dataset=synthetic_dataset(opts.n, model.config.vocab_size),
+        data_collator=default_data_collator,
+        processing_class=AutoTokenizer.from_pretrained(opts.model),
+    )
+
+    kill_at = os.environ.get("HF_EXT_TEST_KILL_AT_STEP")
+    if kill_at and args.process_index == 1:
+        save_rng_state = trainer._save_rng_state
+
+        def save_rng_state_or_die(output_dir):
+            if trainer.state.global_step == int(kill_at):
+                print(f"rank 1: SIGKILL while saving into {output_dir}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return save_rng_state(output_dir)
+
+        trainer._save_rng_state = save_rng_state_or_die
+
+    resume = {"true": True, None: None}.get(opts.resume, opts.resume)
+    trainer.train(resume_from_checkpoint=resume)
+    trainer.save_model()
+    engine = trainer.model_wrapped
+    state_dict = gathered_state_dict(trainer.model)
+    if opts.stock_save:
+        transformers.Seq2SeqTrainer.save_model(trainer, opts.stock_save)
+    if args.process_index == 0 and opts.dump:
+        torch.save(state_dict, opts.dump)
+        info = {
+            "world_size": args.world_size,
+            "gather_16bit": bool(getattr(engine, "zero_gather_16bit_weights_on_model_save", lambda: None)()),
+            "global_step": trainer.state.global_step,
+            "log_history": trainer.state.log_history,
+        }
+        with open(opts.dump + ".json", "w") as f:
+            json.dump(info, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
+    hf_ext.end_distributed()
