@@ -40,7 +40,7 @@ def planner_inputs(model_dir: Path, seq_len: int, checkpointing: tuple[bool, ...
 
     from transformers import AutoModelForSeq2SeqLM
 
-    from hf_ext.memory.measure import formulas as planner
+    from hf_ext.memory import formulas as planner
 
     model = AutoModelForSeq2SeqLM.from_pretrained(model_dir)
     facts = planner.model_facts(model)
@@ -51,7 +51,7 @@ def planner_inputs(model_dir: Path, seq_len: int, checkpointing: tuple[bool, ...
 
 
 def predict(name: str, facts, profile, budget: int, baseline: int) -> tuple[int, object]:
-    from hf_ext.memory.measure import formulas as planner
+    from hf_ext.memory import formulas as planner
 
     zero = None if name == "ddp" else preset_zero(name, facts.hidden_size)
     candidate = planner.Candidate(0, ddp=True) if zero is None else planner.Candidate(zero["stage"])

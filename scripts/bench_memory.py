@@ -101,7 +101,7 @@ def predictions(model_dir: Path, opts) -> dict:
 
     from transformers import AutoModelForSeq2SeqLM
 
-    from hf_ext.memory.measure import formulas as planner
+    from hf_ext.memory import formulas as planner
 
     model = AutoModelForSeq2SeqLM.from_pretrained(model_dir)
     facts = planner.model_facts(model)

@@ -38,6 +38,22 @@ def preset_path(name: str) -> Path:
     return PRESET_DIR / f"{name}.json"
 
 
+def preset_name(config) -> str | None:
+    """The preset ``config`` is: its name, or a path to one of the preset files hf-ext ships (as accelerate YAMLs
+    name them); ``None`` for anything else."""
+    if isinstance(config, dict):
+        return None
+    if str(config) in PRESETS:
+        return str(config)
+    path = Path(str(config))
+    if path.suffix == ".json" and path.stem in PRESETS and path.is_file():
+        try:
+            return path.stem if path.resolve().parent == PRESET_DIR.resolve() else None
+        except OSError:
+            return None
+    return None
+
+
 def describe(config) -> str:
     if isinstance(config, dict):
         return "the config dict"

@@ -32,7 +32,7 @@ from ..runtime import Hardware, local_world_size
 from ..sizes import gb
 from . import schema
 from .errors import Change, DeepSpeedConfigError, Problem, Report, logger, short
-from .load import PRESETS, describe, load
+from .load import describe, load, preset_name
 from .normalize import GATHER_KEY, normalize
 
 RESOLVED_CONFIG_NAME = "deepspeed_config.resolved.json"
@@ -130,7 +130,7 @@ def explain_deepspeed_config(
     _stage3_only(resolved, stage, report)
     if stage == 3:
         _gather_default(resolved, report)
-        if hardware.device == "cpu" and isinstance(config, str) and config in PRESETS:
+        if hardware.device == "cpu" and preset_name(config) is not None:
             _cpu_zero3_preset(resolved, report)
     if model is not None:
         try:
@@ -543,9 +543,7 @@ def _validate_named(config: dict, section: str, allowed: tuple, names: tuple[set
         return
     for key in value:
         if key not in allowed:
-            report.problem(
-                f"{section}.{key}", f"unknown key{schema.did_you_mean(key, allowed)}", "fix or remove it"
-            )
+            report.problem(f"{section}.{key}", f"unknown key{schema.did_you_mean(key, allowed)}", "fix or remove it")
     kind = value.get("type")
     any_case, exact = names
     if not isinstance(kind, str) or (kind.lower() not in any_case and kind not in exact):

@@ -163,7 +163,9 @@ def decide(
     common = dict(precision=precision, zero=zero, device=device, baseline=baseline)
     common["accumulation_steps"] = accumulation_steps or 1
     if STAGE_KEY in keys or any(key in OFFLOAD_KEYS for key in keys):
-        chosen, plans = formulas.choose(facts, profile, world_size, budget, micro_batch, _allowed(zero, keys), **common)
+        chosen, plans = formulas.choose(
+            facts, profile, world_size, budget, micro_batch, _allowed(zero, keys), **common
+        )
         smallest = min(plans, key=lambda p: p.total_bytes) if chosen is None else None
         return MemoryDecision(chosen, smallest, source, keys)
     candidate = _candidate_of(config)

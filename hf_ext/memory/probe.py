@@ -21,7 +21,6 @@ def model_facts(model, checkpoint_bytes: int = 0) -> ModelFacts:
     )
 
 
-
 def probe_inputs(model, batch: int, seq_len: int) -> dict:
     """Random inputs of ``batch`` x ``seq_len`` tokens that make any HF LM / seq2seq / classifier compute a loss."""
     import torch

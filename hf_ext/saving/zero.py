@@ -43,7 +43,6 @@ def save_fp32_from_zero_checkpoint(
     return written
 
 
-
 TRAINING_ARGS_NAME = "training_args.bin"
 
 
@@ -98,7 +97,7 @@ def save_trainer_model(trainer, output_dir: str | Path, *, checkpoint: bool = Fa
         return save_adapter(trainer, output_dir)
     is_main = args.should_save
     max_shard_size = args.save_max_shard_size
-    gather_bytes = args.save_gather_bytes
+    gather_bytes = args.save_gather_size
     engine = _engine(trainer)
     if is_main:
         Path(output_dir).mkdir(parents=True, exist_ok=True)

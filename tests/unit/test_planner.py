@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_ext.memory.measure import formulas as planner
+from hf_ext.memory import formulas as planner
 from hf_ext.sizes import parse_bytes
 
 from ..conftest import ROOT, launcher_cmd, run
