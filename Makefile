@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $@
 
 demo: setup
-	$(BIN)/python scripts/make_tiny_blenderbot.py --size small --output_dir runs/models/small
+	$(BIN)/python recipes/make_tiny_blenderbot.py --size small --output_dir runs/models/small
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/deepspeed --num_gpus $(NPROC) recipes/blenderbot.py \
 		--config recipes/configs/demo.yaml --output_dir $(DEMO_DIR)
 	@echo

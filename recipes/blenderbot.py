@@ -46,7 +46,7 @@ class ModelArguments:
         default=None,
         metadata={
             "help": f"If model_name_or_path does not exist yet, build a random-init BlenderBot of this size there "
-            f"({', '.join(SIZES)}) with scripts/make_tiny_blenderbot.py's builder."
+            f"({', '.join(SIZES)}) with recipes/make_tiny_blenderbot.py's builder."
         },
     )
     samples_to_print: int = field(default=5, metadata={"help": "Validation replies printed at the end."})

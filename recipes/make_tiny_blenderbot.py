@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Build a random-init BlenderBot with a byte-level BPE tokenizer trained on the offline corpus.
 
-    python scripts/make_tiny_blenderbot.py --output_dir runs/models/tiny [--size tiny|small|400m] [--seed 0]
+    python recipes/make_tiny_blenderbot.py --output_dir runs/models/tiny [--size tiny|small|400m] [--seed 0]
 
 Sizes: ``tiny`` (well under 1M parameters, for tests), ``small`` (a few million, learns the offline corpus in a few
 CPU minutes; used by ``make demo``), ``400m`` (facebook/blenderbot-400M-distill's dimensions, for benchmarks).
