@@ -45,8 +45,11 @@ def as_hf_ext_args(args, args_class, deepspeed=None):
 #: ``num_items_in_batch`` says (they compute ``CrossEntropyLoss()`` themselves, not ``self.loss_function``).
 #: ``tests/unit/test_loss_rule.py`` checks each against a hand-computed mean cross-entropy.
 OWN_MEAN_LOSS_MODEL_TYPES = frozenset(
-    {"bart", "mbart", "plbart", "blenderbot", "blenderbot-small", "marian", "pegasus", "pegasus_x", "bigbird_pegasus"}
-)
+    {
+        "bart", "mbart", "plbart", "mvp", "blenderbot", "blenderbot-small", "marian", "pegasus", "pegasus_x",
+        "bigbird_pegasus", "led", "m2m_100", "nllb-moe", "t5", "mt5", "umt5", "longt5", "switch_transformers",
+    }
+)  # fmt: skip
 
 
 def loss_ignores_num_items(model) -> bool:

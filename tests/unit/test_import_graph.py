@@ -1,0 +1,133 @@
+"""The import graph of hf_ext and chat_e, read from the source (AST): a DAG, and arrows that point one way.
+
+Every import counts, including the ones inside functions: a function-level import that closes a cycle is still a
+cycle, only deferred. Relative imports are resolved to module names; ``from pkg import name`` counts as an import of
+``pkg.name`` when that is a module, else of ``pkg``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("hf_ext", "chat_e")
+FORBIDDEN_FROM_HF_EXT = ("chat_e", "recipes", "benchmarks", "scripts", "tests")
+
+
+def module_files() -> dict[str, Path]:
+    files = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            files[".".join(parts)] = path
+    return files
+
+
+def _resolve(module: str, is_package: bool, level: int, target: str | None) -> str:
+    if level == 0:
+        return target or ""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[: len(base) - (level - 1)]
+    return ".".join([*base, target] if target else base)
+
+
+def imports_of(module: str, path: Path, known: set[str]) -> set[str]:
+    """Modules (of ``known`` or third-party top-level names) that ``module`` imports anywhere in its source."""
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(module, is_package, node.level, node.module)
+            for alias in node.names:
+                candidate = f"{base}.{alias.name}" if base else alias.name
+                found.add(candidate if candidate in known else base)
+    return {name for name in found if name}
+
+
+def graph() -> dict[str, set[str]]:
+    files = module_files()
+    known = set(files)
+    edges = {}
+    for module, path in files.items():
+        targets = set()
+        own_packages = {".".join(module.split(".")[:i]) for i in range(1, module.count(".") + 1)}
+        for name in imports_of(module, path, known):
+            # importing a.b.c runs a/__init__ and a/b/__init__ first: those are edges too, except the packages
+            # this module sits in (Python initializes them before the module itself)
+            parts = name.split(".")
+            targets.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+        targets -= own_packages
+        edges[module] = {t for t in targets if t in known and t != module} | {
+            t for t in targets if t.split(".")[0] not in PACKAGES
+        }
+    return edges
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the graph restricted to its own modules, or None."""
+    internal = {m: {t for t in ts if t in edges} for m, ts in edges.items()}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(internal[node]):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt) :] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(internal):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_walker_sees_function_level_imports_and_cycles(tmp_path):
+    # positive control: a cycle closed by an import inside a function is found
+    (tmp_path / "a.py").write_text("import b\n")
+    (tmp_path / "b.py").write_text("def f():\n    from a import x\n")
+    edges = {
+        name: {t for t in imports_of(name, tmp_path / f"{name}.py", {"a", "b"}) if t in ("a", "b")}
+        for name in ("a", "b")
+    }
+    assert edges == {"a": {"b"}, "b": {"a"}}
+    assert find_cycle(edges) in (["a", "b", "a"], ["b", "a", "b"])
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_relative_imports_resolve_to_modules():
+    known = set(module_files())
+    deps = imports_of("hf_ext.trainer", ROOT / "hf_ext" / "trainer.py", known)
+    assert {"hf_ext.training_args", "hf_ext.saving.checkpoints", "hf_ext.evaluation.bleu"} <= deps
+
+
+def test_no_import_cycles():
+    assert find_cycle(graph()) is None
+
+
+def test_hf_ext_imports_nothing_of_the_product_the_recipes_or_the_benchmarks():
+    offenders = {
+        module: sorted(t for t in targets if t.split(".")[0] in FORBIDDEN_FROM_HF_EXT)
+        for module, targets in graph().items()
+        if module.split(".")[0] == "hf_ext"
+    }
+    assert {m: t for m, t in offenders.items() if t} == {}
+
+
+def test_hf_ext_needs_no_product_dependency():
+    # chatterbot-corpus, matplotlib and gradio are Chat-E's extras, not the Trainer extension's
+    product_only = {"chatterbot_corpus", "matplotlib", "gradio", "gradio_client", "chitchat_dataset"}
+    used = {
+        t.split(".")[0] for module, targets in graph().items() if module.split(".")[0] == "hf_ext" for t in targets
+    }
+    assert used & product_only == set()

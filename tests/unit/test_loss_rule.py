@@ -1,0 +1,73 @@
+"""The loss fix decides by an explicit list of model types: each listed model really returns the mean cross-entropy
+of its own batch whatever ``num_items_in_batch`` says (oracle: ``torch.nn.functional.cross_entropy`` on its logits),
+and a model that divides by ``num_items_in_batch`` (Llama) is left to stock."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+from hf_ext.trainer import OWN_MEAN_LOSS_MODEL_TYPES, loss_ignores_num_items
+
+BART_LIKE = dict(
+    d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+    encoder_ffn_dim=32, decoder_ffn_dim=32, vocab_size=64, max_position_embeddings=64,
+    pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+)  # fmt: skip
+T5_LIKE = dict(
+    d_model=16, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=2, d_kv=8, vocab_size=64,
+    pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+)  # fmt: skip
+EXTRA = {"bigbird_pegasus": {"attention_type": "original_full"}, "switch_transformers": {"num_experts": 2}}
+NUM_ITEMS = 1000  # far from the batch's 8 label tokens: a model that used it would return loss / 125
+
+
+def tiny_seq2seq(model_type: str):
+    kwargs = dict(T5_LIKE if "t5" in model_type or model_type == "switch_transformers" else BART_LIKE)
+    kwargs.update(EXTRA.get(model_type, {}))
+    config = AutoConfig.for_model(model_type, **kwargs)
+    torch.manual_seed(0)
+    return AutoModelForSeq2SeqLM.from_config(config).eval()
+
+
+def mean_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=-100
+    )
+
+
+@pytest.mark.parametrize("model_type", sorted(OWN_MEAN_LOSS_MODEL_TYPES))
+def test_listed_models_average_their_own_loss(model_type):
+    model = tiny_seq2seq(model_type)
+    assert loss_ignores_num_items(model)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, 60, (2, 7), generator=g)
+    labels = torch.randint(4, 60, (2, 5), generator=g)
+    labels[0, -2:] = -100
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels, num_items_in_batch=NUM_ITEMS)
+    # aux losses (mixture-of-experts routers) are off in these configs: the loss is the plain token mean
+    torch.testing.assert_close(out.loss, mean_ce(out.logits, labels), rtol=1e-5, atol=1e-5)
+
+
+def test_a_model_that_divides_by_num_items_is_left_to_stock():
+    config = AutoConfig.for_model(
+        "llama", hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, vocab_size=64, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    assert not loss_ignores_num_items(model)
+    ids = torch.randint(4, 60, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model(input_ids=ids, labels=ids, num_items_in_batch=NUM_ITEMS)
+    total = mean_ce(out.logits[:, :-1], ids[:, 1:]) * (ids.shape[1] - 1)
+    torch.testing.assert_close(out.loss, total / NUM_ITEMS, rtol=1e-5, atol=1e-6)
+
+
+def test_a_model_that_declares_accepts_loss_kwargs_decides_itself():
+    model = tiny_seq2seq("bart")
+    model.accepts_loss_kwargs = True
+    assert not loss_ignores_num_items(model)
+    assert not loss_ignores_num_items(None)
