@@ -1,0 +1,77 @@
+"""Every private part of transformers (and accelerate) hf-ext overrides, patches or calls, pinned to the source it was
+written against. When one of these fails after an upgrade, re-read the hf-ext code named in the message against the
+new source, adapt it, then update the pin here and the transformers range in pyproject.toml.
+
+What is touched, and why no public hook does it:
+
+* ``Trainer._save_checkpoint`` (overridden by ``hf_ext.saving.checkpoints.save_checkpoint_atomically``): stock writes
+  into ``checkpoint-N`` and rotates older checkpoints away on rank 0 before the other ranks finish writing; both
+  happen before any public hook runs, so a crash there can lose the newest complete checkpoint.
+* ``Trainer._load_optimizer_and_scheduler`` (overridden by ``hf_ext.trainer``): the stock loader reads per-rank
+  optimizer files only; hf-ext's PEFT checkpoints hold the state by parameter name, for any world size.
+* ``transformers.trainer.deepspeed_load_checkpoint`` (patched while ``train`` runs, ``hf_ext.peft.deepspeed_resume``):
+  it raises without a ZeRO checkpoint of the same world size, before ``_load_optimizer_and_scheduler`` runs.
+* ``Accelerator._models`` (``hf_ext.evaluation.zero_eval``): the models accelerate prepared, restored after an
+  engine-free evaluation on ZeRO-1/2.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+
+import pytest
+import transformers.trainer as hf_trainer
+from accelerate import Accelerator
+from transformers import Trainer
+
+#: sha256 of ``inspect.getsource`` of each overridden method, transformers 5.23.0
+SOURCE_PINS = {
+    "_save_checkpoint": ("a9111e30faa9933986e022e56b5af81fd990356db64d727b4c320c852283bf3b", "hf_ext/saving/checkpoints.py"),
+    "_load_optimizer_and_scheduler": ("741032f57d6fb80211506bf521f67bdd0ff876ad39cc50e700c9c2bab2efb251", "hf_ext/trainer.py"),
+}  # fmt: skip
+
+#: private Trainer methods save_checkpoint_atomically calls, with the parameters it passes
+CALLED_HELPERS = {
+    "_get_output_dir": ["self", "trial"],
+    "_save_optimizer_and_scheduler": ["self", "output_dir"],
+    "_save_scaler": ["self", "output_dir"],
+    "_save_rng_state": ["self", "output_dir"],
+    "_push_from_checkpoint": ["self", "checkpoint_folder"],
+    "store_flos": ["self"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(SOURCE_PINS))
+def test_overridden_methods_are_the_ones_hf_ext_was_written_against(name):
+    digest, ours = SOURCE_PINS[name]
+    source = inspect.getsource(getattr(Trainer, name))
+    assert hashlib.sha256(source.encode()).hexdigest() == digest, (
+        f"transformers changed Trainer.{name}: re-read {ours} against it, then update SOURCE_PINS"
+    )
+
+
+@pytest.mark.parametrize("name", sorted(CALLED_HELPERS))
+def test_called_private_helpers_keep_their_signature(name):
+    params = list(inspect.signature(getattr(Trainer, name)).parameters)
+    assert params == CALLED_HELPERS[name], f"Trainer.{name} changed: adapt hf_ext/saving/checkpoints.py"
+
+
+def test_deepspeed_resume_patch_point():
+    # the patched name is the module global the training loop calls, and the loader runs after it
+    assert list(inspect.signature(hf_trainer.deepspeed_load_checkpoint).parameters) == [
+        "deepspeed_engine",
+        "checkpoint_path",
+        "load_module_strict",
+    ]
+    loop = inspect.getsource(Trainer._inner_training_loop)
+    patched_call = loop.index("deepspeed_load_checkpoint(")
+    assert patched_call < loop.index("self._load_optimizer_and_scheduler(resume_from_checkpoint)"), (
+        "transformers reordered the DeepSpeed resume: re-read hf_ext/peft.py deepspeed_resume"
+    )
+
+
+def test_accelerator_keeps_its_prepared_models_in_a_list():
+    assert "self._models = []" in inspect.getsource(Accelerator.__init__), (
+        "accelerate changed Accelerator._models: re-read hf_ext/evaluation/zero_eval.py"
+    )
