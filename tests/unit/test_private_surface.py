@@ -64,7 +64,7 @@ def test_deepspeed_resume_patch_point():
         "checkpoint_path",
         "load_module_strict",
     ]
-    loop = inspect.getsource(Trainer._inner_training_loop)
+    loop = inspect.getsource(Trainer._prepare_for_training)
     patched_call = loop.index("deepspeed_load_checkpoint(")
     assert patched_call < loop.index("self._load_optimizer_and_scheduler(resume_from_checkpoint)"), (
         "transformers reordered the DeepSpeed resume: re-read hf_ext/peft.py deepspeed_resume"
