@@ -1,0 +1,85 @@
+"""hf-ext's settings are real TrainingArguments fields (command line, YAML, Python), and building the arguments has
+no process-wide side effect beyond the distributed start-up stock does itself."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+from transformers import BlenderbotForConditionalGeneration, Trainer
+
+from hf_ext import Seq2SeqTrainingArguments, TrainingArguments, runtime
+from hf_ext.config_args import parse_args_with_config
+from hf_ext.saving import zero
+
+HF_EXT_FIELDS = {
+    "memory_per_device", "plan_model", "plan_seq_len", "release_freed_memory", "save_max_shard_size",
+    "save_gather_size",
+}  # fmt: skip
+GENERATION_EVAL_FIELDS = {
+    "generation_eval", "generation_min_length", "generation_no_repeat_ngram_size", "generation_batch_size",
+    "generation_bucket_by_length", "log_samples", "save_generations",
+}  # fmt: skip
+
+
+def test_every_hf_ext_setting_is_a_documented_field():
+    for cls, names in (
+        (TrainingArguments, HF_EXT_FIELDS),
+        (Seq2SeqTrainingArguments, HF_EXT_FIELDS | GENERATION_EVAL_FIELDS),
+    ):
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+        assert names <= set(fields), names - set(fields)
+        for name in names:
+            assert fields[name].metadata.get("help"), name
+            assert name in cls.__doc__, name
+
+
+def test_save_max_shard_size_from_the_command_line_and_a_yaml(tmp_path):
+    (args,) = parse_args_with_config(
+        [Seq2SeqTrainingArguments], ["--output_dir", str(tmp_path), "--save_max_shard_size", "200MB"]
+    )
+    assert args.save_max_shard_size == "200MB"
+    config = tmp_path / "run.yaml"
+    config.write_text(f"output_dir: {tmp_path}\nsave_max_shard_size: 20KB\nsave_gather_size: 1MiB\n")
+    (args,) = parse_args_with_config([Seq2SeqTrainingArguments], ["--config", str(config)])
+    assert (args.save_max_shard_size, args.save_gather_size) == ("20KB", "1MiB")
+    (args,) = parse_args_with_config(
+        [Seq2SeqTrainingArguments], ["--config", str(config), "--save_max_shard_size", "1GB"]
+    )
+    assert args.save_max_shard_size == "1GB"  # the command line wins over the YAML
+
+
+def test_a_bad_size_names_the_field(tmp_path):
+    with pytest.raises(ValueError, match="save_max_shard_size.*200MB, 5GB or 8GiB"):
+        TrainingArguments(output_dir=str(tmp_path), save_max_shard_size="lots")
+
+
+def test_save_model_follows_save_max_shard_size(tiny_model_dir, tmp_path):
+    model = BlenderbotForConditionalGeneration.from_pretrained(tiny_model_dir)
+    args = TrainingArguments(output_dir=str(tmp_path), save_max_shard_size="100KB", report_to="none")
+    trainer = Trainer(model=model, args=args)
+    zero.save_trainer_model(trainer, tmp_path / "saved")
+    index = json.loads((tmp_path / "saved" / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1
+    sizes = [(tmp_path / "saved" / name).stat().st_size for name in shards]
+    # each shard holds at most 100 kB of tensor data (plus its JSON header), except a single larger tensor alone
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    assert all(size <= max(100_000, largest) + 16_384 for size in sizes), sizes
+    reloaded = BlenderbotForConditionalGeneration.from_pretrained(tmp_path / "saved")
+    for (name, a), b in zip(model.state_dict().items(), reloaded.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+def test_building_arguments_leaves_the_process_alone(tmp_path, monkeypatch):
+    monkeypatch.setattr(runtime, "_RUN_SETUP", None)
+    threads, env = torch.get_num_threads(), dict(os.environ)
+    args = Seq2SeqTrainingArguments(output_dir=str(tmp_path), deepspeed="zero2", report_to="none")
+    assert args.deepspeed_resolution is not None and args.deepspeed["zero_optimization"]["stage"] == 2
+    assert torch.get_num_threads() == threads
+    assert dict(os.environ) == env
+    assert runtime._RUN_SETUP is None  # threads, malloc and shared memory wait for train start
+    assert "deepspeed_resolution" not in args.to_dict()  # declared, but not a setting
