@@ -110,7 +110,7 @@ def place_cpu_threads() -> int:
     """Give each local rank ``cores // local ranks`` intra-op threads unless the user set ``OMP_NUM_THREADS``.
 
     Under ``deepspeed --num_gpus 2`` on 2 cores, accelerate leaves 2 threads per rank; the two ranks then fight for the
-    cores and a tiny model trains 2.6x slower than with 1 thread per rank. Returns the thread count in force.
+    cores (docs/benchmarks.md, "Launchers and CPU threads"). Returns the thread count in force.
     """
     if USER_OMP_NUM_THREADS:
         return torch.get_num_threads()

@@ -422,8 +422,7 @@ def _gather_default(config: dict, report: Report):
 #: ZeRO-3 granularity of hf-ext's presets on a CPU-only host (elements): the size of one optimizer-step sub-group
 #: and the most gathered parameters kept alive. The GPU values (1e9, transformers' documented ones) keep the whole
 #: model gathered between uses and step the optimizer over the whole partition at once, which on CPU costs up to the
-#: full model plus two partition-sized temporaries of RAM per rank (BlenderBot-400M on 2 ranks: peak 5.98 GiB per
-#: rank with 1e9, 4.19 GiB with 1e7; docs/benchmarks.md, "Memory").
+#: full model plus two partition-sized temporaries of RAM per rank (docs/benchmarks.md, "Memory").
 CPU_ZERO3_GRANULARITY = 10_000_000
 CPU_ZERO3_KEYS = ("sub_group_size", "stage3_max_live_parameters", "stage3_max_reuse_distance")
 

@@ -55,8 +55,9 @@ ERROR_FLOOR = 64 * MiB
 PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OPTIMIZER_BYTES = {"fp32": 8, "bf16": 12, "fp16": 12}  # Adam m + v (+ fp32 master under mixed precision)
 FP32 = 4
-#: per-rank runtime overhead above the process baseline, measured on CPU (2 ranks, gloo, DeepSpeed 0.19.8,
-#: transformers 5.23) with a near-empty model: Trainer, accelerate, the engine, communication and data loading.
+#: per-rank runtime overhead above the process baseline with a near-empty model (Trainer, accelerate, the engine,
+#: communication, data loading), calibrated on CPU with 2 gloo ranks; the planner's error band is checked against
+#: measured peaks in tests/distributed and docs/benchmarks.md, "Memory".
 RUNTIME_OVERHEAD = {"ddp": 85 * MiB, 0: 20 * MiB, 1: 95 * MiB, 2: 95 * MiB, 3: 40 * MiB}
 GPU_RESERVE = 1 * GiB  # CUDA context + allocator fragmentation
 
