@@ -29,8 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--quantize",
         choices=("auto", "none", "int8"),
         default="auto",
-        help="int8: dynamic quantization of Linear layers; auto (default): int8 for fp32 weights (CPU serving: about "
-        "a quarter of fp32's latency at the 400M shape, BLEU within 0.1 of fp32; docs/benchmarks.md), else none.",
+        help="int8: dynamic quantization of Linear layers; auto (default): int8 for fp32 weights (faster CPU serving "
+        "at about the same BLEU: docs/benchmarks.md, 'Chat-E serving'), else none.",
     )
     parser.add_argument("--concurrency", type=int, default=2, help="Replies generated at the same time (default 2).")
     parser.add_argument(
