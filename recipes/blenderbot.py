@@ -105,15 +105,15 @@ def main(argv: list[str] | None = None) -> dict:
     setup_logging(training_args)
     logger.info(
         f"rank {training_args.process_index}/{training_args.world_size}, device {training_args.device}, "
-        f"deepspeed {'on' if training_args.deepspeed_plugin else 'off'}, {torch.get_num_threads()} threads"
+        f"deepspeed {'on' if training_args.deepspeed_plugin else 'off'}"
     )
     set_seed(training_args.seed)
 
     # 2. model files (a random-init model is built once, by the main process, when asked)
     model_path = model_args.model_name_or_path
-    if model_args.build_tiny_model and not Path(model_path).exists():
+    if model_args.build_tiny_model:  # every rank enters: the others wait until the main process has built it
         with training_args.main_process_first(desc="building the tiny model"):
-            if training_args.is_world_process_zero and not Path(model_path).exists():
+            if training_args.local_process_index == 0 and not Path(model_path).exists():
                 build(model_path, model_args.build_tiny_model, seed=training_args.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
 
