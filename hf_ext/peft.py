@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .saving.gather import gathered, is_partitioned
+from .gather import gathered, is_partitioned
 
 logger = logging.getLogger(__name__)
 
