@@ -17,7 +17,7 @@ def parse_args_with_config(dataclass_types, argv: list[str] | None = None):
     """
     parser = HfArgumentParser(dataclass_types)
     parser.add_argument("--config", default=None, help="YAML file of defaults; CLI flags override it.")
-    for action in parser._actions:  # the memory planner picks the micro-batch: hf_ext.plan_auto
+    for action in parser._actions:  # the memory planner picks the micro-batch: hf_ext.memory.auto
         if action.dest in AUTO_INT_FIELDS:
             action.type = int_or_auto
             action.help = (action.help or "") + ' "auto": the largest that fits the memory (needs --plan_model).'

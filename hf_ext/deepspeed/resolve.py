@@ -4,7 +4,7 @@
 (batch sizes, accumulation, clipping, optimizer and scheduler values, precision, the hidden-size based bucket sizes)
 and also what it leaves to crash late or to go silently wrong:
 
-* the normalizations of :mod:`hf_ext.ds_normalize` (deprecated spellings, string booleans, float literals, ...);
+* the normalizations of :mod:`hf_ext.deepspeed.normalize` (deprecated spellings, string booleans, float literals, ...);
 * precision: ``"auto"`` (or no fp16/bf16 section) with TrainingArguments saying nothing picks from the hardware
   (bf16, else fp16, on an accelerator; fp32 on CPU); a precision the config enables explicitly is adopted by
   TrainingArguments when they say nothing; fp16/bf16 the hardware lacks is an error;
