@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from ..sizes import parse_bytes
 from ..gather import gathered, is_partitioned
+from ..sizes import parse_bytes
 
 logger = logging.getLogger(__name__)
 
