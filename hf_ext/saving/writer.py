@@ -133,7 +133,8 @@ def state_dict_entries(state_dict: dict, model=None, dtype: torch.dtype | None =
 
 
 def plan_shards(entries: list[TensorEntry], max_shard_size: int) -> list[list[TensorEntry]]:
-    """Consecutive entries packed into shards of at most ``max_shard_size`` bytes (a larger tensor gets its own)."""
+    """Consecutive entries packed into groups of at most ``max_shard_size`` bytes (a larger tensor gets its own):
+    the shards of a save, and within a shard the groups gathered at once."""
     shards: list[list[TensorEntry]] = [[]]
     size = 0
     for entry in entries:
@@ -143,18 +144,6 @@ def plan_shards(entries: list[TensorEntry], max_shard_size: int) -> list[list[Te
         shards[-1].append(entry)
         size += entry.nbytes
     return shards if shards[0] else []
-
-
-def _gather_groups(shard: list[TensorEntry], gather_bytes: int) -> list[list[TensorEntry]]:
-    groups: list[list[TensorEntry]] = [[]]
-    size = 0
-    for entry in shard:
-        if groups[-1] and size + entry.nbytes > gather_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(entry)
-        size += entry.nbytes
-    return groups
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -232,7 +221,7 @@ def write_entries(
         try:
             if f is not None:
                 f.write(_header(shard, metadata))
-            for group in _gather_groups(shard, gather_limit):
+            for group in plan_shards(shard, gather_limit):
                 with gathered([e.source for e in group]):
                     if f is not None:
                         for entry in group:
