@@ -4,10 +4,14 @@ anyone's), the extension's own dependencies, and the product's behind extras."""
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
 
 from setuptools import find_packages
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    from pip._vendor import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
