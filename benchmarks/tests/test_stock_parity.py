@@ -1,7 +1,7 @@
 """hf-ext against stock transformers in the same 2-rank DeepSpeed launch: same model, data, seed and config file.
 
-scripts/throughput_worker.py (the engine of ``bench_train.py --interleave``) trains stock, hf-ext, hf-ext, stock,
-each segment from nothing. These tests check what the throughput ratio relies on: the segments really are
+benchmarks.worker with ``--segments`` (the engine of ``bench_train --interleave``) trains stock, hf-ext, hf-ext,
+stock, each segment from nothing. These tests check what the throughput ratio relies on: the segments really are
 independent, both paths run the same engine, and what hf-ext changes on the way is only the loss fix.
 """
 
@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
-from hf_ext.deepspeed.resolve import _walk  # nested config -> ("a.b", value) pairs
-
-from .conftest import ROOT, launcher_cmd, run
-
-WORKER = ROOT / "scripts" / "throughput_worker.py"
+from benchmarks import harness
+from benchmarks.worker import StepCodeTracer
+from hf_ext.deepspeed.resolve import walk  # nested config -> ("a.b", value) pairs
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
@@ -28,10 +25,11 @@ def interleaved(request, tmp_path_factory, tiny_model_dir) -> list[dict]:
     config = work / f"zero{request.param}.json"
     # the preset's JSON: stock fills its "auto"s, hf-ext resolves them
     config.write_text(json.dumps(load_deepspeed_config(f"zero{request.param}")))
-    out = work / "run"
-    cmd = launcher_cmd("deepspeed", WORKER) + ["--model", str(tiny_model_dir), "--config", str(config)]
-    run(cmd + ["--out", str(out), "--batch", "2", "--steps", "6", "--segments", "4", "--trace"], OMP_NUM_THREADS=1)
-    return [json.loads(Path(f"{out}.rank{r}.json").read_text())["segments"] for r in (0, 1)]
+    args = ["--model", str(tiny_model_dir), "--config", str(config), "--batch", "2", "--steps", "6"]
+    result = harness.launch_worker(args + ["--segments", "4", "--trace"], work / "run", {"OMP_NUM_THREADS": 1})
+    if isinstance(result, str):
+        pytest.fail(result)
+    return [r["segments"] for r in result]
 
 
 @pytest.mark.distributed
@@ -61,7 +59,7 @@ def test_both_paths_run_the_same_engine(interleaved):
         stock = next(s for s in segments if s["path"] == "stock")["engine_config"]
         ours = next(s for s in segments if s["path"] == "hf-ext")["engine_config"]
         # as {"a.b": value}, so that a failure names the keys that differ
-        stock, ours = dict(_walk(stock)), dict(_walk(ours))
+        stock, ours = dict(walk(stock)), dict(walk(ours))
         assert "auto" not in stock.values()
         assert ours == stock
 
@@ -91,11 +89,8 @@ def test_hf_ext_callbacks_are_timed_on_every_step(interleaved):
             assert 0 < s["hf_ext_hook_seconds_per_step"] < events["on_train_begin"] + events["on_train_end"]
 
 
-def test_the_step_tracer_names_hf_ext_code(monkeypatch):
+def test_the_step_tracer_names_hf_ext_code():
     """The tracer behind the next test sees hf-ext's functions when they run, and files them under hf_ext."""
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    from throughput_worker import StepCodeTracer
-
     from hf_ext.deepspeed.resolve import load_deepspeed_config
 
     tracer = StepCodeTracer()
@@ -104,7 +99,7 @@ def test_the_step_tracer_names_hf_ext_code(monkeypatch):
         load_deepspeed_config("zero2")
     finally:
         sys.setprofile(None)
-    assert tracer.hf_ext_functions["deepspeed_config.py:load_deepspeed_config"] == 1
+    assert tracer.hf_ext_functions["resolve.py:load_deepspeed_config"] == 1
     assert tracer.calls["hf_ext"] >= 1
 
 

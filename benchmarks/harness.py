@@ -1,0 +1,227 @@
+"""What every bench shares: 2-rank launches, their environment, host facts, the synthetic dataset, statistics,
+markdown tables, JSON results and the sections of docs/benchmarks.md a bench rewrites.
+
+Rules the library owns (presets, bucket sizes, thread placement, the planner, precision) are never computed here:
+the benches call hf_ext for them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+WORKER = "benchmarks.worker"  # the training worker, run as a module by the launchers
+DOCS = ROOT / "docs" / "benchmarks.md"
+GiB, MiB = 2**30, 2**20
+
+
+# --- launching ----------------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_env(env_extra: dict | None = None) -> dict:
+    """This environment with the venv's launchers first on PATH, the repository importable, and no inherited
+    ``OMP_NUM_THREADS`` (a bench sets it only when it means to: hf-ext respects a user's value)."""
+    env = dict(os.environ)
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    env.pop("OMP_NUM_THREADS", None)
+    env.update({k: str(v) for k, v in (env_extra or {}).items()})
+    return env
+
+
+def launcher_cmd(launcher: str, target: str | Path, nproc: int = 2) -> list[str]:
+    """The command that starts ``target`` on ``nproc`` ranks under ``launcher``: ``deepspeed``, ``torchrun``,
+    ``accelerate:<config yaml>`` or ``python`` (one process). ``target`` is a script path, or a module name
+    (``benchmarks.worker``), which every launcher runs as ``python -m`` does."""
+    target = str(target)
+    module = not target.endswith(".py")
+    port = str(free_port())
+    if launcher == "deepspeed":
+        cmd = [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", port] + ["--module"] * module
+    elif launcher == "torchrun":
+        cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", port] + ["-m"] * module
+    elif launcher.startswith("accelerate:"):
+        config = launcher.split(":", 1)[1]
+        cmd = [str(BIN / "accelerate"), "launch", "--config_file", config, "--main_process_port", port]
+        cmd += ["-m"] * module
+    elif launcher == "python":
+        cmd = [sys.executable] + ["-m"] * module
+    else:
+        raise ValueError(f"unknown launcher {launcher!r}")
+    return cmd + [target]
+
+
+def run(cmd: list[str], log: Path, env_extra: dict | None = None) -> int:
+    """Run ``cmd`` from the repository root with :func:`launch_env`, its output into ``log``; the exit code."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as f:
+        return subprocess.run(cmd, cwd=ROOT, env=launch_env(env_extra), stdout=f, stderr=subprocess.STDOUT).returncode
+
+
+def launch_worker(args: list[str], out: Path, env_extra: dict | None = None, launcher: str = "deepspeed"):
+    """One 2-rank launch of the training worker; its per-rank ``OUT.rank<N>.json`` results, or why there are none
+    (a string with the tail of ``OUT.log``)."""
+    results = [Path(f"{out}.rank{rank}.json") for rank in (0, 1)]
+    for path in results:
+        path.unlink(missing_ok=True)
+    log = Path(f"{out}.log")
+    code = run(launcher_cmd(launcher, WORKER) + [*args, "--out", str(out)], log, env_extra)
+    if code != 0:
+        return f"exit {code} (see {log}): " + log.read_text()[-300:].replace("\n", " ")
+    return [json.loads(path.read_text()) for path in results]
+
+
+def available_memory() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+# --- models and data ----------------------------------------------------------------------------------------------
+
+
+def ensure_model(size: str, model_dir: str | Path | None = None) -> Path:
+    """``model_dir`` (default ``runs/models/<size>``), built by chat_e's tiny-model builder if it holds no model."""
+    model = Path(model_dir) if model_dir else ROOT / "runs" / "models" / size
+    if not (model / "config.json").exists():
+        from chat_e.models import build
+
+        build(str(model), size, seed=0)
+    return model
+
+
+def parameter_count(model_dir: str | Path) -> int:
+    """Parameters of the model in ``model_dir`` (built on the meta device: no weights read)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM
+
+    with torch.device("meta"):
+        model = AutoModelForSeq2SeqLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return sum(p.numel() for p in model.parameters())
+
+
+def synthetic_dataset(n: int, vocab: int, seq_len: int, seed: int = 0) -> list[dict]:
+    """``n`` seq2seq rows of random token ids (ids 0-3 are BlenderBot's special tokens), inputs and labels both
+    ``seq_len`` long: every row costs the same, so throughput and memory do not depend on which rows a step gets."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [
+        {
+            "input_ids": torch.randint(4, vocab, (seq_len,), generator=g).tolist(),
+            "attention_mask": [1] * seq_len,
+            "labels": torch.randint(4, vocab, (seq_len,), generator=g).tolist(),
+        }
+        for _ in range(n)
+    ]
+
+
+# --- host ---------------------------------------------------------------------------------------------------------
+
+
+def load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def host_info() -> dict:
+    """Where a bench ran: CPU, the cores this process may use (as hf-ext counts them), versions, load average."""
+    import deepspeed
+    import torch
+    import transformers
+
+    from hf_ext.runtime import usable_cores
+
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "machine": platform.machine(),
+        "cores": usable_cores(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "deepspeed": deepspeed.__version__,
+        "load_average": load_average(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+
+
+# --- statistics ---------------------------------------------------------------------------------------------------
+
+#: Student's t, two-sided 95%, by degrees of freedom (1.96 past the table)
+T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 11: 2.20, 12: 2.18,
+       13: 2.16, 14: 2.14, 15: 2.13, 16: 2.12, 17: 2.11, 18: 2.10, 19: 2.09, 20: 2.09, 25: 2.06, 30: 2.04}  # fmt: skip
+
+
+def t95(df: int) -> float:
+    """Two-sided 95% Student's t for ``df`` degrees of freedom; between table entries the next smaller ``df``'s
+    (a wider interval)."""
+    return T95[max(k for k in T95 if k <= df)] if df <= 30 else 1.96
+
+
+def geometric_mean_interval(ratios: list[float]) -> tuple[float, float, float]:
+    """Geometric mean of per-pair ratios and its 95% interval (a t interval on the log ratios)."""
+    logs = [math.log(r) for r in ratios]
+    mean = statistics.fmean(logs)
+    if len(logs) < 2:
+        return math.exp(mean), float("nan"), float("nan")
+    half = t95(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``values``, linearly interpolated."""
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+# --- output -------------------------------------------------------------------------------------------------------
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_json(path: str | Path, data: dict) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    return path
+
+
+def command(module: str, argv: list[str] | None) -> str:
+    """The command line that reproduces this run of bench ``module`` (``benchmarks.bench_x``)."""
+    return " ".join(["python", "-m", module, *(sys.argv[1:] if argv is None else argv)])
+
+
+def write_section(doc: str | Path, name: str, text: str) -> None:
+    """Replace the part of ``doc`` between the markers ``<!-- name -->`` and ``<!-- /name -->`` with ``text``; where
+    ``doc`` has no such part, append one. Text outside the markers (headings, notes) is never touched."""
+    doc = Path(doc)
+    begin, end = f"<!-- {name} -->", f"<!-- /{name} -->"
+    block = f"{begin}\n{text.strip()}\n{end}"
+    old = doc.read_text(encoding="utf-8") if doc.exists() else "# Benchmarks\n"
+    start, stop = old.find(begin), old.find(end)
+    if start >= 0 and stop > start:
+        new = old[:start] + block + old[stop + len(end) :]
+    else:
+        new = old.rstrip("\n") + "\n\n" + block + "\n"
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(new, encoding="utf-8")
