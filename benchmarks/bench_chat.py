@@ -22,16 +22,13 @@ fp32, bf16 and int8 answers ``--bleu_examples`` contexts of the offline (chatter
 model's generation defaults (what ``chat-e`` serves); corpus sacreBLEU and chrF against the labels, and each
 variant's BLEU difference to fp32.
 
-    python scripts/bench_chat.py --size small --repeats 1 --bleu_model runs/demo --out runs/bench/chat_e_small.json
-    python scripts/bench_chat.py --size 400m --repeats 1 --num_beams 0 --threads 2 --out runs/bench/chat_e_400m.json
+    python -m benchmarks.bench_chat --size small --repeats 1 --bleu_model runs/demo --out runs/bench/chat_e_small.json
+    python -m benchmarks.bench_chat --size 400m --repeats 1 --num_beams 0 --threads 2 --out runs/bench/chat_e_400m.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import resource
 import statistics
 import sys
@@ -42,12 +39,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from chat_e.corpora import DataArguments, load_dialogue_dataset  # noqa: E402
-from chat_e.dialogue import HEADER_TEMPLATES, encode_texts, parse_texts  # noqa: E402
-from chat_e.engine import ChatEngine  # noqa: E402
-from hf_ext.evaluation.bleu import compute_bleu_chrf  # noqa: E402
+from benchmarks import harness
+from benchmarks.harness import load_average, percentile
+from chat_e.corpora import DataArguments, load_dialogue_dataset
+from chat_e.dialogue import HEADER_TEMPLATES, encode_texts, parse_texts
+from chat_e.engine import ChatEngine
+from hf_ext.evaluation.bleu import compute_bleu_chrf
 
 #: precision -> ChatEngine.from_pretrained keywords
 PRECISIONS = {"fp32": {}, "bf16": {"dtype": "bf16"}, "int8": {"quantize": "int8"}}
@@ -65,19 +62,8 @@ PROMPTS = [
 ]
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
-
-
-def load_average() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
-
-
 def split_header(header: str) -> tuple[str, str | None]:
-    """``(mode, context)`` of a MuDoConv header line: the inverse of :func:`hf_ext.dialogue.make_header`."""
+    """``(mode, context)`` of a MuDoConv header line: the inverse of :func:`chat_e.dialogue.make_header`."""
     for mode, template in HEADER_TEMPLATES.items():
         prefix, suffix = template.split("{}")
         if header and header.startswith(prefix) and header.endswith(suffix):
@@ -233,7 +219,7 @@ def bleu_benchmark(model_dir: str, n_examples: int) -> dict:
         r["within_0.5_of_fp32"] = abs(r["bleu_minus_fp32"]) <= 0.5
     return {
         "model": model_dir,
-        "data": "chatterbot validation split (hf_ext.data, seed 42)",
+        "data": "chatterbot validation split (chat_e.corpora, seed 42)",
         "examples": len(refs),
         "settings": {
             "generation": "the model's generation_config (ChatEngine.default_settings())",
@@ -299,10 +285,8 @@ def main(argv: list[str] | None = None) -> dict:
     tmp = None
     model_dir = args.model
     if model_dir is None:
-        from chat_e.models import build
-
         tmp = tempfile.TemporaryDirectory()
-        model_dir = str(build(str(Path(tmp.name) / args.size), args.size, seed=0))
+        model_dir = str(harness.ensure_model(args.size, Path(tmp.name) / args.size))
 
     started = time.perf_counter()
     load["latency_start"] = load_average()
@@ -315,23 +299,20 @@ def main(argv: list[str] | None = None) -> dict:
     load["end"] = load_average()
 
     report = {
+        "command": harness.command("benchmarks.bench_chat", argv),
         "model": args.model or f"random-init {args.size} (chat_e.models, seed 0)",
         "parameters": latency.pop("parameters"),
         "prompts": len(PROMPTS),
         "repeats": args.repeats,
         "threads": args.threads,
-        "torch": torch.__version__,
-        "cpu": platform.processor() or platform.machine(),
-        "cores": os.cpu_count(),
+        "host": harness.host_info(),
         "load_average_1_5_15min": load,
         "latency_seconds": round(latency_seconds, 1),
         "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
         "latency": latency,
         "bleu": bleu,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    harness.write_json(args.out, report)
 
     print(f"model: {report['model']}, {report['parameters'] / 1e6:.1f}M parameters; {latency['settings']}")
     print(f"load average (1/5/15 min): {load}")

@@ -1,9 +1,8 @@
-#!/usr/bin/env python
 """Generation eval: stock ``Seq2SeqTrainer(predict_with_generate=True)`` + a sacrebleu ``compute_metrics`` against
 hf-ext's BLEU eval, same model, same eval set, same generation settings, in one process.
 
-    python scripts/bench_eval.py --out runs/bench/eval.json
-    python scripts/bench_eval.py --size small --train_steps 300 --num_beams 10 --out runs/bench/eval_small.json
+    python -m benchmarks.bench_eval --out runs/bench/eval.json
+    python -m benchmarks.bench_eval --size small --train_steps 300 --num_beams 10 --out runs/bench/eval_small.json
 
 The model is a BlenderBot from chat_e.models (``tiny`` by default), trained ``--train_steps`` steps on the
 offline corpus first (0 = random init) so that replies end at different lengths. The eval set is the offline corpus'
@@ -18,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -31,11 +29,13 @@ import transformers
 from transformers import AutoTokenizer, BlenderbotForConditionalGeneration, DataCollatorForSeq2Seq
 
 import hf_ext
+from benchmarks import harness
 from chat_e.corpora import DataArguments, load_dialogue_dataset, tokenize_dataset
 from chat_e.models import build
+from hf_ext.evaluation.bleu import length_batches
 
 
-def parse() -> argparse.Namespace:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/bench/eval.json", help="JSON results path.")
     p.add_argument("--size", default="tiny", choices=["tiny", "small"], help="chat_e.models size.")
@@ -50,7 +50,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--no_repeat_ngram_size", type=int, default=3)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def train_model(model_dir: Path, size: str, steps: int) -> None:
@@ -142,8 +142,8 @@ def run_hf_ext(model, tokenizer, dataset, opts, workdir: Path, generation_batch_
     }
 
 
-def main() -> dict:
-    opts = parse()
+def main(argv: list[str] | None = None) -> dict:
+    opts = parse(argv)
     logging.basicConfig(level=logging.WARNING)
     transformers.utils.logging.set_verbosity_error()
     datasets.disable_progress_bars()
@@ -159,7 +159,7 @@ def main() -> dict:
     lengths = [len(ids) for ids in dataset["input_ids"]]
     bs = opts.per_device_eval_batch_size
     in_order = [list(range(i, min(i + bs, len(lengths)))) for i in range(0, len(lengths), bs)]
-    bucketed = hf_ext.bleu_eval.length_batches(lengths, bs)
+    bucketed = length_batches(lengths, bs)
 
     sizes = [bs] + ([opts.generation_batch_size] if opts.generation_batch_size not in (None, bs) else [])
     best: dict[str, dict] = {}
@@ -178,6 +178,7 @@ def main() -> dict:
 
     stock = best["stock"]
     report = {
+        "command": harness.command("benchmarks.bench_eval", argv),
         "model": {"size": opts.size, "train_steps": opts.train_steps, "parameters": model.num_parameters()},
         "eval_set": {
             "rows": len(lengths),
@@ -195,7 +196,7 @@ def main() -> dict:
         },
         "threads": opts.threads,
         "repeats": opts.repeats,
-        "host": {"machine": platform.machine(), "torch": torch.__version__, "transformers": transformers.__version__},
+        "host": harness.host_info(),
         "model_prep_seconds": round(prep_seconds, 1),
         "stock": {k: v for k, v in stock.items() if k != "generations"},
         "hf_ext": {},
@@ -211,9 +212,7 @@ def main() -> dict:
             "identical_generations": result["generations"] == stock["generations"],
             "differing_generations": sum(a != b for a, b in zip(result["generations"], stock["generations"])),
         }
-    out = Path(opts.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
+    harness.write_json(opts.out, report)
     print(json.dumps(report, indent=1))
     return report
 

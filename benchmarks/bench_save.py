@@ -1,7 +1,6 @@
-#!/usr/bin/env python
 """Saving benchmark: stock ``Trainer.save_model`` vs hf-ext's streaming save, and LoRA checkpoints stock vs hf-ext.
 
-    python scripts/bench_save.py --size 400m --out runs/bench_save.json [--max_shard_size 200MB]
+    python -m benchmarks.bench_save --size 400m --max_shard_size 200MB --out runs/bench/save_400m.json
 
 Builds a random-init BlenderBot of the given shape (chat_e.models), then runs two 2-rank ZeRO-3 jobs under
 ``deepspeed --num_gpus 2`` (one optimizer step each, so the engine exists):
@@ -20,15 +19,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 import types
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks import harness
+
+MODULE = "benchmarks.bench_save"
 
 
 class PeakRSS:
@@ -82,11 +80,8 @@ def worker(opts) -> None:
         report_to=[],
         deepspeed=config,
         disable_tqdm=True,
+        save_max_shard_size=opts.max_shard_size,
     )
-    args.save_max_shard_size = opts.max_shard_size
-    import deepspeed
-
-    deepspeed.init_distributed(dist_backend="gloo")
     model = BlenderbotForConditionalGeneration.from_pretrained(opts.model)
     if opts.mode == "lora":
         from peft import LoraConfig, get_peft_model
@@ -106,7 +101,8 @@ def worker(opts) -> None:
         trainer.train()
         measure_lora(trainer, args, work, result)
     if args.process_index == 0:
-        Path(opts.result).write_text(json.dumps(result, indent=2) + "\n")
+        harness.write_json(opts.result, result)
+    hf_ext.end_distributed()
 
 
 class _Measured(Exception):
@@ -181,14 +177,13 @@ def measure_lora(trainer, args, work, result):
 
 
 def launch(model: Path, mode: str, workdir: Path, max_shard_size: str) -> dict:
+    """One 2-rank ZeRO-3 launch of this module's worker side; rank 0's measurements."""
     result = workdir / f"{mode}.json"
-    bin_dir = Path(sys.executable).parent
-    cmd = [str(bin_dir / "deepspeed"), "--num_gpus", "2", "--master_port", str(29500 + os.getpid() % 1000)]
-    cmd += [__file__, "--worker", "--mode", mode, "--model", str(model), "--workdir", str(workdir / mode)]
-    cmd += ["--result", str(result), "--max_shard_size", max_shard_size]
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
-    subprocess.run(cmd, check=True, env=env, cwd=ROOT)
+    cmd = harness.launcher_cmd("deepspeed", MODULE) + ["--worker", "--mode", mode, "--model", str(model)]
+    cmd += ["--workdir", str(workdir / mode), "--result", str(result), "--max_shard_size", max_shard_size]
+    log = workdir / f"{mode}.log"
+    if harness.run(cmd, log):
+        raise SystemExit(f"{mode} save launch failed (see {log}):\n{log.read_text()[-3000:]}")
     return json.loads(result.read_text())
 
 
@@ -212,7 +207,7 @@ def table(full: dict, lora: dict) -> str:
     return "\n".join(rows)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict | None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="400m", help="model shape from chat_e.models.SIZES")
     parser.add_argument("--max_shard_size", default="200MB")
@@ -223,25 +218,21 @@ def main() -> None:
     parser.add_argument("--model", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
-    opts = parser.parse_args()
+    opts = parser.parse_args(argv)
     if opts.worker:
         return worker(opts)
 
-    workdir = Path(opts.workdir or ROOT / "runs" / "bench_save")
+    workdir = Path(opts.workdir or harness.ROOT / "runs" / "bench_save")
     workdir.mkdir(parents=True, exist_ok=True)
-    model = workdir / f"model-{opts.size}"
-    if not (model / "config.json").exists():
-        from chat_e.models import build
-
-        build(str(model), opts.size, seed=0)
+    model = harness.ensure_model(opts.size, workdir / f"model-{opts.size}")
     full = launch(model, "full", workdir, opts.max_shard_size)
     lora = launch(model, "lora", workdir, opts.max_shard_size)
-    report = {"size": opts.size, "world_size": 2, "zero_stage": 3, "max_shard_size": opts.max_shard_size}
-    report.update(full=full, lora=lora)
+    report = {"command": harness.command(MODULE, argv), "size": opts.size, "world_size": 2, "zero_stage": 3}
+    report.update(max_shard_size=opts.max_shard_size, host=harness.host_info(), full=full, lora=lora)
     print(table(full, lora))
     if opts.out:
-        Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(opts.out).write_text(json.dumps(report, indent=2) + "\n")
+        harness.write_json(opts.out, report)
+    return report
 
 
 if __name__ == "__main__":
