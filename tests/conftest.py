@@ -1,4 +1,8 @@
-"""Shared fixtures: a tiny BlenderBot built once per session, and a runner for real 2-rank launches."""
+"""Shared fixtures: a tiny BlenderBot built once per session, the vendored config corpus, and a runner for real 2-rank
+launches.
+
+Tiers: ``unit/`` (no training, no subprocess, under a minute), ``integration/`` (in-process training, marked
+``slow``), ``distributed/`` (real 2-rank launches, marked ``distributed``), ``app/`` (server and browser)."""
 
 from __future__ import annotations
 
@@ -14,6 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 RECIPE = ROOT / "recipes" / "blenderbot.py"
 TINY_YAML = ROOT / "recipes" / "configs" / "tiny.yaml"
+DATA = ROOT / "tests" / "data"
+#: DeepSpeed configs copied from public repositories (tests/data/deepspeed_configs/SOURCES.tsv, LICENSES.md)
+CORPUS = DATA / "deepspeed_configs"
 
 
 @pytest.fixture(scope="session")
@@ -29,6 +36,39 @@ def tiny_tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def medium_model_dir(tmp_path_factory, tiny_model_dir) -> Path:
+    """A ~17M-parameter BlenderBot (random init): large enough that model states stand out of the runtime noise."""
+    import torch
+    from transformers import BlenderbotConfig, BlenderbotForConditionalGeneration
+
+    config = BlenderbotConfig.from_pretrained(tiny_model_dir)
+    config.update(dict(vocab_size=8008, d_model=512, encoder_ffn_dim=2048, decoder_ffn_dim=2048))
+    config.update(dict(encoder_attention_heads=8, decoder_attention_heads=8))
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("models") / "medium"
+    BlenderbotForConditionalGeneration(config).save_pretrained(out)
+    return out
+
+
+@pytest.fixture
+def no_global_deepspeed_config():
+    """TrainingArguments with a DeepSpeed config register it globally (zero.Init in from_pretrained reads it)."""
+    yield
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+
+
+def walk(node, prefix=""):
+    """(dotted key, value) of every leaf of a nested dict."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from walk(value, f"{prefix}{key}.")
+    else:
+        yield prefix[:-1], node
 
 
 def free_port() -> int:

@@ -1,21 +1,14 @@
-"""DeepSpeed config resolution: the real-world corpus, stock parity, every normalization, every error path, and one
-real 2-rank run with a messy config.
+"""DeepSpeed config resolution: stock parity, every normalization, every error path (the real-world corpus is in
+test_deepspeed_corpus.py, 2-rank runs in tests/distributed/test_presets_distributed.py).
 
 Real parts only: DeepSpeed's own config classes validate, transformers' own ``HfTrainerDeepSpeedConfig`` is the
-parity reference, and the corpus of configs copied from public repos is read in place (never written).
-
-The trailing-comma file (axolotl's 2023 ``ds_config.json``) is *accepted* with a warning giving line and column:
-DeepSpeed's own loader (hjson) reads it, only transformers' strict ``json.load`` does not. Any other JSON syntax
-error is an error with line and column.
+parity reference.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import math
-import shutil
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -25,37 +18,15 @@ from transformers import BlenderbotConfig, GPT2Config
 from hf_ext import (
     PRESETS,
     DeepSpeedConfigError,
-    TrainingArguments,
     explain_deepspeed_config,
     load_deepspeed_config,
     resolve_deepspeed_config,
 )
-from hf_ext.deepspeed.load import accelerate_launch_config
 from hf_ext.deepspeed.normalize import normalize
 from hf_ext.deepspeed.resolve import CPU_ZERO3_GRANULARITY, CPU_ZERO3_KEYS, Hardware, fill_model_keys, get_value
 
-from ..conftest import launcher_cmd, run
-
-CORPUS = Path(__file__).resolve().parents[2] / "shared" / "configs" / "deepspeed"
-CORPUS_FILES = sorted(p for p in CORPUS.glob("*") if p.suffix in (".json", ".yaml", ".yml")) if CORPUS.is_dir() else []
-needs_corpus = pytest.mark.skipif(not CORPUS.is_dir(), reason=f"shared config corpus not found at {CORPUS}")
-TRAILING_COMMA = CORPUS / "axolotl-old__ds_config_trailing_comma.json"
-GPU = Hardware("cuda", fp16=True, bf16=True)
-CPU = Hardware("cpu", fp16=False, bf16=False)
-
-
-@pytest.fixture(autouse=True)
-def _no_global_deepspeed_config():
-    """TrainingArguments with a DeepSpeed config register it globally (zero.Init in from_pretrained reads it)."""
-    yield
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-    unset_hf_deepspeed_config()
-
-
-def make_args(tmp_path, **kwargs) -> TrainingArguments:
-    defaults = dict(output_dir=str(tmp_path / "out"), report_to=[], per_device_train_batch_size=2, max_steps=10)
-    return TrainingArguments(**{**defaults, **kwargs})
+from ..conftest import walk
+from ..ds_support import deepspeed_accepts, make_args, single_line_problems
 
 
 @pytest.fixture
@@ -63,127 +34,9 @@ def args(tmp_path):
     return make_args(tmp_path)
 
 
-def walk(node, prefix=""):
-    if isinstance(node, dict):
-        for key, value in node.items():
-            yield from walk(value, f"{prefix}{key}.")
-    else:
-        yield prefix[:-1], node
-
-
-def deepspeed_accepts(config: dict, world_size: int):
-    """DeepSpeed's own parser on the config, with the world size it will run at."""
-    from deepspeed.runtime.config import DeepSpeedConfig
-
-    probe = copy.deepcopy(config)
-    probe.pop("train_batch_size")  # outside a process group DeepSpeed assumes world size 1...
-    parsed = DeepSpeedConfig(probe)
-    micro, accum = parsed.train_micro_batch_size_per_gpu, parsed.gradient_accumulation_steps
-    assert config["train_batch_size"] == micro * accum * world_size  # ...so the batch product is checked here
-    return parsed
-
-
-def stock_mismatches(config: dict, args) -> list[str]:
-    """What transformers' own DeepSpeed glue says about ``config`` with these arguments."""
-    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
-
-    hf = HfTrainerDeepSpeedConfig(copy.deepcopy(config))
-    hf.trainer_config_process(args)
-    return hf.mismatches
-
-
-def single_line_problems(err: DeepSpeedConfigError):
-    assert err.problems
-    for problem in err.problems:
-        text = str(problem)
-        assert "\n" not in text
-        assert "validation error" not in text and "errors.pydantic.dev" not in text and "Traceback" not in text
-
-
-# --- the corpus -------------------------------------------------------------------------------------------------
-
-
-@needs_corpus
-@pytest.mark.parametrize("path", CORPUS_FILES, ids=[p.name for p in CORPUS_FILES])
-def test_corpus_file_resolves_or_fails_with_one_clear_message(path, tmp_path, tiny_model_dir):
-    kwargs: dict = {}
-    try:
-        resolution = explain_deepspeed_config(path, make_args(tmp_path), model=tiny_model_dir)
-    except DeepSpeedConfigError as err:
-        single_line_problems(err)
-        if any("exists neither" in str(p) for p in err.problems):  # a referenced file that is not in the corpus
-            assert len(err.problems) == 1
-            return
-        # every mismatch names the arguments that fix it; with them the same file resolves, or only problems no
-        # argument can fix are left (invalid values), each on one line
-        kwargs = {k: v for p in err.problems for k, v in p.args_fix.items()}
-        try:
-            resolution = explain_deepspeed_config(path, make_args(tmp_path, **kwargs), model=tiny_model_dir)
-        except DeepSpeedConfigError as left:
-            single_line_problems(left)
-            assert all(not p.args_fix for p in left.problems)
-            assert {p.key for p in left.problems} <= {p.key for p in err.problems}
-            return
-    config = resolution.config
-    assert [key for key, value in walk(config) if value == "auto"] == []
-    deepspeed_accepts(config, world_size=1)
-    # transformers' own glue, given the arguments the config implies, agrees with every value
-    assert stock_mismatches(config, make_args(tmp_path, **kwargs, **resolution.args_updates)) == []
-
-
-@needs_corpus
-def test_trailing_comma_file_is_read_with_a_warning_naming_line_and_column(args, tiny_model_dir):
-    text = TRAILING_COMMA.read_text()
-    with pytest.raises(json.JSONDecodeError):
-        json.loads(text)  # what transformers' HfDeepSpeedConfig does with it
-    resolution = explain_deepspeed_config(TRAILING_COMMA, args, model=tiny_model_dir, world_size=2)
-    (warning,) = [w for w in resolution.warnings if "trailing comma" in w]
-    line, col = (int(n) for n in warning.split(":", 3)[1:3])
-    assert text.splitlines()[line - 1][col - 1] == ","
-
-
-@needs_corpus
-def test_accelerate_yaml_follows_its_relative_deepspeed_config_file(tmp_path, args):
-    shutil.copy(CORPUS / "accelerate-ex__sp-alst.accelerate-config.yml", tmp_path / "accelerate.yml")
-    shutil.copy(CORPUS / "accelerate-ex__sp-alst.ds-config.json", tmp_path / "sp-alst.ds-config.json")
-    config = resolve_deepspeed_config(tmp_path / "accelerate.yml", args, world_size=2)
-    assert config["zero_optimization"]["stage"] == 3
-    assert config["bf16"]["enabled"] is True  # hard-coded in the JSON the YAML points to
-
-
-@needs_corpus
-def test_inline_accelerate_yaml_becomes_a_deepspeed_config(args):
-    resolution = explain_deepspeed_config(CORPUS / "alignment-handbook__zero3.yaml", args, world_size=2)
-    zero = resolution.config["zero_optimization"]
-    assert zero["stage"] == 3 and zero["stage3_gather_16bit_weights_on_model_save"] is True
-    assert resolution.config["bf16"]["enabled"] is True and resolution.args_updates == {"bf16": True}
-
-
-def accelerate_launch_env(yaml_path: Path) -> dict:
-    """The environment ``accelerate launch --config_file yaml_path`` gives a DeepSpeed script (accelerate's own code)."""
-    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils.launch import prepare_deepspeed_cmd_env
-
-    cli = launch_command_parser().parse_args(["--config_file", str(yaml_path), "--num_processes", "2", "train.py"])
-    cli, defaults, _ = _validate_launch_command(cli)
-    cli.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config)  # as launch_command() sets it
-    return prepare_deepspeed_cmd_env(cli)[1]
-
-
-@needs_corpus
-def test_accelerate_launch_inline_yaml_resolves_like_the_yaml_itself(args):
-    yaml_path = CORPUS / "alignment-handbook__zero3.yaml"
-    from_env = accelerate_launch_config(accelerate_launch_env(yaml_path))
-    assert isinstance(from_env, dict) and from_env["zero_optimization"]["stage"] == 3
-    via_launch = resolve_deepspeed_config(from_env, args, world_size=2)
-    assert via_launch == resolve_deepspeed_config(yaml_path, args, world_size=2)
-    assert via_launch["bf16"]["enabled"] is True  # the YAML's mixed_precision: bf16 survives the launcher
-
-
-def test_accelerate_launch_config_file_yaml_gives_the_file():
-    yaml_path = Path(__file__).resolve().parents[2] / "recipes" / "accelerate" / "zero2.yaml"
-    assert accelerate_launch_config(accelerate_launch_env(yaml_path)) == "zero2"
-    assert accelerate_launch_config({"ACCELERATE_MIXED_PRECISION": "no"}) is None  # not an accelerate DeepSpeed run
+GPU = Hardware("cuda", fp16=True, bf16=True)
+CPU = Hardware("cpu", fp16=False, bf16=False)
+pytestmark = pytest.mark.usefixtures("no_global_deepspeed_config")
 
 
 # --- stock parity -----------------------------------------------------------------------------------------------
@@ -205,7 +58,7 @@ def test_zero3_presets_bound_ram_on_cpu_only_hosts(preset, args, tmp_path):
 
 
 @pytest.mark.parametrize("model_config", [GPT2Config(), "tiny"], ids=["gpt2-h768", "tiny-blenderbot"])
-# the `auto` preset asks the memory planner for its stage, which transformers cannot fill (tests/test_planner.py)
+# the `auto` preset asks the memory planner for its stage, which transformers cannot fill (test_planner.py)
 @pytest.mark.parametrize("preset", [p for p in PRESETS if p != "auto"])
 def test_presets_match_what_transformers_fills(preset, model_config, args, tiny_model_dir):
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
@@ -302,7 +155,7 @@ def test_top_level_gradient_checkpointing_turns_on_activation_checkpointing(tmp_
     args = make_args(tmp_path, deepspeed=raw)
     assert args.activation_checkpointing is True
     assert "gradient_checkpointing" not in args.deepspeed
-    assert any("gradient_checkpointing" in w for w in args.hf_ext_deepspeed.warnings)
+    assert any("gradient_checkpointing" in w for w in args.deepspeed_resolution.warnings)
 
 
 def test_missing_batch_and_clipping_keys_are_added_from_the_arguments(tmp_path):
@@ -330,12 +183,11 @@ def test_auto_precision_follows_the_hardware_when_arguments_say_nothing(hardware
     assert resolution.args_updates == ({expected: True} if expected else {})
 
 
-def test_detected_hardware_is_deepspeeds_view(args):
-    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
-
-    hardware = Hardware.detect(use_cpu=True)
-    # DeepSpeed's CPU accelerator answers None (not False) where oneDNN has no fp16 kernels
-    assert (hardware.fp16, hardware.bf16) == (bool(CPU_Accelerator().is_fp16_supported()), True)
+def test_detected_hardware_names_the_device_torch_sees():
+    cpu = Hardware.detect(use_cpu=True)
+    # DeepSpeed's CPU accelerator reports bf16 support (DESIGN.md); CPU runs train in fp32 all the same
+    assert cpu.device == "cpu" and cpu.bf16 is True and cpu.default_precision() is None
+    assert Hardware.detect().device == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def test_explicit_precision_in_the_config_is_adopted_when_arguments_say_nothing(args):
@@ -478,7 +330,7 @@ def test_fp16_and_bf16_both_enabled_is_one_error(args):
 @pytest.mark.parametrize("preset", [p for p in PRESETS if p != "auto"])  # `auto` needs plan_model: test_planner.py
 def test_training_arguments_resolve_presets_and_stay_idempotent(preset, tmp_path):
     args = make_args(tmp_path, deepspeed=preset)
-    deferred = {c.key for c in args.hf_ext_deepspeed.changes if c.action == "deferred"}
+    deferred = {c.key for c in args.deepspeed_resolution.changes if c.action == "deferred"}
     assert {key for key, value in walk(args.deepspeed) if value == "auto"} == deferred
     assert args.hf_deepspeed_config.mismatches == []
     again = make_args(tmp_path, deepspeed=args.deepspeed)
@@ -488,77 +340,3 @@ def test_training_arguments_resolve_presets_and_stay_idempotent(preset, tmp_path
 def test_training_arguments_raise_mismatches_at_construction(tmp_path):
     with pytest.raises(DeepSpeedConfigError, match="optimizer.params.lr"):
         make_args(tmp_path, deepspeed={"optimizer": {"type": "AdamW", "params": {"lr": 1.0}}})
-
-
-# --- a real 2-rank run -------------------------------------------------------------------------------------------
-
-
-PRESET_EXPECTATIONS = {  # preset: (ZeRO stage, optimizer offload device, parameter offload device)
-    "zero1": (1, "none", "none"),
-    "zero2": (2, "none", "none"),
-    "zero3": (3, "none", "none"),
-    "zero3_offload": (3, "cpu", "cpu"),
-}
-
-
-@pytest.fixture(scope="module")
-def two_rank_runs(tiny_model_dir, tmp_path_factory):
-    """2-rank launches of tests/distributed/workers/train_messy_ds.py, one per config, each run once on first use."""
-    script = Path(__file__).parents[1] / "distributed" / "workers" / "train_messy_ds.py"
-    out = tmp_path_factory.mktemp("two_rank_runs")
-
-    def get(config: str) -> Path:
-        if not (out / config / "probe.json").exists():
-            cmd = ["--model", str(tiny_model_dir), "--out", str(out), "--config", config]
-            run(launcher_cmd("deepspeed", script) + cmd)
-        return out / config
-
-    return get
-
-
-@pytest.mark.distributed
-@pytest.mark.parametrize("preset", [*PRESET_EXPECTATIONS, "auto"])
-def test_every_preset_trains_on_two_ranks(preset, two_rank_runs, tiny_model_dir):
-    from transformers import BlenderbotForConditionalGeneration
-
-    out = two_rank_runs(preset)
-    probe = json.loads((out / "probe.json").read_text())
-    assert probe["engine"] == "DeepSpeedEngine" and probe["world_size"] == 2 and probe["global_step"] == 5
-    if preset == "auto":  # the planner picks; with this machine's RAM the least-sharded stage fits a tiny model
-        assert probe["zero_stage"] in (0, 1, 2, 3)
-    else:
-        stage, offload_optimizer, offload_param = PRESET_EXPECTATIONS[preset]
-        assert (probe["zero_stage"], probe["offload_optimizer"], probe["offload_param"]) == (
-            stage, offload_optimizer, offload_param,
-        )  # fmt: skip
-    losses = probe["losses"]
-    assert len(losses) == 5 and all(math.isfinite(x) for x in losses)
-    written = json.loads((out / "deepspeed_config.resolved.json").read_text())
-    assert [key for key, value in walk(written) if value == "auto"] == []
-    deepspeed_accepts(written, world_size=2)
-    # the saved model loads, and training changed it
-    trained = BlenderbotForConditionalGeneration.from_pretrained(out).state_dict()
-    initial = BlenderbotForConditionalGeneration.from_pretrained(tiny_model_dir).state_dict()
-    changed = [k for k in initial if not torch.equal(initial[k], trained[k])]
-    assert len(changed) > 0.8 * len(initial)
-
-
-@pytest.mark.distributed
-def test_messy_config_trains_on_two_ranks_and_writes_the_resolved_file(two_rank_runs):
-    out = two_rank_runs("messy")
-    probe = json.loads((out / "probe.json").read_text())
-    assert probe["engine"] == "DeepSpeedEngine" and probe["world_size"] == 2 and probe["zero_stage"] == 3
-    assert probe["global_step"] == 5
-    # the top-level "gradient_checkpointing" really checkpoints: each step runs the layer again during backward
-    assert probe["activation_checkpointing"] and probe["forward_calls_fc1"] == 2 * probe["global_step"]
-
-    written = json.loads((out / "deepspeed_config.resolved.json").read_text())
-    assert [key for key, value in walk(written) if value == "auto"] == []
-    deepspeed_accepts(written, world_size=2)
-    zero = written["zero_optimization"]
-    assert zero["stage3_gather_16bit_weights_on_model_save"] is True  # from the deprecated fp16 spelling
-    assert zero["stage3_max_live_parameters"] == 10**9  # moved in from top level, as an int
-    assert zero["reduce_bucket_size"] == probe["hidden_size"] ** 2
-    assert "bf16" in written and "bfloat16" not in written and "gradient_checkpointing" not in written
-    assert written["train_batch_size"] == 2 * written["train_micro_batch_size_per_gpu"]
-    assert written["scheduler"]["params"]["total_num_steps"] == probe["global_step"]

@@ -65,13 +65,13 @@ def synthetic_dataset(n: int, vocab: int) -> list[dict]:
     ]
 
 
-def train(config, out: Path, model_dir: str, steps: int) -> None:
+def train(config, out: Path, model_dir: str, steps: int, memory: str | None = None) -> None:
     args = hf_ext.Seq2SeqTrainingArguments(
         output_dir=str(out), max_steps=steps, per_device_train_batch_size=2, learning_rate=1e-3,
         logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, seed=0,
         deepspeed=MESSY if config == "messy" else config,
         # the memory planner sizes the `auto` preset from the model (with this machine's memory)
-        **(dict(plan_model=model_dir, plan_seq_len=12) if config == "auto" else {}),
+        **(dict(plan_model=model_dir, plan_seq_len=12, memory_per_device=memory) if config == "auto" else {}),
     )  # fmt: skip
     model = BlenderbotForConditionalGeneration.from_pretrained(model_dir)
     forward_calls = [0]
@@ -102,6 +102,7 @@ def train(config, out: Path, model_dir: str, steps: int) -> None:
             "optimizer": type(engine.optimizer).__name__,
             "world_size": args.world_size,
             "hidden_size": model.config.hidden_size,
+            "num_params": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()),
         }
         (out / "probe.json").write_text(json.dumps(probe, indent=2))
 
@@ -112,9 +113,10 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--config", default="messy")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--memory_per_device", default=None, help="the budget of the `auto` preset")
     parser.add_argument("--local_rank", type=int, default=-1)  # set by the deepspeed launcher
     opts = parser.parse_args()
-    train(opts.config, Path(opts.out) / Path(opts.config).stem, opts.model, opts.steps)
+    train(opts.config, Path(opts.out) / Path(opts.config).stem, opts.model, opts.steps, opts.memory_per_device)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,102 @@
+"""Every preset, `auto` and a messy blog-post config train on 2 real ranks (tests/distributed/workers/
+train_messy_ds.py) and write a resolved config DeepSpeed accepts."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from ..conftest import ROOT, launcher_cmd, run, walk
+from ..ds_support import deepspeed_accepts
+
+pytestmark = pytest.mark.distributed
+
+SCRIPT = ROOT / "tests" / "distributed" / "workers" / "train_messy_ds.py"
+PRESET_EXPECTATIONS = {  # preset: (ZeRO stage, optimizer offload device, parameter offload device)
+    "zero1": (1, "none", "none"),
+    "zero2": (2, "none", "none"),
+    "zero3": (3, "none", "none"),
+    "zero3_offload": (3, "cpu", "cpu"),
+}
+# DeepSpeed's optimizer wrapper per ZeRO stage: a property of the engine that tells the stages apart
+ZERO_OPTIMIZER = {1: "DeepSpeedZeroOptimizer", 2: "DeepSpeedZeroOptimizer", 3: "DeepSpeedZeroOptimizer_Stage3"}
+# The `auto` budget per rank. The tiny model has under 1M parameters (tests/unit/test_tiny_model.py), so by the ZeRO
+# paper's accounting in fp32 even plain data parallelism needs 16 bytes x 1M = 16 MB of model states per rank: with a
+# 64 GiB budget every stage fits, and "the least sharded configuration that fits" is ZeRO stage 0.
+AUTO_BUDGET = 64 * 2**30
+AUTO_STAGE = 0
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tiny_model_dir, tmp_path_factory):
+    """2-rank launches of train_messy_ds.py, one per config, each run once on first use."""
+    out = tmp_path_factory.mktemp("two_rank_runs")
+
+    def get(config: str) -> Path:
+        if not (out / config / "probe.json").exists():
+            cmd = ["--model", str(tiny_model_dir), "--out", str(out), "--config", config]
+            if config == "auto":
+                cmd += ["--memory_per_device", str(AUTO_BUDGET)]
+            run(launcher_cmd("deepspeed", SCRIPT) + cmd)
+        return out / config
+
+    return get
+
+
+@pytest.mark.parametrize("preset", [*PRESET_EXPECTATIONS, "auto"])
+def test_every_preset_trains_on_two_ranks(preset, two_rank_runs, tiny_model_dir):
+    from transformers import BlenderbotForConditionalGeneration
+
+    out = two_rank_runs(preset)
+    probe = json.loads((out / "probe.json").read_text())
+    assert probe["engine"] == "DeepSpeedEngine" and probe["world_size"] == 2 and probe["global_step"] == 5
+    if preset == "auto":
+        assert 16 * probe["num_params"] < 16 * 10**6 < AUTO_BUDGET  # the premise of AUTO_BUDGET
+        assert (probe["zero_stage"], probe["offload_optimizer"], probe["offload_param"]) == (
+            AUTO_STAGE,
+            "none",
+            "none",
+        )
+    else:
+        stage, offload_optimizer, offload_param = PRESET_EXPECTATIONS[preset]
+        assert (probe["zero_stage"], probe["offload_optimizer"], probe["offload_param"]) == (
+            stage, offload_optimizer, offload_param,
+        )  # fmt: skip
+    if probe["zero_stage"] == 0:
+        assert "Zero" not in probe["optimizer"], probe["optimizer"]
+    else:
+        assert probe["optimizer"] == ZERO_OPTIMIZER[probe["zero_stage"]]
+    losses = probe["losses"]
+    assert len(losses) == 5 and all(math.isfinite(x) for x in losses)
+    written = json.loads((out / "deepspeed_config.resolved.json").read_text())
+    assert [key for key, value in walk(written) if value == "auto"] == []
+    deepspeed_accepts(written, world_size=2)
+    # the saved model loads, and training changed it
+    trained = BlenderbotForConditionalGeneration.from_pretrained(out).state_dict()
+    initial = BlenderbotForConditionalGeneration.from_pretrained(tiny_model_dir).state_dict()
+    changed = [k for k in initial if not torch.equal(initial[k], trained[k])]
+    assert len(changed) > 0.8 * len(initial)
+
+
+def test_messy_config_trains_on_two_ranks_and_writes_the_resolved_file(two_rank_runs):
+    out = two_rank_runs("messy")
+    probe = json.loads((out / "probe.json").read_text())
+    assert probe["engine"] == "DeepSpeedEngine" and probe["world_size"] == 2 and probe["zero_stage"] == 3
+    assert probe["global_step"] == 5
+    # the top-level "gradient_checkpointing" really checkpoints: each step runs the layer again during backward
+    assert probe["activation_checkpointing"] and probe["forward_calls_fc1"] == 2 * probe["global_step"]
+
+    written = json.loads((out / "deepspeed_config.resolved.json").read_text())
+    assert [key for key, value in walk(written) if value == "auto"] == []
+    deepspeed_accepts(written, world_size=2)
+    zero = written["zero_optimization"]
+    assert zero["stage3_gather_16bit_weights_on_model_save"] is True  # from the deprecated fp16 spelling
+    assert zero["stage3_max_live_parameters"] == 10**9  # moved in from top level, as an int
+    assert zero["reduce_bucket_size"] == probe["hidden_size"] ** 2
+    assert "bf16" in written and "bfloat16" not in written and "gradient_checkpointing" not in written
+    assert written["train_batch_size"] == 2 * written["train_micro_batch_size_per_gpu"]
+    assert written["scheduler"]["params"]["total_num_steps"] == probe["global_step"]
