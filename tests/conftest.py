@@ -53,6 +53,29 @@ def medium_model_dir(tmp_path_factory, tiny_model_dir) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def eval_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny BlenderBot trained a few dozen steps so that greedy replies end at many lengths (BLEU eval tests)."""
+    from .bleu_support import build_eval_model
+
+    return build_eval_model(tiny_model_dir, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(eval_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(eval_model_dir)
+
+
+@pytest.fixture(scope="session")
+def single_rank(eval_model_dir, tokenizer, tmp_path_factory) -> dict:
+    """hf-ext's Seq2SeqTrainer evaluating in one process, no DeepSpeed: the reference of the 2-rank BLEU runs."""
+    from .bleu_support import evaluate_single_rank
+
+    return evaluate_single_rank(eval_model_dir, tokenizer, tmp_path_factory)
+
+
 @pytest.fixture
 def no_global_deepspeed_config():
     """TrainingArguments with a DeepSpeed config register it globally (zero.Init in from_pretrained reads it)."""

@@ -106,7 +106,9 @@ def test_ranks_get_different_batches(launcher, tiny_model_dir, tmp_path):
     assert ranks[0]["shm_comm_op"] == ranks[1]["shm_comm_op"] == (not has_accelerator())
     assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
     assert ranks[0]["engine"] == ranks[1]["engine"] == "DeepSpeedEngine"
-    seen0, seen1 = ranks[0]["seen"], ranks[1]["seen"]
+    seen0, seen1 = ranks[0]["seen"], ranks[1]["seen"]  # row indices
+    assert ranks[0]["rows"] == 48
     assert len(seen0) == len(seen1) == 24  # 48 examples, one epoch, split in two
-    assert not set(seen0) & set(seen1) or seen0 != seen1
-    assert sorted(seen0 + seen1) == sorted(ranks[0]["all"])  # together they cover the epoch exactly once
+    assert len(set(seen0)) == len(set(seen1)) == 24  # no rank sees a row twice ...
+    assert not set(seen0) & set(seen1)  # ... nor a row the other rank sees
+    assert sorted(seen0 + seen1) == list(range(48))  # together they cover the epoch exactly once

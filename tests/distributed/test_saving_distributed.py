@@ -18,6 +18,7 @@ from transformers import BlenderbotForConditionalGeneration
 
 from hf_ext.saving import checkpoints
 from hf_ext.saving import writer as saving
+from hf_ext.sizes import parse_bytes
 
 from ..conftest import ROOT, launch_env, launcher_cmd, run
 

@@ -69,11 +69,6 @@ def main() -> None:
         **GEN,
     )
     tokenizer = AutoTokenizer.from_pretrained(cli.model)
-    if cli.stage == 3 and args.device.type == "cpu":
-        import deepspeed
-
-        # torch.distributed is up but DeepSpeed's comm layer is not: zero.Init would see a world size of 1
-        deepspeed.init_distributed(dist_backend="gloo")
     model = BlenderbotForConditionalGeneration.from_pretrained(cli.model)  # after the args: ZeRO-3 partitions it
     eval_dataset = eval_split(tokenizer, cli.n_eval)
     train_dataset = eval_split(tokenizer, cli.n_train) if cli.train_steps else None

@@ -1,4 +1,4 @@
-"""Train one epoch of a tiny BlenderBot and record, per rank, which examples each step's batch held."""
+"""Train one epoch of a tiny BlenderBot and record, per rank, which examples (by row index) its batches held."""
 
 import json
 import os
@@ -21,19 +21,21 @@ args = Seq2SeqTrainingArguments(
     logging_steps=1000,
     seed=7,
     deepspeed=deepspeed,
+    remove_unused_columns=False,  # keep the row index for the collator, which drops it
 )
 tokenizer = AutoTokenizer.from_pretrained(model_dir)
 data_args = DataArguments(n_train=48, max_source_length=64)
 raw = load_dialogue_dataset(data_args)["train"]
 dataset = tokenize_dataset(raw, tokenizer, data_args)
+dataset = dataset.add_column("row", list(range(len(dataset))))  # the corpus repeats some contexts: count rows
 model = BlenderbotForConditionalGeneration.from_pretrained(model_dir)
 collate = DataCollatorForSeq2Seq(tokenizer, model=model)
 seen = []
 
 
 def recording_collator(features):
-    seen.extend(tokenizer.decode(f["input_ids"], skip_special_tokens=True) for f in features)
-    return collate(features)
+    seen.extend(f["row"] for f in features)
+    return collate([{k: v for k, v in f.items() if k != "row"} for f in features])
 
 
 trainer = Seq2SeqTrainer(model=model, args=args, train_dataset=dataset, data_collator=recording_collator)
@@ -43,7 +45,7 @@ with open(os.path.join(out_dir, f"seen-rank{rank}.json"), "w") as f:
     json.dump(
         {
             "seen": seen,
-            "all": [tokenizer.decode(x, skip_special_tokens=True) for x in dataset["input_ids"]],
+            "rows": len(dataset),
             "engine": type(trainer.model_wrapped).__name__,
             "shm_comm_op": getattr(ds_comm.cdb, "shm_comm_op", None) is not None,
         },

@@ -104,14 +104,8 @@ def main() -> None:
         deepspeed=None if opts.no_ds else ds_config(opts.stage, opts.gather, own_scheduler=not opts.lora),
         optim="adamw_torch",
         disable_tqdm=True,
+        save_max_shard_size=opts.max_shard_size,
     )
-    args.save_max_shard_size = opts.max_shard_size
-    if not opts.no_ds:
-        import deepspeed
-
-        # torch.distributed is up (TrainingArguments did it) but DeepSpeed's comm layer is not yet on CPU: without
-        # it zero.Init in from_pretrained believes the world size is 1 and its batch-size check fails.
-        deepspeed.init_distributed(dist_backend="gloo")
     transformers.set_seed(0)
     no_dropout = dict(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0) if opts.lora else {}
     model = BlenderbotForConditionalGeneration.from_pretrained(opts.model, **no_dropout)
