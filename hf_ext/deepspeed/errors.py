@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-logger = logging.getLogger("hf_ext.deepspeed_config")
+logger = logging.getLogger("hf_ext.deepspeed")
 
 
 @dataclass
