@@ -42,7 +42,7 @@ import torch
 from benchmarks import harness
 from benchmarks.harness import load_average, percentile
 from chat_e.corpora import DataArguments, load_dialogue_dataset
-from chat_e.dialogue import HEADER_TEMPLATES, encode_texts, parse_texts
+from chat_e.dialogue import encode_texts, parse_header, parse_texts
 from chat_e.engine import ChatEngine
 from hf_ext.evaluation.bleu import compute_bleu_chrf
 
@@ -60,15 +60,6 @@ PROMPTS = [
     ("What is the capital of France?", [], "none", None),
     ("Any tips for cheap flights?", ["We fly next week."], "domain", "travel"),
 ]
-
-
-def split_header(header: str) -> tuple[str, str | None]:
-    """``(mode, context)`` of a MuDoConv header line: the inverse of :func:`chat_e.dialogue.make_header`."""
-    for mode, template in HEADER_TEMPLATES.items():
-        prefix, suffix = template.split("{}")
-        if header and header.startswith(prefix) and header.endswith(suffix):
-            return mode, header[len(prefix) : len(header) - len(suffix)].strip()
-    return "none", None
 
 
 # ---------------------------------------------------------------------------------------------- the variants
@@ -192,7 +183,7 @@ def bleu_benchmark(model_dir: str, n_examples: int) -> dict:
     chats = []
     for texts in data["texts"]:
         header, turns = parse_texts(texts)
-        mode, context = split_header(header)
+        mode, context = parse_header(header)
         chats.append((turns[-1], turns[:-1], mode, context))
     refs = list(data["labels"])
     results, replies = {}, {}

@@ -47,13 +47,13 @@ def planned_setup(config: str, model_dir: Path, batch: int = 1):
     if config == "ddp":  # no DeepSpeed config: the worker's TrainingArguments ask for no half precision
         return formulas.Candidate(0, ddp=True), None, "fp32"
     import hf_ext
-    from hf_ext.memory.auto import _candidate_of
+    from hf_ext.memory.auto import candidate_of
 
     args = hf_ext.TrainingArguments(output_dir=str(harness.ROOT / "runs" / "bench" / "resolve"), report_to=[],
                                     per_device_train_batch_size=batch, max_steps=10)  # fmt: skip
     resolved = hf_ext.resolve_deepspeed_config(config, args, model=model_dir, world_size=2)
     precision = next((p for p in ("bf16", "fp16") if resolved.get(p, {}).get("enabled") is True), "fp32")
-    return _candidate_of(resolved), resolved["zero_optimization"], precision
+    return candidate_of(resolved), resolved["zero_optimization"], precision
 
 
 def predictions(model_dir: Path, opts) -> dict:

@@ -43,6 +43,15 @@ def make_header(mode: str = "none", context: str | None = None) -> str:
     return HEADER_TEMPLATES[mode].format(context)
 
 
+def parse_header(header: str) -> tuple[str, str | None]:
+    """``(mode, context)`` of a MuDoConv header line: the inverse of :func:`make_header`."""
+    for mode, template in HEADER_TEMPLATES.items():
+        prefix, suffix = template.split("{}")
+        if header and header.startswith(prefix) and header.endswith(suffix):
+            return mode, header[len(prefix) : len(header) - len(suffix)].strip()
+    return "none", None
+
+
 def clean_turn(turn: str) -> str:
     """Collapse whitespace so a turn cannot forge separators by accident."""
     return " ".join(str(turn).split())

@@ -124,13 +124,16 @@ def explain_deepspeed_config(
     _gradient_checkpointing(resolved, report, resolution)
     hardware = hardware or Hardware.detect(getattr(args, "use_cpu", False))
     precision = _precision(resolved, args, hardware, report, resolution)
+    cpu_preset = hardware.device == "cpu" and preset_name(config) is not None
+    if cpu_preset and _stage(resolved) == 3:  # before planning: the plan is of the sizes the run will use
+        _cpu_zero3_preset(resolved, report)
     _memory_autos(resolved, args, model, world, hardware, precision, report, resolution)
     _fill_from_args(resolved, args, world, report)
     stage = _stage(resolved)
     _stage3_only(resolved, stage, report)
     if stage == 3:
         _gather_default(resolved, report)
-        if hardware.device == "cpu" and preset_name(config) is not None:
+        if cpu_preset:  # again when the planner chose stage 3 (a no-op when applied above)
             _cpu_zero3_preset(resolved, report)
     if model is not None:
         try:

@@ -91,7 +91,8 @@ def _probe_or_wait(compute, key: str, timeout: float = 3600.0) -> dict:
     return json.loads(path.read_text())
 
 
-def _candidate_of(config: dict) -> formulas.Candidate:
+def candidate_of(config: dict) -> formulas.Candidate:
+    """The planner's candidate (stage, offloads) that a resolved config runs."""
     zero = config.get("zero_optimization") or {}
     stage = zero.get("stage", 0) if isinstance(zero.get("stage", 0), int) else 0
 
@@ -168,7 +169,7 @@ def decide(
         )
         smallest = min(plans, key=lambda p: p.total_bytes) if chosen is None else None
         return MemoryDecision(chosen, smallest, source, keys)
-    candidate = _candidate_of(config)
+    candidate = candidate_of(config)
     batch = micro_batch or max(1, formulas.max_micro_batch(candidate, facts, profile, world_size, budget, **common))
     chosen = formulas.plan(candidate, facts, profile, world_size, batch, budget=budget, **common)
     return MemoryDecision(chosen, None, source, keys)
