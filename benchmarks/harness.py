@@ -18,11 +18,12 @@ import sys
 import time
 from pathlib import Path
 
+from hf_ext.sizes import GiB, MiB  # noqa: F401  (re-exported for the benches)
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 WORKER = "benchmarks.worker"  # the training worker, run as a module by the launchers
 DOCS = ROOT / "docs" / "benchmarks.md"
-GiB, MiB = 2**30, 2**20
 
 
 # --- launching ----------------------------------------------------------------------------------------------------
