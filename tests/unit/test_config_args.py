@@ -44,7 +44,7 @@ def test_micro_batch_auto_from_the_command_line(tmp_path, tiny_model_dir):
     try:
         (args,) = parse_args_with_config((Seq2SeqTrainingArguments,), argv)
         assert isinstance(args.per_device_train_batch_size, int) and args.per_device_train_batch_size >= 1
-        assert args.hf_ext_memory_plan.micro_batch == args.per_device_train_batch_size
+        assert args.memory_plan.micro_batch == args.per_device_train_batch_size
     finally:
         unset_hf_deepspeed_config()
 

@@ -93,7 +93,7 @@ def test_bad_rows_are_counted_skipped_and_reported_once(tmp_path, caplog, suffix
         lines = ["texts,labels"] + [f"{r['texts']},{r['labels']}" for r in good] + [",empty texts", "no label,"]
         path.write_text("\n".join(lines) + "\n")
         expected_bad = 2
-    with caplog.at_level(logging.WARNING, logger="hf_ext.data"):
+    with caplog.at_level(logging.WARNING, logger="chat_e.corpora"):
         ds = load_dialogue_dataset(DataArguments(train_file=str(path)))
     assert ds["train"]["texts"] == [r["texts"] for r in good]
     lines = [r.message for r in caplog.records if "Skipped" in r.message]

@@ -3,7 +3,7 @@
 import json
 
 import torch
-from transformers import AutoTokenizer, BlenderbotForConditionalGeneration, GenerationConfig
+from transformers import AutoTokenizer, BlenderbotConfig, BlenderbotForConditionalGeneration, GenerationConfig
 
 from chat_e.models import GENERATION_DEFAULTS, SIZES, build
 
@@ -34,13 +34,17 @@ def test_builder_is_seeded(tmp_path):
     assert json.loads((a / "hf_ext_model.json").read_text())["size"] == "tiny"
 
 
-def test_size_table_matches_400m_distill():
+def test_size_table_matches_400m_distill(tiny_model_dir):
+    """facebook/blenderbot-400M-distill's config (model card): d_model 1280, 2 encoder / 12 decoder layers, 32 heads,
+    FFN 5120, vocab 8008, max_position_embeddings 128, decoder_start_token_id 1; its generation defaults: 10 beams,
+    min_length 20, max_length 60, length_penalty 0.65, no_repeat_ngram_size 3 (encoder too), forced_eos_token_id 2."""
     big = SIZES["400m"]
-    assert (big["d_model"], big["encoder_layers"], big["decoder_layers"], big["heads"], big["ffn"], big["vocab"]) == (
-        1280,
-        2,
-        12,
-        32,
-        5120,
-        8008,
-    )
+    assert (big["d_model"], big["encoder_layers"], big["decoder_layers"]) == (1280, 2, 12)
+    assert (big["heads"], big["ffn"], big["vocab"]) == (32, 5120, 8008)
+    # every size is built with the checkpoint's position table and start token (one code path for all sizes)
+    config = BlenderbotConfig.from_pretrained(tiny_model_dir)
+    assert (config.max_position_embeddings, config.decoder_start_token_id) == (128, 1)
+    assert (config.pad_token_id, config.bos_token_id, config.eos_token_id) == (0, 1, 2)
+    expected_generation = dict(num_beams=10, min_length=20, max_length=60, length_penalty=0.65,
+                               no_repeat_ngram_size=3, encoder_no_repeat_ngram_size=3, forced_eos_token_id=2)  # fmt: skip
+    assert {k: GENERATION_DEFAULTS[k] for k in expected_generation} == expected_generation
