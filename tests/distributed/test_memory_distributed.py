@@ -27,18 +27,13 @@ def _launch(tmp_path, model_dir, config: str, *extra: str) -> list[dict]:
     return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in (0, 1)]
 
 
-def _predicted(model_dir, config: str) -> planner.Plan:
-    from transformers import AutoModelForSeq2SeqLM
-
-    from hf_ext.deepspeed.resolve import load_deepspeed_config
-
-    model = AutoModelForSeq2SeqLM.from_pretrained(model_dir)
+def _predicted(model_dir, zero: dict | None) -> planner.Plan:
+    """The plan of the configuration a run used (``zero``: its ``zero_optimization`` section; None: DDP)."""
+    model = _model(model_dir)
     facts = model_facts(model)
     profile = probe_activations(model, 32, (1, 2))
-    if config == "ddp":
+    if zero is None:
         return planner.plan(planner.Candidate(0, ddp=True), facts, profile, 2, 2)
-    zero = load_deepspeed_config(config)["zero_optimization"]
-    zero = {k: (facts.hidden_size**2 if v == "auto" else v) for k, v in zero.items()}
     return planner.plan(planner.Candidate(zero["stage"]), facts, profile, 2, 2, zero=zero)
 
 
@@ -58,7 +53,8 @@ def test_measured_peak_within_error_band(tmp_path, medium_model_dir, config):
     """Peak RSS above the RSS before the model existed (model loading, engine, 3 steps), per rank."""
     cfg = load_zero0(tmp_path) if config == "zero0" else config
     results = _launch(tmp_path, medium_model_dir, cfg, "--release_freed_memory", "on")  # as when the planner plans
-    plan = _predicted(medium_model_dir, cfg)
+    assert results[0]["zero_optimization"] == results[1]["zero_optimization"]
+    plan = _predicted(medium_model_dir, results[0]["zero_optimization"])
     low, high = plan.band
     for r in results:
         assert r["world_size"] == 2 and r["zero_stage"] == plan.candidate.stage

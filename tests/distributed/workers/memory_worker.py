@@ -79,6 +79,7 @@ def main() -> None:
         "rank": args.process_index,
         "world_size": summary["world_size"],
         "increment_bytes": peak - baseline,
+        "zero_optimization": zero,  # the section the engine ran with (as hf-ext resolved it for this host)
         "zero_stage": zero.get("stage"),
         "offload_optimizer": zero.get("offload_optimizer"),
         "plan": args.memory_plan.to_dict() if args.memory_plan is not None else None,
