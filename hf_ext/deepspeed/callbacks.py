@@ -47,7 +47,7 @@ class ResolvedDeepSpeedConfigCallback(TrainerCallback):
         hf_config = getattr(args, "hf_deepspeed_config", None)
         if hf_config is None or not state.is_world_process_zero:
             return
-        reference = getattr(getattr(args, "hf_ext_deepspeed", None), "config", None)
+        reference = getattr(getattr(args, "deepspeed_resolution", None), "config", None)
         path = write_resolved_config(hf_config.config, args.output_dir, reference)
         left = [key for key, value in walk(hf_config.config) if value == "auto"]
         if left:
@@ -58,7 +58,7 @@ class ResolvedDeepSpeedConfigCallback(TrainerCallback):
 def attach_to_trainer(trainer) -> None:
     """Finish an hf-ext resolved config once the trainer has its model: fill the hidden-size based ``"auto"`` keys
     (integers) in the config the engine will start from, and write the resolved file at train start."""
-    resolution = getattr(trainer.args, "hf_ext_deepspeed", None)
+    resolution = getattr(trainer.args, "deepspeed_resolution", None)
     plugin = getattr(getattr(trainer, "accelerator", None), "state", None)
     plugin = getattr(plugin, "deepspeed_plugin", None)
     if resolution is None or plugin is None:
@@ -79,7 +79,7 @@ def reopen_step_keys(trainer) -> None:
     ("ds scheduler.params.total_num_steps=0 vs hf num_training_steps=8"). Only keys hf-ext deferred are reopened:
     explicit values are never touched.
     """
-    resolution = getattr(trainer.args, "hf_ext_deepspeed", None)
+    resolution = getattr(trainer.args, "deepspeed_resolution", None)
     plugin = getattr(getattr(getattr(trainer, "accelerator", None), "state", None), "deepspeed_plugin", None)
     if resolution is None or plugin is None:
         return
