@@ -217,6 +217,7 @@ def build_arguments(opts, path: str, output_dir: str):
         if opts.memory_per_device or "auto" in (opts.config, opts.batch):
             extra.update(memory_per_device=opts.memory_per_device, plan_model=opts.model, plan_seq_len=opts.seq_len)
         args = hf_ext.TrainingArguments(deepspeed=deepspeed, **common, **extra)
+        hf_ext.prepare_run(args)  # as the recipe does: threads and malloc set before the model loads
         trainer_class = hf_ext.Trainer
     if deepspeed is not None:
         start_deepspeed_comm()  # on CPU stock's arguments start torch.distributed but not DeepSpeed's comm

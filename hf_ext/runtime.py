@@ -177,7 +177,10 @@ def return_freed_memory_to_os(threshold: int = 64 * 1024) -> bool:
     except (OSError, AttributeError):
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3
-    return bool(mallopt(m_mmap_threshold, threshold)) and bool(mallopt(m_trim_threshold, 0))
+    done = bool(mallopt(m_mmap_threshold, threshold)) and bool(mallopt(m_trim_threshold, 0))
+    if done and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)  # what model loading freed before now goes back too
+    return done
 
 
 @dataclass

@@ -29,7 +29,7 @@ from chat_e.models import SIZES, build
 from chat_e.plotting import plot_training_curves
 from hf_ext import Seq2SeqTrainer, Seq2SeqTrainingArguments
 from hf_ext.config_args import parse_args_with_config
-from hf_ext.runtime import end_distributed, run_summary
+from hf_ext.runtime import end_distributed, prepare_run, run_summary
 
 logger = logging.getLogger("recipes.blenderbot")
 
@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"rank {training_args.process_index}/{training_args.world_size}, device {training_args.device}, "
         f"deepspeed {'on' if training_args.deepspeed_plugin else 'off'}"
     )
+    prepare_run(training_args)  # threads and malloc set before the model loads (train() would do it after)
     set_seed(training_args.seed)
 
     # 2. model files (a random-init model is built once, by the main process, when asked)

@@ -56,6 +56,7 @@ def main() -> None:
         **(dict(memory_per_device=opts.memory_per_device, plan_model=opts.model, plan_seq_len=opts.seq_len)
            if planned else {}),
     )  # fmt: skip
+    hf_ext.prepare_run(args)  # as the recipe does: threads and malloc set before the model loads
     baseline = current_rss()
     reset_peak_rss()
     transformers.set_seed(0)
