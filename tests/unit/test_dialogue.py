@@ -11,6 +11,7 @@ from chat_e.dialogue import (
     encode_texts,
     format_context,
     make_header,
+    parse_header,
     parse_texts,
 )
 
@@ -90,3 +91,15 @@ def test_training_and_chat_paths_agree(tiny_tokenizer):
     history = ["Hello", "Hi! What do you do?", "I grow flowers."]
     texts = format_context(history, "emotion", "happy")
     assert encode_history(tiny_tokenizer, history, "emotion", "happy", 128) == encode_texts(tiny_tokenizer, texts, 128)
+
+
+def test_parse_header_reads_back_every_header():
+    # literal MuDoConv headers (DESIGN.md) and their (mode, context)
+    assert parse_header("your persona: i've 2 kids. i love flowers. </s>") == (
+        "persona",
+        "i've 2 kids. i love flowers.",
+    )
+    assert parse_header("context: sentimental") == ("emotion", "sentimental")
+    assert parse_header("domain: travel") == ("domain", "travel")
+    assert parse_header("topic: Hiking") == ("topic", "Hiking")
+    assert parse_header("") == ("none", None)
