@@ -86,7 +86,8 @@ def no_global_deepspeed_config():
 
 
 def walk(node, prefix=""):
-    """(dotted key, value) of every leaf of a nested dict."""
+    """(dotted key, value) of every leaf of a nested dict. The tests' own, on purpose: it is the oracle that checks
+    no "auto" survives resolution, so it does not share hf_ext's walk."""
     if isinstance(node, dict):
         for key, value in node.items():
             yield from walk(value, f"{prefix}{key}.")

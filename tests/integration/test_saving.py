@@ -13,24 +13,10 @@ from transformers import Trainer as StockTrainer
 
 import hf_ext
 from hf_ext.saving import checkpoints
-from hf_ext.saving import writer as saving
+
+from ..saving_support import assert_tied, named_params, stored_keys
 
 pytestmark = pytest.mark.slow
-
-
-def _params(model) -> dict[str, torch.Tensor]:
-    return dict(model.named_parameters(remove_duplicate=False))
-
-
-def _assert_tied(model) -> None:
-    shared = model.model.shared.weight
-    assert model.lm_head.weight is shared
-    assert model.model.encoder.embed_tokens.weight is shared
-    assert model.model.decoder.embed_tokens.weight is shared
-
-
-def _stored_keys(output_dir) -> set[str]:
-    return set(saving.saved_weight_shapes(output_dir))
 
 
 def _dataset(n: int, vocab: int) -> list[dict]:
@@ -82,11 +68,11 @@ def test_trainer_without_deepspeed_saves_resumes_and_rotates(tiny_model_dir, tmp
 
     ours = BlenderbotForConditionalGeneration.from_pretrained(tmp_path / "full")
     stock = BlenderbotForConditionalGeneration.from_pretrained(tmp_path / "stock")
-    _assert_tied(ours)
-    assert _stored_keys(tmp_path / "full") == _stored_keys(tmp_path / "stock")
-    trained = _params(full.model)
-    for key, value in _params(ours).items():
-        assert torch.equal(value, trained[key]) and torch.equal(value, _params(stock)[key]), key
+    assert_tied(ours)
+    assert stored_keys(tmp_path / "full") == stored_keys(tmp_path / "stock")
+    trained = named_params(full.model)
+    for key, value in named_params(ours).items():
+        assert torch.equal(value, trained[key]) and torch.equal(value, named_params(stock)[key]), key
 
     # a fresh trainer resumes from the newest complete checkpoint (step 6, in the second epoch); the leftover of an
     # interrupted save of step 8 is skipped with a warning
@@ -96,6 +82,6 @@ def test_trainer_without_deepspeed_saves_resumes_and_rotates(tiny_model_dir, tmp
     with caplog.at_level(logging.WARNING, logger="hf_ext.saving.checkpoints"):
         resumed.train(resume_from_checkpoint=True)
     assert "tmp-checkpoint-8" in caplog.text
-    for key, value in _params(resumed.model).items():
+    for key, value in named_params(resumed.model).items():
         assert torch.equal(value, trained[key]), key
     assert sorted(p.name for p in (tmp_path / "resumed").glob("*checkpoint-*")) == ["checkpoint-6", "checkpoint-8"]

@@ -14,20 +14,7 @@ from hf_ext.saving import checkpoints
 from hf_ext.saving import writer as saving
 from hf_ext.sizes import parse_bytes
 
-
-def _params(model) -> dict[str, torch.Tensor]:
-    return dict(model.named_parameters(remove_duplicate=False))
-
-
-def _assert_tied(model) -> None:
-    shared = model.model.shared.weight
-    assert model.lm_head.weight is shared
-    assert model.model.encoder.embed_tokens.weight is shared
-    assert model.model.decoder.embed_tokens.weight is shared
-
-
-def _stored_keys(output_dir) -> set[str]:
-    return set(saving.saved_weight_shapes(output_dir))
+from ..saving_support import assert_tied, named_params, stored_keys
 
 
 def test_parse_size():
@@ -57,12 +44,12 @@ def test_streaming_save_matches_stock_save_pretrained(tiny_model_dir, tmp_path):
         assert all(index["weight_map"][k] == name for k in tensors)
         assert sum(t.numel() * t.element_size() for t in tensors.values()) <= 20_000 or len(tensors) == 1
         stored.update(tensors)
-    assert set(stored) == set(index["weight_map"]) == _stored_keys(tmp_path / "stock")
+    assert set(stored) == set(index["weight_map"]) == stored_keys(tmp_path / "stock")
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in stored.values())
 
     reloaded = BlenderbotForConditionalGeneration.from_pretrained(tmp_path / "ours")
-    _assert_tied(reloaded)
-    trained, back = _params(model), _params(reloaded)
+    assert_tied(reloaded)
+    trained, back = named_params(model), named_params(reloaded)
     assert trained.keys() == back.keys()
     for key, value in trained.items():
         assert torch.equal(value, back[key]), key
