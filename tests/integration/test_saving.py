@@ -14,21 +14,9 @@ from transformers import Trainer as StockTrainer
 import hf_ext
 from hf_ext.saving import checkpoints
 
-from ..saving_support import assert_tied, named_params, stored_keys
+from ..saving_support import assert_tied, named_params, stored_keys, synthetic_rows
 
 pytestmark = pytest.mark.slow
-
-
-def _dataset(n: int, vocab: int) -> list[dict]:
-    g = torch.Generator().manual_seed(0)
-    return [
-        {
-            "input_ids": torch.randint(4, vocab, (12,), generator=g).tolist(),
-            "attention_mask": [1] * 12,
-            "labels": torch.randint(4, vocab, (8,), generator=g).tolist() + [2],
-        }
-        for _ in range(n)
-    ]
 
 
 def _trainer(model_dir, out, **overrides):
@@ -50,7 +38,7 @@ def _trainer(model_dir, out, **overrides):
     trainer = hf_ext.Trainer(
         model=model,
         args=hf_args,
-        train_dataset=_dataset(16, model.config.vocab_size),
+        train_dataset=synthetic_rows(16, model.config.vocab_size),
         data_collator=default_data_collator,
     )
     return trainer

@@ -15,10 +15,10 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
 from transformers import BlenderbotForConditionalGeneration, default_data_collator
 
 import hf_ext
+from tests.saving_support import synthetic_rows  # the repository root is on PYTHONPATH under the tests' launchers
 
 MESSY = {
     "bfloat16": {"enabled": "auto"},
@@ -53,18 +53,6 @@ MESSY = {
 }
 
 
-def synthetic_dataset(n: int, vocab: int) -> list[dict]:
-    g = torch.Generator().manual_seed(0)
-    return [
-        {
-            "input_ids": torch.randint(4, vocab, (12,), generator=g).tolist(),
-            "attention_mask": [1] * 12,
-            "labels": torch.randint(4, vocab, (8,), generator=g).tolist() + [2],
-        }
-        for _ in range(n)
-    ]
-
-
 def train(config, out: Path, model_dir: str, steps: int, memory: str | None = None) -> None:
     args = hf_ext.Seq2SeqTrainingArguments(
         output_dir=str(out), max_steps=steps, per_device_train_batch_size=2, learning_rate=1e-3,
@@ -82,7 +70,7 @@ def train(config, out: Path, model_dir: str, steps: int, memory: str | None = No
     trainer = hf_ext.Seq2SeqTrainer(
         model=model,
         args=args,
-        train_dataset=synthetic_dataset(64, model.config.vocab_size),
+        train_dataset=synthetic_rows(64, model.config.vocab_size),
         data_collator=default_data_collator,
     )
     result = trainer.train()
