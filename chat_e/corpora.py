@@ -5,6 +5,10 @@
 * ``train_file`` / ``validation_file`` / ``test_file``: local ``.json``, ``.jsonl`` or ``.csv``.
 * ``dataset_name="chatterbot"``: the English ``chatterbot-corpus`` (a PyPI package, so it works offline) converted
   to MuDoConv pairs, split by conversation with a fixed seed.
+* ``dataset_name="chitchat"``: the BYU Chit-Chat Challenge corpus (``chitchat-dataset``, also offline): real
+  human-to-human chats, each under its opening prompt as a ``topic:`` header, split by conversation the same way.
+* ``dataset_name="chitchat+chatterbot"``: both offline corpora, each split by conversation, the splits concatenated
+  and shuffled with the seed.
 
 Bad rows (missing, empty or non-string ``texts``/``labels``, unparsable lines) are counted, skipped and reported in
 one log line per split; they never crash a run.
@@ -16,17 +20,27 @@ import csv
 import json
 import logging
 import random
+import re
 from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 import datasets
 
-from .dialogue import encode_texts, format_context
+from .dialogue import clean_turn, encode_example, format_context
 
 logger = logging.getLogger(__name__)
 
 CHATTERBOT = "chatterbot"
+CHITCHAT = "chitchat"
+#: offline ``dataset_name`` -> the corpora it combines
+OFFLINE_DATASETS: dict[str, tuple[str, ...]] = {
+    CHATTERBOT: (CHATTERBOT,),
+    CHITCHAT: (CHITCHAT,),
+    f"{CHITCHAT}+{CHATTERBOT}": (CHITCHAT, CHATTERBOT),
+}
 SPLITS = ("train", "validation", "test")
 
 #: chatterbot-corpus category -> (dialogue mode, header context). Everything else is ``domain: <category>``.
@@ -42,7 +56,10 @@ class DataArguments:
 
     dataset_name: str | None = field(
         default=CHATTERBOT,
-        metadata={"help": "Hub dataset (e.g. smangrul/MuDoConv) or 'chatterbot' for the offline corpus."},
+        metadata={
+            "help": "Hub dataset (e.g. smangrul/MuDoConv) or an offline corpus: 'chatterbot', 'chitchat' or "
+            "'chitchat+chatterbot'."
+        },
     )
     dataset_config_name: str | None = field(default=None, metadata={"help": "Hub dataset configuration name."})
     train_file: str | None = field(default=None, metadata={"help": "Local .json/.jsonl/.csv with texts/labels."})
@@ -57,7 +74,9 @@ class DataArguments:
     n_train: int | None = field(default=None, metadata={"help": "Random sample (seeded) of training rows."})
     n_val: int | None = field(default=None, metadata={"help": "Random sample (seeded) of validation rows."})
     n_test: int | None = field(default=None, metadata={"help": "Random sample (seeded) of test rows."})
-    data_seed_split: int = field(default=42, metadata={"help": "Seed of the chatterbot split and the sampling."})
+    data_seed_split: int = field(
+        default=42, metadata={"help": "Seed of the offline corpora's split and the sampling."}
+    )
     preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for tokenization."})
 
 
@@ -82,17 +101,73 @@ def chatterbot_conversations(language: str = "english") -> list[dict]:
     return conversations
 
 
-def conversation_pairs(category: str, turns: list[str]) -> list[dict]:
+def conversation_pairs(
+    category: str,
+    turns: list[str],
+    mode: str | None = None,
+    context: str | None = None,
+    max_context_turns: int | None = None,
+) -> list[dict]:
     """MuDoConv pairs of one conversation: each turn after the first answers the turns before it.
 
     Both speaker directions are covered: speaker B's turns (odd positions) answer speaker A, and — the dialogue seen
     with the speakers swapped — speaker A's later turns (even positions) answer speaker B.
+
+    The header is ``mode``/``context`` when ``mode`` is given, else the chatterbot category's
+    (:data:`CHATTERBOT_HEADERS`, otherwise ``domain: <category>``). ``max_context_turns`` keeps only that many of
+    the newest turns in each context (None: all of them).
     """
-    mode, context = CHATTERBOT_HEADERS.get(category, ("domain", category.replace("_", " ")))
+    if mode is None:
+        mode, context = CHATTERBOT_HEADERS.get(category, ("domain", category.replace("_", " ")))
+    keep = len(turns) if max_context_turns is None else max_context_turns
     return [
-        {"texts": format_context(turns[:i], mode, context), "labels": turns[i], "category": category}
+        {"texts": format_context(turns[max(0, i - keep) : i], mode, context), "labels": turns[i], "category": category}
         for i in range(1, len(turns))
     ]
+
+
+def pair_rows(
+    conversations: list[dict], to_pairs: Callable[[dict], list[dict]]
+) -> tuple[datasets.Dataset, list[range]]:
+    """Every conversation's pairs (``to_pairs``) in one dataset, in corpus order, and each conversation's rows."""
+    rows, spans = [], []
+    for conv in conversations:
+        pairs = to_pairs(conv)
+        spans.append(range(len(rows), len(rows) + len(pairs)))
+        rows.extend(pairs)
+    return datasets.Dataset.from_list(rows), spans
+
+
+def split_by_conversation(
+    conversations: list[dict],
+    group_key: Callable[[dict], object],
+    pairs: datasets.Dataset,
+    spans: list[range],
+    seed: int,
+    val_fraction: float,
+    test_fraction: float,
+) -> datasets.DatasetDict:
+    """A seeded train/validation/test split of ``conversations``, as the rows of their ``pairs`` (see
+    :func:`pair_rows`).
+
+    Conversations with the same ``group_key`` (each corpus keys them by how they open) stay in one split, so no
+    evaluation context that opens a conversation is also a training context. The fractions count conversations.
+    The split only selects rows, so a corpus's pairs can be built once and split with any seed.
+    """
+    groups: dict[object, list[int]] = {}
+    for index, conv in enumerate(conversations):
+        groups.setdefault(group_key(conv), []).append(index)
+    keys = sorted(groups)
+    random.Random(seed).shuffle(keys)
+    n_total = sum(len(g) for g in groups.values())
+    targets = {"validation": n_total * val_fraction, "test": n_total * test_fraction}
+    parts: dict[str, list[int]] = {split: [] for split in SPLITS}
+    for key in keys:
+        split = next((s for s in ("validation", "test") if len(parts[s]) < targets[s]), "train")
+        parts[split].extend(groups[key])
+    return datasets.DatasetDict(
+        {split: pairs.select([row for index in parts[split] for row in spans[index]]) for split in SPLITS}
+    )
 
 
 def load_chatterbot(seed: int = 42, val_fraction: float = 0.1, test_fraction: float = 0.1) -> datasets.DatasetDict:
@@ -101,22 +176,135 @@ def load_chatterbot(seed: int = 42, val_fraction: float = 0.1, test_fraction: fl
     Conversations that open with the same turn (the corpus repeats questions with other answers) stay in one split,
     so no evaluation context is also a training context.
     """
-    groups: dict[str, list[dict]] = {}
-    for conv in chatterbot_conversations():
-        groups.setdefault(conv["turns"][0].lower(), []).append(conv)
-    keys = sorted(groups)
-    random.Random(seed).shuffle(keys)
-    n_total = sum(len(g) for g in groups.values())
-    targets = {"validation": n_total * val_fraction, "test": n_total * test_fraction}
-    parts: dict[str, list[dict]] = {split: [] for split in SPLITS}
-    for key in keys:
-        split = next((s for s in ("validation", "test") if len(parts[s]) < targets[s]), "train")
-        parts[split].extend(groups[key])
-    out = {}
-    for split in SPLITS:
-        rows = [pair for conv in parts[split] for pair in conversation_pairs(conv["category"], conv["turns"])]
-        out[split] = datasets.Dataset.from_list(rows)
-    return datasets.DatasetDict(out)
+    conversations = chatterbot_conversations()
+    pairs, spans = pair_rows(conversations, lambda conv: conversation_pairs(conv["category"], conv["turns"]))
+    return split_by_conversation(
+        conversations,
+        group_key=lambda conv: conv["turns"][0].lower(),
+        pairs=pairs,
+        spans=spans,
+        seed=seed,
+        val_fraction=val_fraction,
+        test_fraction=test_fraction,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- chitchat corpus
+#: Newest turns kept in the context of each chitchat pair. Chitchat conversations are long (median 17 turns after
+#: merging, up to 564) and a turn averages ~17 words, so 8 turns already fill the default 128-token source budget
+#: (older turns would be cut by the left truncation anyway); without a cap the ``texts`` column would grow
+#: quadratically with the conversation length.
+CHITCHAT_CONTEXT_TURNS = 8
+
+#: A message that is only one or more links (a shared video or page) gives no text to learn an answer from.
+_URL_ONLY_RE = re.compile(r"(?:(?:https?://|www\.)\S+\s*)+", re.IGNORECASE)
+
+
+@lru_cache(maxsize=1)
+def chitchat_corpus() -> Mapping:
+    """The installed BYU Chit-Chat Challenge corpus, read once per process (a 40 MB JSON file)."""
+    try:
+        import chitchat_dataset
+    except ImportError as err:  # pragma: no cover - a declared dependency
+        raise ImportError("The chitchat corpus needs `pip install chitchat-dataset`.") from err
+    return chitchat_dataset.Dataset()
+
+
+def chitchat_conversations(dataset: Mapping | None = None) -> tuple[list[dict], Counter]:
+    """Conversations of the chitchat corpus (default: the installed one) as ``{"category", "topic", "turns"}``, and
+    what was dropped, counted per reason.
+
+    ``dataset`` maps conversation ids to ``{"prompt", "messages": [[{"text", "sender", ...}, ...], ...]}``. A turn
+    is the consecutive messages of one sender, whitespace collapsed and joined by a space; the topic is the prompt
+    (missing or non-string: no header). Skipped and counted: empty and URL-only messages, malformed records (no
+    message list, a group that is not a list, a message that is not a dict or has no sender or non-string text), and
+    conversations left with fewer than 2 turns (never answered). Nothing in ``dataset`` makes this raise.
+    """
+    dataset = chitchat_corpus() if dataset is None else dataset
+    conversations, drops = [], Counter()
+    for record in dataset.values():
+        messages = record.get("messages") if isinstance(record, dict) else None
+        if not isinstance(messages, list):
+            drops["conversation without a message list"] += 1
+            continue
+        turns, speaker = [], None
+        for group in messages:
+            if not isinstance(group, list):
+                drops["message group not a list"] += 1
+                continue
+            for message in group:
+                if not isinstance(message, dict):
+                    drops["message not a dict"] += 1
+                elif not isinstance(message.get("text"), str):
+                    drops["message text not a string"] += 1
+                elif message.get("sender") is None:
+                    drops["message without sender"] += 1
+                elif not (text := clean_turn(message["text"])):
+                    drops["empty message"] += 1
+                elif _URL_ONLY_RE.fullmatch(text):
+                    drops["URL-only message"] += 1
+                elif turns and message["sender"] == speaker:
+                    turns[-1] += " " + text
+                else:
+                    turns.append(text)
+                    speaker = message["sender"]
+        if len(turns) < 2:
+            drops["conversation with fewer than 2 turns"] += 1
+            continue
+        prompt = record.get("prompt")
+        topic = clean_turn(prompt) if isinstance(prompt, str) else ""
+        conversations.append({"category": CHITCHAT, "topic": topic, "turns": turns})
+    detail = ", ".join(f"{n} {what}" for what, n in drops.most_common())
+    logger.info(
+        f"Chitchat corpus: kept {len(conversations)} of {len(dataset)} conversations ({detail or 'no drops'})."
+    )
+    return conversations, drops
+
+
+def chitchat_pairs(conversation: dict) -> list[dict]:
+    """MuDoConv pairs of one chitchat conversation: ``topic: <prompt>`` header, newest
+    :data:`CHITCHAT_CONTEXT_TURNS` turns of context."""
+    return conversation_pairs(
+        conversation["category"], conversation["turns"], "topic", conversation["topic"], CHITCHAT_CONTEXT_TURNS
+    )
+
+
+@lru_cache(maxsize=1)
+def _chitchat_pairs() -> tuple[list[dict], datasets.Dataset, list[range]]:
+    """The installed corpus's conversations and their pairs (see :func:`pair_rows`), built once per process: the
+    ~130k contexts take seconds, and every split (any seed) only selects rows of them."""
+    conversations = chitchat_conversations()[0]
+    return (conversations, *pair_rows(conversations, chitchat_pairs))
+
+
+def load_chitchat(seed: int = 42, val_fraction: float = 0.1, test_fraction: float = 0.1) -> datasets.DatasetDict:
+    """The chitchat corpus as a seeded train/validation/test split *by conversation*.
+
+    Conversations that open with the same context (same prompt, same first turn: many just say "hello?") stay in
+    one split, like chatterbot's; each conversation's pairs all go to its split.
+    """
+    conversations, pairs, spans = _chitchat_pairs()
+    return split_by_conversation(
+        conversations,
+        group_key=lambda conv: format_context(conv["turns"][:1], "topic", conv["topic"]).lower(),
+        pairs=pairs,
+        spans=spans,
+        seed=seed,
+        val_fraction=val_fraction,
+        test_fraction=test_fraction,
+    )
+
+
+def load_offline(name: str, seed: int = 42) -> datasets.DatasetDict:
+    """An offline ``dataset_name`` (:data:`OFFLINE_DATASETS`) with ``texts``/``labels`` columns; a combination is
+    each corpus split by conversation, then concatenated per split and shuffled with ``seed``."""
+    loaders = {CHATTERBOT: load_chatterbot, CHITCHAT: load_chitchat}
+    parts = [loaders[corpus](seed=seed).select_columns(["texts", "labels"]) for corpus in OFFLINE_DATASETS[name]]
+    if len(parts) == 1:
+        return parts[0]
+    return datasets.DatasetDict(
+        {split: datasets.concatenate_datasets([p[split] for p in parts]).shuffle(seed=seed) for split in SPLITS}
+    )
 
 
 # ---------------------------------------------------------------------------------------------- local files
@@ -217,30 +405,34 @@ def load_dialogue_dataset(args: DataArguments) -> datasets.DatasetDict:
                 features=datasets.Features({"texts": datasets.Value("string"), "labels": datasets.Value("string")}),
             )
         raw = datasets.DatasetDict(out)
-    elif args.dataset_name == CHATTERBOT:
-        raw = load_chatterbot(seed=args.data_seed_split).select_columns(["texts", "labels"])
+    elif args.dataset_name in OFFLINE_DATASETS:
+        raw = load_offline(args.dataset_name, seed=args.data_seed_split)
     elif args.dataset_name:
         hub = datasets.load_dataset(args.dataset_name, args.dataset_config_name)
         raw = datasets.DatasetDict({split: _clean_dataset(ds, args, split) for split, ds in hub.items()})
     else:
-        raise ValueError("No data: pass --dataset_name (e.g. smangrul/MuDoConv or chatterbot) or --train_file.")
+        raise ValueError(
+            "No data: pass --dataset_name (e.g. smangrul/MuDoConv, chatterbot or chitchat) or --train_file."
+        )
     limits = {"train": args.n_train, "validation": args.n_val, "test": args.n_test}
     return datasets.DatasetDict(
         {split: sample(ds, limits.get(split), args.data_seed_split) for split, ds in raw.items()}
     )
 
 
-def tokenize_dataset(ds: datasets.Dataset, tokenizer, args: DataArguments, desc: str = "Tokenizing"):
-    """``input_ids``/``attention_mask`` (left-truncated contexts) and ``labels`` (response ids ending in ``</s>``)."""
+def tokenize_dataset(
+    ds: datasets.Dataset, tokenizer, args: DataArguments, desc: str = "Tokenizing", family: str = "seq2seq"
+):
+    """``input_ids``/``attention_mask`` (left-truncated contexts) and ``labels``, in ``family``'s rendering
+    (:func:`chat_e.dialogue.encode_example`): the response ids for an encoder-decoder; for a decoder-only model the
+    chat-template prompt followed by the reply, with the loss on the reply only."""
 
     def encode(batch):
-        input_ids = [encode_texts(tokenizer, t, args.max_source_length) for t in batch["texts"]]
-        labels = tokenizer(text_target=batch["labels"], max_length=args.max_target_length, truncation=True)
-        return {
-            "input_ids": input_ids,
-            "attention_mask": [[1] * len(ids) for ids in input_ids],
-            "labels": labels["input_ids"],
-        }
+        rows = [
+            encode_example(tokenizer, t, r, args.max_source_length, args.max_target_length, family)
+            for t, r in zip(batch["texts"], batch["labels"])
+        ]
+        return {key: [row[key] for row in rows] for key in ("input_ids", "attention_mask", "labels")}
 
     return ds.map(
         encode,

@@ -2,19 +2,25 @@
 
 import json
 import logging
+from collections import Counter
 
 import pytest
 
 from chat_e.corpora import (
     CHATTERBOT_HEADERS,
+    CHITCHAT_CONTEXT_TURNS,
     DataArguments,
     chatterbot_conversations,
+    chitchat_conversations,
+    chitchat_corpus,
+    chitchat_pairs,
     conversation_pairs,
     load_chatterbot,
+    load_chitchat,
     load_dialogue_dataset,
     tokenize_dataset,
 )
-from chat_e.dialogue import make_header, parse_texts
+from chat_e.dialogue import TURN_JOIN, make_header, parse_header, parse_texts
 
 
 @pytest.fixture(scope="module")
@@ -136,3 +142,129 @@ def test_decoder_inputs_start_at_bos_not_pad(tiny_model_dir, tiny_tokenizer):
         implicit = model(**batch).logits
         explicit = model(**{k: v for k, v in batch.items() if k != "labels"}, decoder_input_ids=starts_at_bos).logits
     assert torch.allclose(implicit, explicit)
+
+
+# ---------------------------------------------------------------------------------------------- chitchat corpus
+@pytest.fixture(scope="module")
+def chitchat():
+    return load_chitchat(seed=1)
+
+
+def first_contexts(ds) -> list[str]:
+    """The contexts of one turn, lowercased: each conversation's first pair (later pairs have more turns)."""
+    return [t.lower() for t in ds["texts"][:] if TURN_JOIN not in t]  # [:] reads the column at once
+
+
+def test_chitchat_corpus_counts():
+    # facts about the installed chitchat-dataset 0.9.0: 7,168 conversations, 3,150 of them a single message group
+    conversations, drops = chitchat_conversations()
+    assert len(conversations) == 4017 and len(chitchat_corpus()) == 7168
+    assert sum(len(c["turns"]) for c in conversations) == 135565
+    assert drops == Counter({"conversation with fewer than 2 turns": 3151, "empty message": 33, "URL-only message": 9})
+    assert sum(1 for c in conversations if not c["topic"]) == 145  # conversations without a prompt: no header
+    assert all(len(c["turns"]) >= 2 and c["category"] == "chitchat" for c in conversations)
+
+
+def test_chitchat_first_pair_of_a_real_conversation():
+    # messages [["Hello", "How are you doing today?"], ["whats up MD", "im doing good", "how are you doing?"], ...]
+    cid = "a07edb12-6b91-4138-b11e-02421888d699"
+    (conversation,), _ = chitchat_conversations({cid: chitchat_corpus()[cid]})
+    first = chitchat_pairs(conversation)[0]
+    assert first["texts"] == (
+        "topic: What's one thing your best friend doesn't know about you?  <s> Hello How are you doing today?"
+    )
+    assert first["labels"] == "whats up MD im doing good how are you doing?"
+
+
+def test_chitchat_bad_records_are_counted_and_skipped(caplog):
+    def msg(text, sender):
+        return {"text": text, "sender": sender}
+
+    dataset = {
+        "ok": {
+            "prompt": "  Pets? ",
+            "messages": [
+                [msg("hi", "a"), msg("  ", "a"), msg("you \n there?", "a")],
+                [msg("yes", "b"), msg("https://x.io/a www.y.com", "b")],
+                [msg("cool", "a"), msg("look: https://x.io", "a")],
+            ],
+        },
+        "no prompt": {"messages": [[msg("hello", "a")], [msg("hey", "b")]]},
+        "one-sided": {"prompt": "p", "messages": [[msg("anyone?", "a"), msg("hello?", "a")]]},
+        "link answer": {"prompt": "p", "messages": [[msg("hi", "a")], [msg("http://z.org", "b")]]},
+        "no messages": {"prompt": "p"},
+        "messages not a list": {"prompt": "p", "messages": "hi"},
+        "not a record": ["hi"],
+        "none": None,
+        "bad parts": {
+            "prompt": 7,
+            "messages": [
+                "not a group",
+                [42, msg(None, "a"), {"text": "no sender"}, msg("hi", "a")],
+                [msg(["yo"], "b"), msg("yo", "b")],
+            ],
+        },
+    }
+    with caplog.at_level(logging.INFO, logger="chat_e.corpora"):
+        conversations, drops = chitchat_conversations(dataset)
+    assert conversations == [
+        {"category": "chitchat", "topic": "Pets?", "turns": ["hi you there?", "yes", "cool look: https://x.io"]},
+        {"category": "chitchat", "topic": "", "turns": ["hello", "hey"]},
+        {"category": "chitchat", "topic": "", "turns": ["hi", "yo"]},
+    ]
+    assert drops == Counter(
+        {
+            "conversation without a message list": 4,
+            "conversation with fewer than 2 turns": 2,
+            "URL-only message": 2,
+            "message text not a string": 2,
+            "empty message": 1,
+            "message group not a list": 1,
+            "message not a dict": 1,
+            "message without sender": 1,
+        }
+    )
+    lines = [r.message for r in caplog.records if "Chitchat corpus" in r.message]
+    assert len(lines) == 1 and "kept 3 of 9 conversations" in lines[0]
+
+
+def test_chitchat_topic_header_round_trips_and_context_is_capped():
+    turns = [f"turn {i}" for i in range(CHITCHAT_CONTEXT_TURNS + 4)]
+    pairs = chitchat_pairs({"category": "chitchat", "topic": "What if pigs could fly?", "turns": turns})
+    assert [p["labels"] for p in pairs] == turns[1:]
+    for i, pair in enumerate(pairs, start=1):
+        header, context = parse_texts(pair["texts"])
+        assert parse_header(header) == ("topic", "What if pigs could fly?")
+        assert context == turns[max(0, i - CHITCHAT_CONTEXT_TURNS) : i]
+    untitled = chitchat_pairs({"category": "chitchat", "topic": "", "turns": ["hi", "hey"]})[0]
+    assert untitled["texts"] == "hi" and parse_texts(untitled["texts"]) == ("", ["hi"])
+
+
+def test_chitchat_split_is_seeded_and_by_conversation(chitchat):
+    assert sum(len(chitchat[s]) for s in chitchat) == 131548  # one pair per turn after the first
+    firsts = {s: first_contexts(chitchat[s]) for s in chitchat}
+    assert sum(len(f) for f in firsts.values()) == 4017  # every conversation, once
+    assert abs(len(firsts["validation"]) - 401.7) < 20 and abs(len(firsts["test"]) - 401.7) < 20
+    train, val, test = (set(firsts[s]) for s in ("train", "validation", "test"))
+    assert not (train & val) and not (train & test) and not (val & test)
+    again = load_chitchat(seed=1)  # the evaluation splits and the train size fix the partition
+    assert len(again["train"]) == len(chitchat["train"])
+    assert all(again[s]["texts"][:] == chitchat[s]["texts"][:] for s in ("validation", "test"))
+    assert first_contexts(load_chitchat(seed=2)["validation"]) != firsts["validation"]
+
+
+def test_chitchat_plus_chatterbot_has_both_sources_shuffled():
+    ds = load_dialogue_dataset(DataArguments(dataset_name="chitchat+chatterbot", n_train=2000, n_val=500))
+    assert len(ds["train"]) == 2000 and len(ds["validation"]) == 500
+    assert all(ds[s].column_names == ["texts", "labels"] for s in ds)
+
+    def from_chatterbot(split) -> list[bool]:
+        # chatterbot's headers are domain/emotion/persona; chitchat's are topic, or none without a prompt
+        return [parse_header(parse_texts(t)[0])[0] not in ("topic", "none") for t in ds[split]["texts"][:]]
+
+    for split in ("train", "validation"):
+        assert 0 < sum(from_chatterbot(split)) < len(ds[split])
+    # the whole test split: all chitchat test pairs plus the chatterbot ones, shuffled together (not appended)
+    texts, chatterbot = ds["test"]["texts"][:], from_chatterbot("test")
+    assert sorted(t for t, c in zip(texts, chatterbot) if not c) == sorted(load_chitchat(seed=42)["test"]["texts"][:])
+    assert sum(chatterbot) > 200 and chatterbot.index(True) < len(chatterbot) - sum(chatterbot)
