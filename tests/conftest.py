@@ -1,5 +1,5 @@
-"""Shared fixtures: a tiny BlenderBot built once per session, the vendored config corpus, and a runner for real 2-rank
-launches.
+"""Shared fixtures: a tiny BlenderBot and a tiny ChatML decoder built once per session, the vendored config corpus,
+and a runner for real 2-rank launches.
 
 Tiers: ``unit/`` (no training, no subprocess, under a minute), ``integration/`` (in-process training, marked
 ``slow``), ``distributed/`` (real 2-rank launches, marked ``distributed``), ``app/`` (server and browser)."""
@@ -29,6 +29,14 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from chat_e.models import build
 
     return build(str(tmp_path_factory.mktemp("models") / "tiny"), "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model_dir(tmp_path_factory) -> Path:
+    """A random-init tiny LlamaForCausalLM with SmolLM2's ChatML tokens and chat template (the project's builder)."""
+    from chat_e.models import build_chat_model
+
+    return build_chat_model(tmp_path_factory.mktemp("models") / "tiny_chat", "tiny", seed=0)
 
 
 @pytest.fixture(scope="session")
