@@ -9,21 +9,29 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoTokenizer, BlenderbotForConditionalGeneration, DataCollatorForSeq2Seq
+from transformers import (
+    AutoConfig,
+    AutoTokenizer,
+    BlenderbotForConditionalGeneration,
+    DataCollatorForSeq2Seq,
+)
 
 import hf_ext
 from chat_e.corpora import DataArguments, load_dialogue_dataset, tokenize_dataset
+from chat_e.dialogue import family_of
 from hf_ext.evaluation.bleu import generate_in_order
+from hf_ext.model_info import model_class
 
 N_EVAL = 18  # 5 batches of 4 on 2 ranks: one rank runs an extra, discarded generate() call under ZeRO-3
 GEN = dict(num_beams=1, max_length=24, min_length=1)
 EOS = 2
 
 
-def eval_dataset(tokenizer, n: int = N_EVAL):
+def eval_dataset(tokenizer, n: int = N_EVAL, family: str = "seq2seq"):
     """Same rows as tests/distributed/workers/bleu_eval_worker.py's ``eval_split``."""
     data_args = DataArguments(max_target_length=32)
-    return tokenize_dataset(load_dialogue_dataset(data_args)["train"].select(range(n)), tokenizer, data_args)
+    rows = load_dialogue_dataset(data_args)["train"].select(range(n))
+    return tokenize_dataset(rows, tokenizer, data_args, family=family)
 
 
 def build_eval_model(tiny_model_dir, tmp_path_factory) -> Path:
@@ -69,7 +77,9 @@ def read_jsonl(path: Path) -> list[dict]:
 def evaluate_single_rank(eval_model_dir, tokenizer, tmp_path_factory) -> dict:
     """hf-ext's Seq2SeqTrainer, one process, no DeepSpeed: the reference of the 2-rank runs."""
     out = tmp_path_factory.mktemp("single")
-    model = BlenderbotForConditionalGeneration.from_pretrained(eval_model_dir)
+    config = AutoConfig.from_pretrained(eval_model_dir)
+    family = family_of(config)
+    model = model_class(config).from_pretrained(eval_model_dir)
     args = hf_ext.Seq2SeqTrainingArguments(
         str(out), per_device_eval_batch_size=4, generation_batch_size=4, generation_num_beams=1,
         generation_max_length=24, generation_min_length=1, report_to="none", log_samples=3,
@@ -77,8 +87,10 @@ def evaluate_single_rank(eval_model_dir, tokenizer, tmp_path_factory) -> dict:
     trainer = hf_ext.Seq2SeqTrainer(
         model=model,
         args=args,
-        eval_dataset=eval_dataset(tokenizer),
-        data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100),
+        eval_dataset=eval_dataset(tokenizer, family=family),
+        data_collator=DataCollatorForSeq2Seq(
+            tokenizer, model=model if family == "seq2seq" else None, label_pad_token_id=-100
+        ),
         processing_class=tokenizer,
     )
     metrics = trainer.evaluate()

@@ -12,6 +12,11 @@ evaluation's loss pass it:
 * prints the first ``log_samples`` (context, generation, reference) rows, writes every row to
   ``output_dir/generations/step-{N}.jsonl`` and logs a table to TensorBoard / trackio when they are in ``report_to``.
 
+Decoder-only models work the same way. An eval row then holds the prompt followed by the reference (``labels`` is
+``-100`` over the prompt, as for training with the loss on the reply only): generation starts from the tokens before
+the first label, left-padded, and only the new tokens are decoded. ``generation_max_length`` /
+``generation_min_length`` count new tokens for such a model, as they count decoder tokens for an encoder-decoder.
+
 Under ZeRO-3 with more than one rank, ``generate`` runs with ``synced_gpus=True`` and every rank runs the same number
 of ``generate`` calls (a rank out of batches repeats one and discards it), so ranks never wait on each other forever.
 """
@@ -174,6 +179,24 @@ def _decode_labels(tokenizer, labels) -> str:
     return tokenizer.decode([t for t in _as_list(labels) if t >= 0], skip_special_tokens=True).strip()
 
 
+def _is_encoder_decoder(model) -> bool:
+    return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+
+
+def prompt_ids(row: dict, is_encoder_decoder: bool) -> list[int]:
+    """What generation starts from: an encoder-decoder's whole input; for a decoder-only model whose row holds the
+    prompt and the reference (``labels`` aligned with ``input_ids``, ``-100`` over the prompt), the tokens before the
+    first label."""
+    ids = _as_list(row["input_ids"])
+    if is_encoder_decoder or row.get("labels") is None:
+        return ids
+    labels = _as_list(row["labels"])
+    if len(labels) != len(ids):
+        return ids
+    first = next((i for i, label in enumerate(labels) if label >= 0), len(ids))
+    return ids[:first]
+
+
 def generate_in_order(
     model,
     tokenizer,
@@ -186,34 +209,37 @@ def generate_in_order(
 ) -> tuple[list[str], list[int], dict]:
     """Generate for every row (sharded over the ranks) and return texts and lengths for *all* rows, in row order.
 
-    ``rows`` hold ``input_ids`` (and optionally ``attention_mask``). ``synced_gpus`` defaults to ZeRO-3/FSDP with
+    ``rows`` hold ``input_ids`` (and ``labels``, which for a decoder-only model mark where its prompt ends). ``synced_gpus`` defaults to ZeRO-3/FSDP with
     more than one rank; then every rank makes the same number of ``generate`` calls. Also returns per-rank stats.
     """
     rank, world = _dist_world()
     if synced_gpus is None:
         synced_gpus = world > 1 and _zero3_or_fsdp(model)
     device = device if device is not None else next(model.parameters()).device
-    lengths = [len(_as_list(r["input_ids"])) for r in rows]
+    is_encoder_decoder = _is_encoder_decoder(model)
+    prompts = [prompt_ids(r, is_encoder_decoder) for r in rows]
+    lengths = [len(p) for p in prompts]
     batches = length_batches(lengths, batch_size, bucket)
     mine = shard_batches(batches, rank, world)
     steps = -(-len(batches) // world) if synced_gpus else len(mine)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    is_encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
 
     local, widths = [], []
     for step in range(steps):
         indices = mine[step] if step < len(mine) else None
-        batch_rows = [rows[i] for i in (indices if indices is not None else batches[0][:1])]
+        batch = indices if indices is not None else batches[0][:1]
         features = [
             {
-                "input_ids": _as_list(r["input_ids"]),
-                "attention_mask": _as_list(r["attention_mask"])
-                if r.get("attention_mask") is not None
-                else [1] * len(_as_list(r["input_ids"])),
+                "input_ids": prompts[i],
+                "attention_mask": _as_list(rows[i]["attention_mask"])[: len(prompts[i])]
+                if rows[i].get("attention_mask") is not None
+                else [1] * len(prompts[i]),
             }
-            for r in batch_rows
+            for i in batch
         ]
-        inputs = tokenizer.pad(features, return_tensors="pt").to(device)
+        # a decoder-only model continues its prompt: padding goes on the left so every prompt ends at the same place
+        side = "right" if is_encoder_decoder else "left"
+        inputs = tokenizer.pad(features, return_tensors="pt", padding_side=side).to(device)
         with torch.no_grad():
             out = model.generate(**inputs, **gen_kwargs, synced_gpus=synced_gpus)
         if indices is None:
@@ -274,6 +300,10 @@ class BleuEvalCallback(TrainerCallback):
         if "min_new_tokens" in call:
             kwargs.pop("min_length", None)
         kwargs.update(call)
+        if model is not None and not _is_encoder_decoder(model):  # lengths of the reply, not of prompt + reply
+            for total, new in (("max_length", "max_new_tokens"), ("min_length", "min_new_tokens")):
+                if total in kwargs:
+                    kwargs.setdefault(new, kwargs.pop(total))
         kwargs.pop("synced_gpus", None)  # decided per run, see generate_in_order
         return kwargs
 
@@ -336,8 +366,9 @@ class BleuEvalCallback(TrainerCallback):
             {"index": i, "context": None, "generation": h, "reference": r} for i, (h, r) in enumerate(zip(hyps, refs))
         ]
         if state.is_world_process_zero:
+            encoder_decoder = _is_encoder_decoder(model)
             for row, r in zip(self.last_rows, rows):
-                row["context"] = tokenizer.decode(_as_list(r["input_ids"]), skip_special_tokens=True).strip()
+                row["context"] = tokenizer.decode(prompt_ids(r, encoder_decoder), skip_special_tokens=True).strip()
             self.log_samples(args, state, prefix, new)
         return new
 

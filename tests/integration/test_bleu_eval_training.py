@@ -156,3 +156,51 @@ def test_best_bleu_lora_adapter_is_loaded_at_end(eval_model_dir, tokenizer, tmp_
     other = load_file(tmp_path / f"checkpoint-{12 - best_step}" / "adapter_model.safetensors")
     assert any(not torch.equal(other[k], saved[k]) for k in saved)  # the two evaluations saw different adapters
     assert trainer.evaluate()["eval_bleu"] == best_bleu
+
+
+def test_decoder_only_eval_equals_stock_generate_per_row(tiny_chat_model_dir, tmp_path):
+    """A decoder-only chat model: batched, left-padded, bucketed generation from each row's prompt (the tokens before
+    its first label) gives stock generate()'s reply for every row alone, and sacreBLEU of those against the raw
+    replies."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from chat_e.corpora import DataArguments, load_dialogue_dataset
+    from chat_e.dialogue import encode_texts
+
+    from ..app.support import make_sensitive_model
+
+    model_dir = make_sensitive_model(tiny_chat_model_dir, tmp_path / "model", std=0.5)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    dataset = eval_dataset(tokenizer, family="causal")
+    raw = load_dialogue_dataset(DataArguments(max_target_length=32))["train"].select(range(len(dataset)))
+    args = hf_ext.Seq2SeqTrainingArguments(
+        str(tmp_path / "run"), per_device_eval_batch_size=4, generation_batch_size=4, generation_num_beams=1,
+        generation_max_length=12, report_to="none", log_samples=0,
+    )  # fmt: skip
+    trainer = hf_ext.Seq2SeqTrainer(
+        model=model,
+        args=args,
+        eval_dataset=dataset,
+        data_collator=DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100),
+        processing_class=tokenizer,
+    )
+    metrics = trainer.evaluate()
+    rows = trainer.bleu_eval_callback.last_rows
+    expected = []
+    for texts in raw["texts"]:
+        ids = torch.tensor([encode_texts(tokenizer, texts, 128, family="causal")])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12)
+        expected.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip())
+    assert [r["generation"] for r in rows] == expected
+    assert len(set(expected)) > 3  # the replies depend on the prompt
+    # references are the replies (cut at max_target_length=32 tokens, as trained)
+    for row, label in zip(rows, raw["labels"]):
+        label = " ".join(label.split())
+        assert label.startswith(row["reference"]) and len(row["reference"]) > 0
+        if len(tokenizer(label)["input_ids"]) < 30:
+            assert row["reference"] == label
+    bleu = sacrebleu.corpus_bleu(expected, [[r["reference"] for r in rows]]).score
+    assert metrics["eval_bleu"] == pytest.approx(bleu)
+    assert rows[0]["context"].startswith("system\n") and rows[0]["context"].endswith("assistant")

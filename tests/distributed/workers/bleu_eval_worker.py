@@ -14,19 +14,22 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, BlenderbotForConditionalGeneration, DataCollatorForSeq2Seq
+from transformers import AutoConfig, AutoTokenizer, DataCollatorForSeq2Seq
 
 import hf_ext
 from chat_e.corpora import DataArguments, load_dialogue_dataset, tokenize_dataset
+from chat_e.dialogue import family_of
 from hf_ext.deepspeed.resolve import load_deepspeed_config
+from hf_ext.model_info import model_class
 
 GEN = dict(generation_num_beams=1, generation_max_length=24, generation_min_length=1, generation_batch_size=4)
 
 
-def eval_split(tokenizer, n: int, split: str = "train"):
+def eval_split(tokenizer, n: int, split: str = "train", family: str = "seq2seq"):
     """The first ``n`` rows of a split of the offline corpus, tokenized (the tests build the same set)."""
     data_args = DataArguments(max_target_length=32)
-    return tokenize_dataset(load_dialogue_dataset(data_args)[split].select(range(n)), tokenizer, data_args)
+    rows = load_dialogue_dataset(data_args)[split].select(range(n))
+    return tokenize_dataset(rows, tokenizer, data_args, family=family)
 
 
 def ds_config(stage: int) -> dict:
@@ -69,15 +72,19 @@ def main() -> None:
         **GEN,
     )
     tokenizer = AutoTokenizer.from_pretrained(cli.model)
-    model = BlenderbotForConditionalGeneration.from_pretrained(cli.model)  # after the args: ZeRO-3 partitions it
-    eval_dataset = eval_split(tokenizer, cli.n_eval)
-    train_dataset = eval_split(tokenizer, cli.n_train) if cli.train_steps else None
+    config = AutoConfig.from_pretrained(cli.model)
+    family = family_of(config)
+    model = model_class(config).from_pretrained(cli.model)  # after the args: ZeRO-3 partitions it
+    eval_dataset = eval_split(tokenizer, cli.n_eval, family=family)
+    train_dataset = eval_split(tokenizer, cli.n_train, family=family) if cli.train_steps else None
     trainer = hf_ext.Seq2SeqTrainer(
         model=model,
         args=args,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
-        data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100),
+        data_collator=DataCollatorForSeq2Seq(
+            tokenizer, model=model if family == "seq2seq" else None, label_pad_token_id=-100
+        ),
         processing_class=tokenizer,
     )
     callback = trainer.bleu_eval_callback
