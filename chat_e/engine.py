@@ -1,4 +1,7 @@
-"""ChatEngine: load a fine-tuned BlenderBot, build its MuDoConv context, generate or stream a reply.
+"""ChatEngine: load a fine-tuned dialogue model, build its context, generate or stream a reply.
+
+Both model families are served: an encoder-decoder (BlenderBot) reads the MuDoConv string, a decoder-only chat model
+(SmolLM2-135M-Instruct) its chat template with the persona/emotion/domain/topic header as the system message.
 
 No Gradio here: the UI (:mod:`chat_e.ui`) is a thin layer over this module, which is tested on its own.
 
@@ -26,7 +29,7 @@ from typing import Any
 from hf_ext.saving.model_dir import ModelDirError as ModelLoadError
 from hf_ext.saving.model_dir import describe_model_dir
 
-from .dialogue import MODES, encode_history, format_context
+from .dialogue import MODES, encode_history, family_of, format_context
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +39,9 @@ MODE_ALIASES: dict[str, str] = {"free": "none", "": "none"}
 MAX_MESSAGE_CHARS = 2000
 #: Newest turns of a history that are considered (a turn is at least one token, and the window is 128 tokens).
 MAX_HISTORY_TURNS = 128
+#: Longest input of a decoder-only model: its newest tokens (its position window is far longer than a chat needs, and
+#: a CPU pays for every prompt token on every reply)
+MAX_CAUSAL_INPUT_TOKENS = 512
 DTYPES = ("fp32", "bf16")
 QUANTIZE = ("none", "int8")
 
@@ -52,12 +58,16 @@ class GenerationSettings:
     min_new_tokens: int = field(default=19, metadata={"help": "Shortest reply in tokens."})
 
     @classmethod
-    def from_generation_config(cls, config) -> GenerationSettings:
-        """BlenderBot's defaults as settings: for an encoder-decoder, ``max_length`` counts the decoder start token."""
-        max_new = config.max_new_tokens or max(int(config.max_length or 60) - 1, 1)
-        min_new = (
-            config.min_new_tokens if config.min_new_tokens is not None else max(int(config.min_length or 0) - 1, 0)
-        )
+    def from_generation_config(cls, config, is_encoder_decoder: bool = True) -> GenerationSettings:
+        """A model's defaults as settings. An encoder-decoder's ``max_length`` counts the decoder start token; a
+        decoder-only model's counts the prompt too, so only its ``max_new_tokens`` / ``min_new_tokens`` apply."""
+        if is_encoder_decoder:
+            max_new = config.max_new_tokens or max(int(config.max_length or 60) - 1, 1)
+            min_new = (
+                config.min_new_tokens if config.min_new_tokens is not None else max(int(config.min_length or 0) - 1, 0)
+            )
+        else:
+            max_new, min_new = config.max_new_tokens or 48, config.min_new_tokens or 0
         return cls(
             num_beams=int(config.num_beams or 1),
             do_sample=bool(config.do_sample),
@@ -156,10 +166,10 @@ class _Cancelled:
 
 
 class ChatEngine:
-    """A BlenderBot, its tokenizer and generation defaults, and the MuDoConv context format.
+    """A dialogue model, its tokenizer and generation defaults, and its family's context format.
 
     Args:
-        model: a seq2seq model in eval mode.
+        model: an encoder-decoder (MuDoConv inputs) or a decoder-only chat model (chat-template inputs).
         tokenizer: its tokenizer.
         generation_config: generation defaults (the model's own when None).
         max_input_length: longest model input in tokens (the model's ``max_position_embeddings`` when None).
@@ -170,7 +180,10 @@ class ChatEngine:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.generation_config = copy.deepcopy(generation_config or model.generation_config)
+        self.family = family_of(model.config)
         positions = getattr(model.config, "max_position_embeddings", None) or tokenizer.model_max_length
+        if self.family == "causal":  # the reply shares the window with the prompt
+            max_input_length = max_input_length or min(MAX_CAUSAL_INPUT_TOKENS, int(positions) // 2)
         self.max_input_length = int(max_input_length or positions)
         self.max_positions = int(positions)
         self.name = name or getattr(model.config, "name_or_path", "") or type(model).__name__
@@ -204,7 +217,12 @@ class ChatEngine:
         path = found["path"]
 
         import torch
-        from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
+
+        from hf_ext.model_info import model_class as config_class
+
+        def model_class(model_dir):
+            return config_class(AutoConfig.from_pretrained(str(model_dir)))
 
         torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
         started = time.perf_counter()
@@ -214,7 +232,7 @@ class ChatEngine:
 
                 base = found["base"]
                 try:
-                    model = AutoModelForSeq2SeqLM.from_pretrained(str(base), dtype=torch_dtype)
+                    model = model_class(base).from_pretrained(str(base), dtype=torch_dtype)
                 except Exception as err:
                     raise ModelLoadError(
                         f"The adapter in {path} needs its base model {base}, which could not be loaded: "
@@ -223,7 +241,7 @@ class ChatEngine:
                 model = PeftModel.from_pretrained(model, str(path)).merge_and_unload()
                 tokenizer_dir = path if _has_tokenizer(path) else Path(str(base))
             else:
-                model = AutoModelForSeq2SeqLM.from_pretrained(str(path), dtype=torch_dtype)
+                model = model_class(path).from_pretrained(str(path), dtype=torch_dtype)
                 tokenizer_dir = path
             tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
         except ModelLoadError:
@@ -264,7 +282,7 @@ class ChatEngine:
 
     def default_settings(self) -> GenerationSettings:
         """The model's generation defaults (BlenderBot's: 10 beams, 19-59 new tokens)."""
-        settings = GenerationSettings.from_generation_config(self.generation_config)
+        settings = GenerationSettings.from_generation_config(self.generation_config, self.family == "seq2seq")
         return settings.replace(max_new_tokens=min(settings.max_new_tokens, self.max_positions - 1))
 
     @staticmethod
@@ -278,7 +296,8 @@ class ChatEngine:
     def build_context(
         self, message: str | None, history: Sequence[Any] | None = None, mode: str = "none", context: str | None = None
     ) -> str:
-        """The MuDoConv ``texts`` string for this chat (before truncation), as :func:`chat_e.dialogue.format_context`."""
+        """The MuDoConv ``texts`` string for this chat (before truncation and rendering), as
+        :func:`chat_e.dialogue.format_context`."""
         return format_context(self.turns(message, history), normalize_mode(mode), context)
 
     def encode(
@@ -286,7 +305,7 @@ class ChatEngine:
     ) -> list[int]:
         """Model input ids, left-truncated to the model's window: the header and the newest turns stay."""
         turns = self.turns(message, history)
-        return encode_history(self.tokenizer, turns, normalize_mode(mode), context, self.max_input_length)
+        return encode_history(self.tokenizer, turns, normalize_mode(mode), context, self.max_input_length, self.family)
 
     def model_input_text(self, *args, **kwargs) -> str:
         """What the model sees, as text (after truncation)."""
@@ -300,15 +319,13 @@ class ChatEngine:
         min_new = max(0, min(int(settings.min_new_tokens), max_new))
         beams = max(1, int(settings.num_beams))
         # an encoder-decoder's max_length / min_length count decoder tokens, the start token included; setting them
-        # (rather than max_new_tokens) overrides BlenderBot's own values without transformers' "both set" warning
-        update = dict(
-            num_beams=beams,
-            do_sample=bool(settings.do_sample),
-            max_length=max_new + 1,
-            min_length=min_new + 1,
-            max_new_tokens=None,
-            min_new_tokens=None,
-        )
+        # (rather than max_new_tokens) overrides BlenderBot's own values without transformers' "both set" warning.
+        # A decoder-only model's count the prompt as well, so it gets the new-token limits.
+        if self.family == "seq2seq":
+            lengths = dict(max_length=max_new + 1, min_length=min_new + 1, max_new_tokens=None, min_new_tokens=None)
+        else:
+            lengths = dict(max_new_tokens=max_new, min_new_tokens=min_new)
+        update = dict(num_beams=beams, do_sample=bool(settings.do_sample), **lengths)
         if settings.do_sample:
             update.update(temperature=float(settings.temperature), top_p=float(settings.top_p))
         if beams == 1:
@@ -352,9 +369,14 @@ class ChatEngine:
         started = time.perf_counter()
         with torch.inference_mode():
             out = self.model.generate(**inputs, generation_config=self._generation_config(settings))
-        reply = self.tokenizer.decode(out[0], skip_special_tokens=True).strip()
-        self._log(inputs, out.shape[-1] - 1, started, mode)
+        new_tokens = self._new_tokens(out[0], inputs)
+        reply = self.tokenizer.decode(new_tokens, skip_special_tokens=True).strip()
+        self._log(inputs, len(new_tokens), started, mode)
         return reply
+
+    def _new_tokens(self, sequence, inputs):
+        """The generated part of ``sequence``: after the decoder start token, or after a decoder-only prompt."""
+        return sequence[1:] if self.family == "seq2seq" else sequence[inputs["input_ids"].shape[-1] :]
 
     def stream_chat(
         self,
@@ -393,7 +415,7 @@ class ChatEngine:
                         streamer=streamer,
                         stopping_criteria=StoppingCriteriaList([_Cancelled(cancel)]),
                     )
-                lengths.append(out.shape[-1] - 1)
+                lengths.append(len(self._new_tokens(out[0], inputs)))
             except BaseException as err:  # handed to the reading thread, which re-raises it
                 failure.append(err)
                 streamer.end()

@@ -17,23 +17,24 @@ TEST_SETTINGS = dict(num_beams=1, do_sample=False, max_new_tokens=8, min_new_tok
 
 
 def make_sensitive_model(src: Path, dst: Path, std: float = 1.0, seed: int = 0) -> Path:
-    """The tiny BlenderBot with its weight matrices redrawn at a large ``std``.
+    """A tiny model (either family) with its weight matrices redrawn at a large ``std``.
 
     A random-init tiny model gives the same reply whatever it is told; with larger weights the reply depends on the
     whole input, so a test can tell which history a reply was generated from.
     """
     import torch
-    from transformers import AutoModelForSeq2SeqLM
+    from transformers import AutoConfig, AutoTokenizer
 
-    model = AutoModelForSeq2SeqLM.from_pretrained(src)
+    from hf_ext.model_info import model_class
+
+    model = model_class(AutoConfig.from_pretrained(src)).from_pretrained(src)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() > 1:
                 param.copy_(torch.randn(param.shape, generator=gen) * std)
     model.save_pretrained(dst)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(src / name, dst / name)
+    AutoTokenizer.from_pretrained(src).save_pretrained(dst)  # every tokenizer file (a chat template is its own)
     return dst
 
 

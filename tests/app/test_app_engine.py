@@ -236,3 +236,84 @@ def test_bf16_and_int8(tiny_model_dir):
     assert isinstance(int8.chat("hi", **GREEDY), str)
     with pytest.raises(ValueError, match="drop --dtype bf16"):
         ChatEngine.from_pretrained(tiny_model_dir, dtype="bf16", quantize="int8")
+
+
+# ---- decoder-only chat models ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chat_sensitive_dir(tiny_chat_model_dir, tmp_path_factory):
+    return make_sensitive_model(tiny_chat_model_dir, tmp_path_factory.mktemp("chat_sensitive"), std=0.5)
+
+
+@pytest.fixture(scope="module")
+def chat_engine(chat_sensitive_dir) -> ChatEngine:
+    return ChatEngine.from_pretrained(chat_sensitive_dir)
+
+
+def _stock_reply(model_dir, messages, **generate_kwargs) -> str:
+    """The oracle: stock transformers on the tokenizer's own chat template, only the new tokens decoded."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **generate_kwargs)
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
+
+
+def test_chat_model_replies_equal_stock_generate_on_the_chat_template(chat_engine, chat_sensitive_dir):
+    assert chat_engine.family == "causal"
+    messages = [
+        {"role": "system", "content": "your persona: I like cats."},
+        {"role": "user", "content": HISTORY[0]},
+        {"role": "assistant", "content": HISTORY[1]},
+        {"role": "user", "content": HISTORY[2]},
+    ]
+    reply = chat_engine.chat(HISTORY[2], HISTORY[:2], "persona", "I like cats.", **GREEDY)
+    stock = _stock_reply(
+        chat_sensitive_dir, messages, do_sample=False, max_new_tokens=12, min_new_tokens=3, repetition_penalty=1.2
+    )
+    assert reply == stock and reply
+    # the model's own defaults apply (a repetition penalty against greedy loops), lengths count new tokens only
+    defaults = chat_engine.default_settings()
+    assert (defaults.num_beams, defaults.max_new_tokens) == (1, 32)
+    assert chat_engine.generation_config.repetition_penalty == 1.2
+
+
+@pytest.mark.parametrize("turn", ["hello there", "what is your favourite food?"])
+def test_chat_model_stream_concatenation_equals_chat(chat_engine, turn):
+    pieces = list(chat_engine.stream_chat(turn, HISTORY, "emotion", "happy", **GREEDY))
+    assert len(pieces) > 1
+    assert "".join(pieces) == chat_engine.chat(turn, HISTORY, "emotion", "happy", **GREEDY)
+
+
+def test_chat_model_replies_depend_on_the_mode(chat_engine):
+    replies = {mode: chat_engine.chat("hello there", [], mode, "cats", **GREEDY) for mode in ("persona", "domain")}
+    replies["free"] = chat_engine.chat("hello there", [], "free", None, **GREEDY)
+    assert len(set(replies.values())) == 3
+
+
+def test_chat_model_adapter_int8_and_window(chat_sensitive_dir, chat_engine, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False, task_type="CAUSAL_LM")
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(chat_sensitive_dir), lora)
+    model.save_pretrained(tmp_path / "adapter")
+    adapter = ChatEngine.from_pretrained(tmp_path / "adapter")
+    assert adapter.info["kind"] == "base + adapter" and adapter.family == "causal"
+    merged = model.merge_and_unload().eval()
+    ids = adapter._inputs("hi", HISTORY, "domain", "food")
+    with torch.no_grad():
+        torch.testing.assert_close(adapter.model(**ids).logits, merged(**ids).logits, atol=1e-4, rtol=1e-4)
+    int8 = ChatEngine.from_pretrained(chat_sensitive_dir, quantize="int8")
+    assert any("quantized" in type(m).__module__ for m in int8.model.modules())
+    assert isinstance(int8.chat("hi", **GREEDY), str)
+    # the prompt leaves room for the reply in the model's 256 positions
+    assert chat_engine.max_input_length == 128
+    long_history = [f"turn {i} with several words in it" for i in range(100)]
+    assert len(chat_engine.encode("newest", long_history, "persona", "I like cats.")) <= 128
