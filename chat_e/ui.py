@@ -18,18 +18,29 @@ from .engine import MAX_MESSAGE_CHARS, ChatEngine, GenerationSettings, clip_mess
 logger = logging.getLogger(__name__)
 
 TITLE = "Chat-E"
-UI_MODES = ("persona", "emotion", "domain", "free")
+UI_MODES = ("persona", "emotion", "domain", "topic", "free")
 EXAMPLES = {
     "persona": "My name is Chat-E. I'm helpful, creative, clever, sarcastic and very friendly.",
     "emotion": "happy",
     "domain": "vacation ideas",
+    "topic": "favorite foods",
 }
 CONTEXT_HINTS = {
     "persona": "Persona: a few sentences about the bot.",
     "emotion": "Emotion: how the conversation feels.",
     "domain": "Domain: what the conversation is about.",
+    "topic": "Topic: what to chat about.",
     "free": "Free chat has no context.",
 }
+#: one opening message per mode, with the mode's example context: what a newcomer would try first (the recipe prints
+#: the base and the fine-tuned model's replies to them)
+SAMPLE_CHATS: tuple[tuple[str, str | None, str], ...] = (
+    ("persona", EXAMPLES["persona"], "Hi! Who are you?"),
+    ("emotion", EXAMPLES["emotion"], "I just got the job I wanted!"),
+    ("domain", EXAMPLES["domain"], "Where should I go this summer?"),
+    ("topic", EXAMPLES["topic"], "What's the best thing you've ever eaten?"),
+    ("free", None, "Do you have any pets?"),
+)
 APOLOGY = "Sorry, something went wrong while I was thinking of a reply. Please try again."
 #: generation runs share this queue group, limited by ``concurrency_limit``
 GENERATE_GROUP = "generate"
@@ -217,7 +228,8 @@ def build_app(engine: ChatEngine, settings: GenerationSettings | None = None, co
     with gr.Blocks(title=TITLE, analytics_enabled=False) as demo:
         gr.Markdown(f"# {TITLE}")
         gr.Markdown(
-            "A BlenderBot fine-tuned on MuDoConv. Give it a persona, an emotion or a domain, or chat freely.",
+            "A dialogue model fine-tuned with hf-ext. Give it a persona, an emotion, a domain or a topic, or chat "
+            "freely.",
         )
         gr.Markdown(f"**Model:** `{engine.describe()}`", elem_id="model-line")
         with gr.Row():

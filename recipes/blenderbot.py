@@ -1,10 +1,17 @@
 #!/usr/bin/env python
-"""Fine-tune BlenderBot on multi-domain dialogues with DeepSpeed ZeRO.
+"""Fine-tune a dialogue model (BlenderBot or a decoder-only chat model) on multi-domain dialogues with DeepSpeed ZeRO.
 
     # the blog's run: facebook/blenderbot-400M-distill on smangrul/MuDoConv, ZeRO-2
     deepspeed --num_gpus 2 recipes/blenderbot.py --config recipes/configs/blenderbot_400m.yaml
     # offline: a random-init tiny BlenderBot on the chatterbot corpus (see the YAML headers for every launcher)
     deepspeed --num_gpus 2 recipes/blenderbot.py --config recipes/configs/tiny.yaml --output_dir runs/tiny
+    # offline, a real chat model: SmolLM2-135M-Instruct (built from its GGUF file), LoRA, on chitchat + chatterbot
+    deepspeed --num_gpus 2 recipes/blenderbot.py --config recipes/configs/demo.yaml --output_dir runs/demo
+
+One recipe for both model families; the family comes from the model's config. An encoder-decoder (BlenderBot) reads
+the MuDoConv string and learns the reply as its target; a decoder-only chat model reads the same dialogue through its
+tokenizer's chat template (the header as the system message) and learns the reply with the loss on the reply tokens
+only (chat_e.dialogue has both renderings, which Chat-E uses again at serving time).
 
 Reads top to bottom: parse args -> load data -> build model -> build trainer -> train -> evaluate -> save -> report.
 """
@@ -18,38 +25,67 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import datasets
-import torch
 import transformers
-from transformers import AutoTokenizer, BlenderbotForConditionalGeneration, DataCollatorForSeq2Seq, set_seed
+from transformers import (
+    AutoConfig,
+    AutoTokenizer,
+    DataCollatorForSeq2Seq,
+    set_seed,
+)
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from chat_e.corpora import DataArguments, load_dialogue_dataset, tokenize_dataset
-from chat_e.dialogue import encode_texts
-from chat_e.models import SIZES, build
+from chat_e.dialogue import family_of, parse_header, parse_texts
+from chat_e.models import BUILDERS, build_model
 from chat_e.plotting import plot_training_curves
+from chat_e.ui import SAMPLE_CHATS
 from hf_ext import Seq2SeqTrainer, Seq2SeqTrainingArguments
 from hf_ext.config_args import parse_args_with_config
+from hf_ext.model_info import model_class
 from hf_ext.runtime import end_distributed, prepare_run, run_summary
+from hf_ext.saving.export import export
 
 logger = logging.getLogger("recipes.blenderbot")
 
 
 @dataclass
 class ModelArguments:
-    """Which model to fine-tune."""
+    """Which model to fine-tune, and how (full weights or LoRA)."""
 
     model_name_or_path: str = field(
         default="facebook/blenderbot-400M-distill",
-        metadata={"help": "Hub id or local directory of a BlenderBot checkpoint."},
-    )
-    build_tiny_model: str | None = field(
-        default=None,
         metadata={
-            "help": f"If model_name_or_path does not exist yet, build a random-init BlenderBot of this size there "
-            f"({', '.join(SIZES)}) with recipes/make_tiny_blenderbot.py's builder."
+            "help": "Hub id or local directory of a BlenderBot or a decoder-only chat model (with a chat template)."
         },
     )
-    samples_to_print: int = field(default=5, metadata={"help": "Validation replies printed at the end."})
+    build_model: str | None = field(
+        default=None,
+        metadata={
+            "aliases": ["--build_tiny_model"],
+            "help": f"If model_name_or_path does not exist yet, build it there first ({', '.join(BUILDERS)}): a "
+            "random-init model of that size, or smollm2 (SmolLM2-135M-Instruct from the GGUF file installed by "
+            "`make setup`).",
+        },
+    )
+    use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters instead of every weight."})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator (scale = alpha / r)."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA path."})
+    lora_target_modules: list[str] | None = field(
+        default=None,
+        metadata={"help": "Modules that get adapters (default: all-linear, the attention and MLP projections)."},
+    )
+    merge_adapter: bool = field(
+        default=True,
+        metadata={
+            "help": "With use_peft: save the adapter in OUTPUT_DIR/adapter and the merged model in OUTPUT_DIR "
+            "(what chat-e --model OUTPUT_DIR serves)."
+        },
+    )
+    samples_to_print: int = field(
+        default=5,
+        metadata={"help": "Validation contexts replied to at the end (after one opening message per Chat-E mode)."},
+    )
 
 
 def setup_logging(args: Seq2SeqTrainingArguments) -> None:
@@ -65,36 +101,48 @@ def setup_logging(args: Seq2SeqTrainingArguments) -> None:
     transformers.utils.logging.set_verbosity(level)
 
 
-def generation_kwargs(args: Seq2SeqTrainingArguments) -> dict:
-    """Generation settings from the arguments; unset ones fall back to the model's generation_config."""
-    settings = {
-        "num_beams": args.generation_num_beams,
-        "max_length": args.generation_max_length,
-        "min_length": args.generation_min_length,
-        "no_repeat_ngram_size": args.generation_no_repeat_ngram_size,
-    }
-    return {k: v for k, v in settings.items() if v is not None}
+def sample_chats(eval_raw: datasets.Dataset, n: int) -> list[dict]:
+    """What the replies are printed for: Chat-E's opening message of each mode, then ``n`` validation contexts."""
+    chats = [
+        {"mode": mode, "context": context, "turns": [message], "reference": None}
+        for mode, context, message in SAMPLE_CHATS
+    ]
+    for example in eval_raw.select(range(min(n, len(eval_raw)))):
+        header, turns = parse_texts(example["texts"])
+        mode, context = parse_header(header)
+        chats.append({"mode": mode, "context": context, "turns": turns, "reference": example["labels"]})
+    return chats
 
 
-def print_samples(model_dir: str, eval_raw: datasets.Dataset, data_args: DataArguments, args, n: int) -> list[dict]:
-    """Reload the saved model (proving the output loads) and print replies to the first ``n`` validation contexts."""
+def print_samples(model_dirs: dict[str, str], chats: list[dict], args) -> list[dict]:
+    """Replies of each model in ``model_dirs`` (name -> directory, loaded as Chat-E serves it, proving the output
+    loads) to the ``chats``, printed side by side."""
+    from chat_e.engine import ChatEngine
+
     # rank 0 alone: a plain load, not a ZeRO-3 partitioned one that would wait for the other ranks
     unset_hf_deepspeed_config()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = BlenderbotForConditionalGeneration.from_pretrained(model_dir).to(args.device).eval()
-    rows = []
-    for example in eval_raw.select(range(min(n, len(eval_raw)))):
-        ids = encode_texts(tokenizer, example["texts"], data_args.max_source_length)
-        with torch.no_grad():
-            out = model.generate(torch.tensor([ids], device=args.device), **generation_kwargs(args))
-        reply = tokenizer.decode(out[0], skip_special_tokens=True).strip()
-        rows.append({"context": example["texts"], "reply": reply, "reference": example["labels"]})
-    print("\n=== sample replies (validation) ===")
+    rows = [dict(chat) for chat in chats]
+    for name, model_dir in model_dirs.items():
+        engine = ChatEngine.from_pretrained(model_dir, device=str(args.device))
+        settings = engine.default_settings().replace(num_beams=args.generation_num_beams)
+        for row in rows:
+            row[name] = engine.chat(row["turns"][-1], row["turns"][:-1], row["mode"], row["context"], settings)
+        del engine
+    print("\n=== sample replies ===")
     for i, row in enumerate(rows, 1):
-        print(
-            f"[{i}] context:   {row['context'][-160:]}\n    reply:     {row['reply']}\n    reference: {row['reference']}"
-        )
+        header = f"{row['mode']}: {row['context']}" if row["context"] else row["mode"]
+        print(f"[{i}] {header[:100]}\n    {'user:':<10} {row['turns'][-1][-160:]}")
+        for name in model_dirs:
+            print(f"    {name + ':':<10} {row[name]}")
+        if row["reference"]:
+            print(f"    {'human:':<10} {row['reference']}")
     return rows
+
+
+def bleu_before_after(log_history: list[dict]) -> tuple[dict, dict] | None:
+    """The first and the last evaluation with BLEU (with eval_on_start: the base model, then the fine-tuned one)."""
+    evals = [entry for entry in log_history if "eval_bleu" in entry]
+    return (evals[0], evals[-1]) if len(evals) >= 2 else None
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -110,25 +158,43 @@ def main(argv: list[str] | None = None) -> dict:
     prepare_run(training_args)  # threads and malloc set before the model loads (train() would do it after)
     set_seed(training_args.seed)
 
-    # 2. model files (a random-init model is built once, by the main process, when asked)
+    # 2. model files (a model is built once, by the main process, when asked and missing)
     model_path = model_args.model_name_or_path
-    if model_args.build_tiny_model:  # every rank enters: the others wait until the main process has built it
-        with training_args.main_process_first(desc="building the tiny model"):
+    if model_args.build_model:  # every rank enters: the others wait until the main process has built it
+        with training_args.main_process_first(desc="building the model"):
             if training_args.local_process_index == 0 and not Path(model_path).exists():
-                build(model_path, model_args.build_tiny_model, seed=training_args.seed)
+                build_model(model_path, model_args.build_model, seed=training_args.seed)
+    config = AutoConfig.from_pretrained(model_path)
+    family = family_of(config)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    logger.info(f"Model family: {family} ({'MuDoConv string' if family == 'seq2seq' else 'chat template'} inputs)")
 
-    # 3. data: texts/labels -> left-truncated input_ids + labels
+    # 3. data: texts/labels -> left-truncated inputs + labels, in the family's rendering
     raw = load_dialogue_dataset(data_args)
     logger.info(f"Dialogue pairs: { ({split: len(ds) for split, ds in raw.items()}) }")
     with training_args.main_process_first(desc="tokenizing"):
-        train_dataset = tokenize_dataset(raw["train"], tokenizer, data_args, "Tokenizing train")
-        eval_dataset = tokenize_dataset(raw["validation"], tokenizer, data_args, "Tokenizing validation")
+        train_dataset = tokenize_dataset(raw["train"], tokenizer, data_args, "Tokenizing train", family)
+        eval_dataset = tokenize_dataset(raw["validation"], tokenizer, data_args, "Tokenizing validation", family)
 
     # 4. model: created after the arguments, so ZeRO-3 partitions it while loading
-    model = BlenderbotForConditionalGeneration.from_pretrained(model_path)
-    # labels are shifted by the model: decoder inputs start at <s> (decoder_start_token_id=1), not at pad
-    collator = DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100)
+    model = model_class(config).from_pretrained(model_path)
+    if model_args.use_peft:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(
+            r=model_args.lora_r,
+            lora_alpha=model_args.lora_alpha,
+            lora_dropout=model_args.lora_dropout,
+            target_modules=model_args.lora_target_modules or "all-linear",
+            task_type="SEQ_2_SEQ_LM" if family == "seq2seq" else "CAUSAL_LM",
+        )
+        model = get_peft_model(model, lora)
+        trainable, total = model.get_nb_trainable_parameters()
+        logger.info(f"LoRA: {trainable:,} trainable of {total:,} parameters ({100 * trainable / total:.2f}%)")
+    # pads inputs and labels (-100); an encoder-decoder also gets decoder inputs starting at decoder_start_token_id
+    collator = DataCollatorForSeq2Seq(tokenizer, model=model if family == "seq2seq" else None, label_pad_token_id=-100)
 
     # 5. trainer
     trainer = Seq2SeqTrainer(
@@ -141,10 +207,15 @@ def main(argv: list[str] | None = None) -> dict:
     )
 
     # 6. train, 7. evaluate, 8. save
+    out = Path(training_args.output_dir)
     metrics = {}
     if training_args.do_train:
         result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-        trainer.save_model()
+        merge = model_args.use_peft and model_args.merge_adapter
+        trainer.save_model(str(out / "adapter") if merge else None)
+        if merge and trainer.is_world_process_zero():
+            export(out / "adapter", out, merge=True)  # the merged model is what Chat-E serves
+            logger.info(f"Saved the adapter in {out / 'adapter'} and the merged model in {out}")
         metrics.update(result.metrics)
         metrics["train_samples"] = len(train_dataset)
         metrics["run"] = run_summary(trainer)
@@ -153,21 +224,34 @@ def main(argv: list[str] | None = None) -> dict:
         trainer.save_metrics("train", {**result.metrics, "run": metrics["run"]})
         trainer.save_state()
     if training_args.do_eval:
-        eval_metrics = trainer.evaluate(**generation_kwargs(training_args))
+        final = [e for e in trainer.state.log_history if "eval_loss" in e and e["step"] == trainer.state.global_step]
+        if (
+            training_args.do_train and final
+        ):  # the run ended with an evaluation: do not evaluate the same weights again
+            eval_metrics = {k: v for k, v in final[-1].items() if k.startswith("eval_")}
+        else:
+            eval_metrics = trainer.evaluate()
         eval_metrics["eval_samples"] = len(eval_dataset)
         metrics.update(eval_metrics)
         trainer.log_metrics("eval", eval_metrics)
         trainer.save_metrics("eval", eval_metrics)
 
-    # 9. report: curves, the metrics, and a few replies from the reloaded output
+    # 9. report: curves, the metrics, BLEU before -> after, and replies of the reloaded output (beside the base's)
     if trainer.is_world_process_zero():
-        out = Path(training_args.output_dir)
         plot_training_curves(trainer.state.log_history, out / "training_curves.png", title=model_path)
         if training_args.do_train and model_args.samples_to_print:
-            samples = print_samples(str(out), raw["validation"], data_args, training_args, model_args.samples_to_print)
+            chats = sample_chats(raw["validation"], model_args.samples_to_print)
+            dirs = {"base": model_path, "tuned": str(out)} if Path(model_path).is_dir() else {"reply": str(out)}
+            samples = print_samples(dirs, chats, training_args)
             (out / "sample_replies.json").write_text(json.dumps(samples, indent=1) + "\n")
         print("\n=== metrics ===\n" + json.dumps(metrics, indent=1, default=str))
-        if "eval_bleu" in metrics:
+        before_after = bleu_before_after(trainer.state.log_history)
+        if before_after:
+            (before, after), fmt = before_after, "BLEU {:.2f}  chrF {:.2f}  (step {})"
+            metrics["bleu_before_after"] = {"before": before, "after": after}
+            print(f"\nbefore fine-tuning: {fmt.format(before['eval_bleu'], before['eval_chrf'], before['step'])}")
+            print(f"after fine-tuning:  {fmt.format(after['eval_bleu'], after['eval_chrf'], after['step'])}")
+        elif "eval_bleu" in metrics:
             print(
                 f"\nBLEU {metrics['eval_bleu']:.2f}  chrF {metrics['eval_chrf']:.2f}  eval loss {metrics['eval_loss']:.3f}"
             )
