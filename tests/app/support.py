@@ -52,14 +52,15 @@ def chat_e_cmd(model: Path | str, port: int, *extra: str) -> list[str]:
 
 
 class ChatEServer:
-    """``python -m chat_e --model DIR`` on a free port, its output in ``log_path``."""
+    """``python -m chat_e --model DIR`` on a free port, its output in ``log_path``; generation settings are
+    :data:`TEST_SETTINGS` unless ``model_defaults`` (then the model's own, as ``chat-e`` serves by default)."""
 
-    def __init__(self, model: Path, log_path: Path, *extra: str):
+    def __init__(self, model: Path, log_path: Path, *extra: str, model_defaults: bool = False):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/"
         self.log_path = log_path
-        settings = [f"--{k}={v}" for k, v in TEST_SETTINGS.items() if k != "do_sample"]
-        cmd = chat_e_cmd(model, self.port, *settings, "--no-do_sample", "--threads", "1", *extra)
+        settings = [f"--{k}={v}" for k, v in TEST_SETTINGS.items() if k != "do_sample"] + ["--no-do_sample"]
+        cmd = chat_e_cmd(model, self.port, *([] if model_defaults else settings), "--threads", "1", *extra)
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
             cmd, cwd=ROOT, env=launch_env(GRADIO_ANALYTICS_ENABLED="False"), stdout=self._log, stderr=subprocess.STDOUT

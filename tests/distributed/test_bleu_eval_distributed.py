@@ -72,3 +72,22 @@ def check_best_model(results: list[dict], out: Path) -> None:
     at_best = [r["generation"] for r in read_jsonl(out / "generations" / f"step-{best_step}.jsonl")]
     if best_step != 8:  # the final evaluation rewrote step-8.jsonl; the best one is intact
         assert results[0]["final_generations"] == at_best
+
+
+def test_decoder_only_zero3_two_ranks_equal_one_rank(tiny_chat_model_dir, tmp_path, tmp_path_factory):
+    """A decoder-only chat model (chat-template rows, loss on the reply only): left-padded, bucketed generation under
+    ZeRO-3 on 2 ranks gives one process's generations and scores, and the same sample file."""
+    from transformers import AutoTokenizer
+
+    from ..app.support import make_sensitive_model
+    from ..bleu_support import evaluate_single_rank
+
+    model_dir = make_sensitive_model(tiny_chat_model_dir, tmp_path / "model", std=0.5)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    single = evaluate_single_rank(model_dir, tokenizer, tmp_path_factory)
+    assert len(set(single["generations"])) > 3
+    results = launch_worker(model_dir, tmp_path / "run", 3)
+    check_two_ranks_equal_one(results, single, tokenizer)
+    rows = read_jsonl(tmp_path / "run" / "generations" / "step-0.jsonl")
+    assert [r["generation"] for r in rows] == single["generations"]
+    assert [r["reference"] for r in rows] == decoded_labels(tokenizer, eval_dataset(tokenizer, family="causal"))

@@ -140,3 +140,58 @@ def test_export_merged_adapter_generates_like_trained_model(lora_zero3, tiny_mod
         assert torch.equal(
             merged.eval().generate(prompts, **kwargs), trained.eval().generate(input_ids=prompts, **kwargs)
         )
+
+
+# ---- a decoder-only chat model: LoRA on every attention and MLP projection -----------------------------------------
+CHAT_LORA = ("--lora", "--lora_targets", "all-linear", "--epochs", "1", "--save_total_limit", "3")
+
+
+def chat_train(launcher: str, model_dir, out: Path, dump: Path, *extra: str) -> subprocess.CompletedProcess:
+    ranks = ("--stage", "3") if launcher == "deepspeed" else ("--no_ds", "--batch", "4")
+    cmd = [*launcher_cmd(launcher, SCRIPT), "--model", str(model_dir), "--out", str(out), "--dump", str(dump)]
+    return run([*cmd, *ranks, *CHAT_LORA, *extra])
+
+
+def fresh_chat_peft_model(model_dir):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
+    return get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), config)
+
+
+@pytest.fixture(scope="module")
+def chat_lora_zero3(tiny_chat_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("chat_lora_zero3")
+    chat_train("deepspeed", tiny_chat_model_dir, root / "out", root / "trained.pt")
+    return root
+
+
+def test_chat_model_lora_adapter_checkpoint_resumes_two_ranks_to_one(chat_lora_zero3, tiny_chat_model_dir, tmp_path):
+    trained = torch.load(chat_lora_zero3 / "trained.pt")
+    adapted = {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in trainable(trained)}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    checkpoint = chat_lora_zero3 / "out" / "checkpoint-4"
+    assert not list(checkpoint.glob("global_step*")) and not list(checkpoint.glob("model*.safetensors"))
+    assert peft_checkpoint.verify_adapter(checkpoint)
+    chat_train("python", tiny_chat_model_dir, tmp_path / "out", tmp_path / "final.pt", "--resume", str(checkpoint))
+    assert_close(trainable(trained), trainable(torch.load(tmp_path / "final.pt")))
+
+
+def test_chat_model_export_merge_generates_like_the_trained_model(chat_lora_zero3, tiny_chat_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from hf_ext.saving.export import export
+
+    trained = fresh_chat_peft_model(tiny_chat_model_dir)
+    trained.load_state_dict(torch.load(chat_lora_zero3 / "trained.pt"), strict=False)
+    export(chat_lora_zero3 / "out", tmp_path / "merged", merge=True)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert not any("lora_" in k for k, _ in merged.named_parameters())
+    assert (tmp_path / "merged" / "chat_template.jinja").is_file()  # the tokenizer and its template came along
+    prompts = torch.randint(4, 1000, (3, 10), generator=torch.Generator().manual_seed(2))
+    kwargs = dict(do_sample=False, max_new_tokens=12, repetition_penalty=1.0)
+    with torch.no_grad():
+        assert torch.equal(
+            merged.eval().generate(prompts, **kwargs), trained.eval().generate(input_ids=prompts, **kwargs)
+        )

@@ -246,3 +246,24 @@ def test_export_round_trip(zero3_reference, tiny_model_dir, tmp_path):
     bf16 = BlenderbotForConditionalGeneration.from_pretrained(tmp_path / "bf16", dtype="auto")
     for key, value in params(trained).items():
         assert torch.equal(params(bf16)[key], value.to(torch.bfloat16)), key
+
+
+def test_zero3_streaming_save_of_a_decoder_only_chat_model(tiny_chat_model_dir, tmp_path):
+    """Full fine-tuning of the tiny chat model (tied embeddings, grouped-query attention) under ZeRO-3: the streamed
+    16-bit save has the stock save's tensors and reloads bit for bit, with its tie intact."""
+    from transformers import AutoModelForCausalLM
+
+    train(
+        tiny_chat_model_dir, tmp_path / "out", "--stage", "3", "--epochs", "1", "--dump", str(tmp_path / "trained.pt"),
+        "--stock_save", str(tmp_path / "stock"), "--max_shard_size", "100KB",
+    )  # fmt: skip
+    trained = torch.load(tmp_path / "trained.pt")
+    assert saving.saved_weight_shapes(tmp_path / "out") == saving.saved_weight_shapes(tmp_path / "stock")
+    for model_dir in (tmp_path / "out", tmp_path / "stock"):
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        loaded = params(model)
+        assert loaded.keys() == trained.keys()
+        assert all(torch.equal(loaded[k], v) for k, v in trained.items())
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    initial = params(AutoModelForCausalLM.from_pretrained(tiny_chat_model_dir))
+    assert not torch.equal(initial["model.layers.0.mlp.up_proj.weight"], trained["model.layers.0.mlp.up_proj.weight"])

@@ -1,9 +1,11 @@
-"""Train a tiny BlenderBot on synthetic token data with hf-ext's Seq2SeqTrainer and leave artifacts to check.
+"""Train a tiny model (BlenderBot, or a decoder-only chat model) on synthetic token data with hf-ext's Seq2SeqTrainer
+and leave artifacts to check.
 
     deepspeed --num_gpus 2 tests/distributed/workers/train_save.py --model DIR --out DIR --stage 3 [--gather on|off|misnamed]
         [--resume true|PATH] [--dump FILE] [--stock_save DIR] [--max_shard_size 20KB]
 
-With --lora, LoRA (r=4) on q_proj/v_proj (+ --modules_to_save NAME); dropout is off so that runs on different
+With --lora, LoRA (r=4) on --lora_targets (default q_proj,v_proj; "all-linear" for every projection) (+
+--modules_to_save NAME); dropout is off so that runs on different
 world sizes compare within float tolerance. --no_ds runs without DeepSpeed (launch it with plain python).
 
 HF_EXT_TEST_KILL_AT_STEP=N makes rank 1 SIGKILL itself while the checkpoint of step N is being written (after the
@@ -20,10 +22,11 @@ from contextlib import nullcontext
 
 import torch
 import transformers
-from transformers import AutoTokenizer, BlenderbotForConditionalGeneration, default_data_collator
+from transformers import AutoConfig, AutoTokenizer, default_data_collator
 
 import hf_ext
 from hf_ext.deepspeed.resolve import load_deepspeed_config
+from hf_ext.model_info import model_class
 
 GATHER_KEY = "stage3_gather_16bit_weights_on_model_save"
 
@@ -44,16 +47,19 @@ def ds_config(stage: int, gather: str, own_scheduler: bool = True) -> dict:
     return config
 
 
-def synthetic_dataset(n: int, vocab: int, seed: int = 0) -> list[dict]:
+def synthetic_dataset(n: int, vocab: int, seed: int = 0, causal: bool = False) -> list[dict]:
+    """12 context tokens -> 8 reply tokens + eos (id 2). A decoder-only row is the context followed by the reply,
+    with the loss on the reply only."""
     g = torch.Generator().manual_seed(seed)
-    return [
-        {
-            "input_ids": torch.randint(4, vocab, (12,), generator=g).tolist(),
-            "attention_mask": [1] * 12,
-            "labels": torch.randint(4, vocab, (8,), generator=g).tolist() + [2],
-        }
-        for _ in range(n)
-    ]
+    rows = []
+    for _ in range(n):
+        context = torch.randint(4, vocab, (12,), generator=g).tolist()
+        reply = torch.randint(4, vocab, (8,), generator=g).tolist() + [2]
+        if causal:
+            rows.append({"input_ids": context + reply, "attention_mask": [1] * 21, "labels": [-100] * 12 + reply})
+        else:
+            rows.append({"input_ids": context, "attention_mask": [1] * 12, "labels": reply})
+    return rows
 
 
 def gathered_state_dict(model) -> dict[str, torch.Tensor]:
@@ -86,6 +92,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2, help="per-device batch size")
     parser.add_argument("--lora", action="store_true")
     parser.add_argument("--modules_to_save", default=None)
+    parser.add_argument("--lora_targets", default="q_proj,v_proj")
     parser.add_argument("--no_ds", action="store_true")
     parser.add_argument("--local_rank", type=int, default=-1)
     opts = parser.parse_args()
@@ -107,20 +114,21 @@ def main() -> None:
         save_max_shard_size=opts.max_shard_size,
     )
     transformers.set_seed(0)
-    no_dropout = dict(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0) if opts.lora else {}
-    model = BlenderbotForConditionalGeneration.from_pretrained(opts.model, **no_dropout)
+    config = AutoConfig.from_pretrained(opts.model)
+    causal = not config.is_encoder_decoder
+    no_dropout = dict(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0) if opts.lora and not causal else {}
+    model = model_class(config).from_pretrained(opts.model, **no_dropout)
     if opts.lora:
         from peft import LoraConfig, get_peft_model
 
         modules_to_save = [opts.modules_to_save] if opts.modules_to_save else None
-        lora = LoraConfig(
-            r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], modules_to_save=modules_to_save
-        )
+        targets = "all-linear" if opts.lora_targets == "all-linear" else opts.lora_targets.split(",")
+        lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, modules_to_save=modules_to_save)
         model = get_peft_model(model, lora)
     trainer = hf_ext.Seq2SeqTrainer(
         model=model,
         args=args,
-        train_dataset=synthetic_dataset(opts.n, model.config.vocab_size),
+        train_dataset=synthetic_dataset(opts.n, config.vocab_size, causal=causal),
         data_collator=default_data_collator,
         processing_class=AutoTokenizer.from_pretrained(opts.model),
     )
