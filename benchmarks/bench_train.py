@@ -4,6 +4,9 @@
         --out runs/bench/train_interleaved_r4.json
     python -m benchmarks.bench_train --sizes tiny 400m --configs zero2 zero3 --steps 60 10 --repeats 3 --threads 1 \
         --out runs/bench/train.json
+    # the decoder-only dialogue model of `make demo`: SmolLM2-135M-Instruct with LoRA, ZeRO-2
+    python -m benchmarks.bench_train --sizes smollm2 --configs zero2 --lora --batch 4 --seq_len 128 --steps 8 \
+        --repeats 2 --out runs/bench/train_smollm2_lora.json
 
 For each model shape and ZeRO preset, stock and hf-ext train the same model on the same synthetic data with the same
 DeepSpeed config on 2 ranks (benchmarks.worker under ``deepspeed --num_gpus 2``), alternating stock / hf-ext launch
@@ -161,6 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
         "--interleave", action="store_true",
         help="one launch per size and config, stock and hf-ext taking turns inside it (2 × --repeats segments)",
     )  # fmt: skip
+    parser.add_argument("--lora", action="store_true", help="both paths train LoRA adapters (r=16, all-linear)")
     parser.add_argument("--out", default="runs/bench/train.json")
     args = parser.parse_args(argv)
     if args.interleave and args.release_freed_memory == "on":
@@ -177,7 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
         model = harness.ensure_model(size)
         parameters = harness.parameter_count(model)
         common = ["--model", str(model), "--batch", str(args.batch), "--seq_len", str(args.seq_len)]
-        common += ["--steps", str(steps[size])]
+        common += ["--steps", str(steps[size])] + (["--lora"] if args.lora else [])
         for config in args.configs:
             # both paths get the preset's JSON file: the same config (hf-ext adapts presets given by name to the host)
             config_file = work.parent / f"{work.name}_{config}.json"

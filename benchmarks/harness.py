@@ -98,28 +98,33 @@ def available_memory() -> int:
 
 
 def ensure_model(size: str, model_dir: str | Path | None = None) -> Path:
-    """``model_dir`` (default ``runs/models/<size>``), built by chat_e's tiny-model builder if it holds no model."""
+    """``model_dir`` (default ``runs/models/<size>``), built by chat_e's model builders if it holds no model
+    (``size``: a :data:`chat_e.models.BUILDERS` name, e.g. ``tiny``, ``400m``, ``chat-tiny`` or ``smollm2``)."""
     model = Path(model_dir) if model_dir else ROOT / "runs" / "models" / size
     if not (model / "config.json").exists():
-        from chat_e.models import build
+        from chat_e.models import build_model
 
-        build(str(model), size, seed=0)
+        build_model(model, size, seed=0)
     return model
 
 
 def parameter_count(model_dir: str | Path) -> int:
     """Parameters of the model in ``model_dir`` (built on the meta device: no weights read)."""
     import torch
-    from transformers import AutoConfig, AutoModelForSeq2SeqLM
+    from transformers import AutoConfig
 
+    from hf_ext.model_info import model_class
+
+    config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
-        model = AutoModelForSeq2SeqLM.from_config(AutoConfig.from_pretrained(model_dir))
+        model = model_class(config)._from_config(config)
     return sum(p.numel() for p in model.parameters())
 
 
 def synthetic_dataset(n: int, vocab: int, seq_len: int, seed: int = 0) -> list[dict]:
-    """``n`` seq2seq rows of random token ids (ids 0-3 are BlenderBot's special tokens), inputs and labels both
-    ``seq_len`` long: every row costs the same, so throughput and memory do not depend on which rows a step gets."""
+    """``n`` rows of random token ids (ids 0-3 are special tokens), inputs and labels both ``seq_len`` long (a
+    seq2seq target, or a decoder-only model's shifted labels): every row costs the same, so throughput and memory do
+    not depend on which rows a step gets."""
     import torch
 
     g = torch.Generator().manual_seed(seed)

@@ -44,12 +44,13 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoModelForSeq2SeqLM, default_data_collator
+from transformers import AutoConfig, default_data_collator
 
 import hf_ext
 from benchmarks.harness import synthetic_dataset
 from hf_ext.deepspeed.resolve import load_deepspeed_config
 from hf_ext.memory.measure import MemoryPlanCallback, current_rss, peak_rss, reset_peak_rss
+from hf_ext.model_info import model_class
 from hf_ext.runtime import place_cpu_threads, run_summary, start_deepspeed_comm
 
 ORDER = ("stock", "hf-ext", "hf-ext", "stock")
@@ -228,7 +229,11 @@ def build_trainer(opts, args, trainer_class, *callbacks):
     """A ``trainer_class`` with ``callbacks`` on the seeded model from ``opts.model`` and synthetic rows; and the
     peak RSS once the model was loaded."""
     transformers.set_seed(0)
-    model = AutoModelForSeq2SeqLM.from_pretrained(opts.model)
+    model = model_class(AutoConfig.from_pretrained(opts.model)).from_pretrained(opts.model)
+    if opts.lora:  # as the dialogue recipe's --use_peft: every attention and MLP projection
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
     after_load = peak_rss()
     # enough rows that every step gets full micro-batches on every rank
     rows = max(64, int(args.per_device_train_batch_size) * args.world_size * opts.steps)
@@ -392,6 +397,7 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--trace", action="store_true", help="count the Python calls of each step (slows steps)")
     parser.add_argument("--activation_checkpointing", action="store_true")
+    parser.add_argument("--lora", action="store_true", help="train LoRA adapters (r=16, all-linear), as --use_peft")
     parser.add_argument("--memory_per_device", default=None)
     parser.add_argument(
         "--release_freed_memory", default="auto", choices=list(RELEASE),

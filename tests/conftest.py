@@ -40,6 +40,14 @@ def tiny_chat_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_model_dir(tmp_path_factory) -> Path:
+    """The real SmolLM2-135M-Instruct, converted from the installed GGUF file once per session (slow tiers only)."""
+    from chat_e.models import build_smollm2
+
+    return build_smollm2(tmp_path_factory.mktemp("models") / "smollm2")
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 

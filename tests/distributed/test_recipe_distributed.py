@@ -112,3 +112,39 @@ def test_ranks_get_different_batches(launcher, tiny_model_dir, tmp_path):
     assert len(set(seen0)) == len(set(seen1)) == 24  # no rank sees a row twice ...
     assert not set(seen0) & set(seen1)  # ... nor a row the other rank sees
     assert sorted(seen0 + seen1) == list(range(48))  # together they cover the epoch exactly once
+
+
+def test_recipe_fine_tunes_a_decoder_only_chat_model_with_lora(tmp_path):
+    """The demo's path at test scale: a chat model built on first use (chat-tiny), LoRA, ZeRO-2 on 2 ranks, chitchat +
+    chatterbot, BLEU before (eval_on_start) and after, the adapter beside the merged model, base-vs-tuned replies."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model_dir, out = tmp_path / "chat-tiny", tmp_path / "out"
+    proc = run(launcher_cmd("deepspeed", RECIPE) + [
+        "--config", str(ROOT / "recipes" / "configs" / "demo.yaml"), "--model_name_or_path", str(model_dir),
+        "--build_model", "chat-tiny", "--output_dir", str(out), "--n_train", "48", "--n_val", "8", "--max_steps", "6",
+        "--eval_steps", "6", "--logging_steps", "1", "--samples_to_print", "1", "--learning_rate", "0.01",
+    ])  # fmt: skip
+    assert "Model family: causal" in proc.stderr + proc.stdout
+    assert "before fine-tuning: BLEU" in proc.stdout and "after fine-tuning:  BLEU" in proc.stdout
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    assert [e["step"] for e in history if "eval_bleu" in e] == [0, 6]  # the base model, then the tuned one
+    results = load_results(out)
+    assert results["run"]["engine"] == "DeepSpeedEngine" and results["run"]["zero_stage"] == 2
+    assert "eval_bleu" in results and "eval_chrf" in results
+    # the adapter, and the merged model: the base with that adapter merged, as peft merges it
+    assert (out / "adapter" / "adapter_config.json").is_file()
+    merged = AutoModelForCausalLM.from_pretrained(out)
+    expected = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), out / "adapter")
+    expected = expected.merge_and_unload().state_dict()
+    assert merged.state_dict().keys() == expected.keys()
+    assert all(torch.allclose(v, expected[k], atol=1e-6) for k, v in merged.state_dict().items())
+    base = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    assert not torch.equal(
+        base["model.layers.0.self_attn.q_proj.weight"], expected["model.layers.0.self_attn.q_proj.weight"]
+    )
+    assert AutoTokenizer.from_pretrained(out).chat_template  # Chat-E can render its prompts
+    samples = json.loads((out / "sample_replies.json").read_text())
+    assert len(samples) == 6 and all({"base", "tuned"} <= set(s) for s in samples)
+    assert [s["mode"] for s in samples[:5]] == ["persona", "emotion", "domain", "topic", "free"]

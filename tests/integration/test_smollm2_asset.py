@@ -25,8 +25,8 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def smollm2_dir(tmp_path_factory):
-    return build_smollm2(tmp_path_factory.mktemp("smollm2") / "smollm2")
+def smollm2_dir(smollm2_model_dir):
+    return smollm2_model_dir
 
 
 @pytest.fixture(scope="module")

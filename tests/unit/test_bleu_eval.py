@@ -5,16 +5,19 @@ tests/distributed/test_bleu_eval_distributed.py)."""
 from __future__ import annotations
 
 import math
+import types
 
 import pytest
 import sacrebleu
 
 from hf_ext.evaluation.bleu import (
+    BleuEvalCallback,
     BleuEvalConfig,
     compute_bleu_chrf,
     format_samples_table,
     length_batches,
     metric_prefix,
+    prompt_ids,
     shard_batches,
 )
 
@@ -115,3 +118,29 @@ def test_metric_prefix_and_table():
     assert "newest" in table and "hi" in table and "yo" in table
     with pytest.raises(ValueError, match="generation_batch_size"):
         BleuEvalConfig(generation_batch_size=0)
+
+
+# ---------------------------------------------------------------------------------------------- decoder-only rows
+def test_prompt_of_a_decoder_only_row_ends_before_its_first_label():
+    row = {"input_ids": [5, 6, 7, 8, 9, 2], "labels": [-100, -100, -100, 8, 9, 2]}
+    assert prompt_ids(row, is_encoder_decoder=False) == [5, 6, 7]
+    assert prompt_ids(row, is_encoder_decoder=True) == [5, 6, 7, 8, 9, 2]  # an encoder reads everything
+    assert prompt_ids({"input_ids": [5, 6], "labels": [7, 8, 2]}, False) == [5, 6]  # not aligned: a seq2seq row
+    assert prompt_ids({"input_ids": [5, 6]}, False) == [5, 6]
+
+
+def test_decoder_only_lengths_count_new_tokens():
+    from transformers import BlenderbotConfig, LlamaConfig
+
+    class Model:  # only the config is read
+        def __init__(self, config):
+            self.config = config
+
+    args = types.SimpleNamespace(generation_num_beams=1, generation_max_length=24, generation_min_length=2)
+    callback = BleuEvalCallback()
+    causal = callback.generation_kwargs(args, Model(LlamaConfig()))
+    assert causal == {"num_beams": 1, "max_new_tokens": 24, "min_new_tokens": 2}
+    seq2seq = callback.generation_kwargs(args, Model(BlenderbotConfig()))
+    assert seq2seq == {"num_beams": 1, "max_length": 24, "min_length": 2}
+    callback.call_gen_kwargs = {"max_new_tokens": 10}  # an explicit new-token limit of the call wins
+    assert callback.generation_kwargs(args, Model(LlamaConfig()))["max_new_tokens"] == 10

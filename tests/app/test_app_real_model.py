@@ -1,0 +1,100 @@
+"""Chat-E on the real pretrained chat model, SmolLM2-135M-Instruct (built from its installed GGUF file), served as
+``chat-e`` serves by default (int8, the model's generation defaults): every mode answers over ``gradio_client`` in
+English without loops, and a persona conversation in headless Chromium shows the replies.
+
+``CHAT_E_TEST_MODEL=DIR`` serves DIR instead (e.g. ``runs/demo`` after ``make demo``); ``CHAT_E_SCREENSHOT=FILE``
+keeps the browser's screenshot there (docs/chat-e.png is made that way, see the README).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from chat_e.ui import EXAMPLES, SAMPLE_CHATS
+
+from .support import ChatEServer
+from .test_app_browser import BOT, CHROMIUM, USER, page, texts  # noqa: F401 (page is a fixture)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def model_dir(request) -> Path:
+    if os.environ.get("CHAT_E_TEST_MODEL"):
+        return Path(os.environ["CHAT_E_TEST_MODEL"])
+    return request.getfixturevalue("smollm2_model_dir")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("chat-e-real") / "server.log"
+    srv = ChatEServer(model_dir, log, "--threads", "2", "--concurrency", "1", model_defaults=True)
+    try:
+        yield srv.wait_ready()
+    finally:
+        srv.stop()
+
+
+def check_english_reply(reply: str, tokenizer) -> None:
+    """Non-empty English words, and no token (nor word) three times in a row: no greedy loop."""
+    words = reply.split()
+    assert len(words) >= 3, reply
+    letters = sum(c.isascii() and c.isalpha() for c in reply)
+    assert letters >= 0.6 * len(reply.replace(" ", "")), reply
+    for seq in (tokenizer(reply, add_special_tokens=False)["input_ids"], [w.lower() for w in words]):
+        assert not any(seq[i] == seq[i + 1] == seq[i + 2] for i in range(len(seq) - 2)), reply
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.mark.parametrize("mode, context, message", SAMPLE_CHATS, ids=[m for m, _, _ in SAMPLE_CHATS])
+def test_every_mode_answers_in_english_without_loops(server, tokenizer, mode, context, message):
+    from gradio_client import Client
+
+    reply = Client(server.url, verbose=False).predict(message, [], mode, context or "", api_name="/chat")
+    print(f"\n[{mode}: {context}] {message!r} -> {reply!r}")
+    check_english_reply(reply, tokenizer)
+    assert "Traceback" not in reply and "Sorry, something went wrong" not in reply
+
+
+@pytest.mark.skipif(not os.access(CHROMIUM, os.X_OK), reason="needs Debian's chromium: run `make browser`")
+def test_persona_conversation_in_a_browser(server, page, tokenizer, tmp_path):  # noqa: F811
+    page.goto(server.url)
+    page.wait_for_selector("#chatbot")
+    page.get_by_test_id("persona-radio-label").click()
+    page.wait_for_function(
+        "want => document.querySelector('#context textarea').value === want", arg=EXAMPLES["persona"]
+    )
+    messages = ["Hi! Who are you?", "What do you like to do for fun?"]
+    for n, message in enumerate(messages, 1):
+        page.locator("#message textarea").fill(message)
+        page.locator("#send").click()
+        # the reply has finished streaming when the message box is unlocked again
+        page.wait_for_function(
+            """([sel, n]) => document.querySelectorAll(sel).length === n
+                && !document.querySelector('#message textarea').disabled""",
+            arg=[BOT, n],
+            timeout=240_000,
+        )
+    assert texts(page, USER) == messages
+    replies = texts(page, BOT)
+    print("\n" + "\n".join(f"user: {m}\nbot:  {r}" for m, r in zip(messages, replies)))
+    assert len(replies) == 2 and replies[0] != replies[1]
+    for reply in replies:
+        check_english_reply(reply, tokenizer)
+    assert not re.search(r"Traceback|Error", " ".join(replies))
+    shot = tmp_path / "chat-e.png"
+    page.screenshot(path=str(shot), full_page=True)
+    assert shot.stat().st_size > 10_000
+    if os.environ.get("CHAT_E_SCREENSHOT"):
+        shutil.copy(shot, os.environ["CHAT_E_SCREENSHOT"])
