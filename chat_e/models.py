@@ -151,12 +151,17 @@ def build(output_dir: str, size: str = "tiny", seed: int = 0) -> Path:
         decoder_start_token_id=1,
         forced_eos_token_id=2,
     )
+    return _save_seeded_model(out, BlenderbotForConditionalGeneration, config, GENERATION_DEFAULTS, seed, size=size)
+
+
+def _save_seeded_model(out: Path, model_cls, config, generation: dict, seed: int, **meta) -> Path:
+    """A ``model_cls`` with weights drawn from ``seed``, its generation defaults and a provenance file, in ``out``."""
     torch.manual_seed(seed)
-    model = BlenderbotForConditionalGeneration(config)
-    model.generation_config = GenerationConfig(**GENERATION_DEFAULTS)
+    model = model_cls(config)
+    model.generation_config = GenerationConfig(**generation)
     model.save_pretrained(out)
-    n_params = sum(p.numel() for p in model.parameters())
-    (out / "hf_ext_model.json").write_text(json.dumps({"size": size, "seed": seed, "parameters": n_params}) + "\n")
+    meta.update(seed=seed, parameters=sum(p.numel() for p in model.parameters()))
+    (out / "hf_ext_model.json").write_text(json.dumps(meta) + "\n")
     return out
 
 
@@ -200,14 +205,9 @@ def build_chat_model(output_dir: str | Path, size: str = "tiny", seed: int = 0) 
         eos_token_id=2,
         pad_token_id=2,
     )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    model.generation_config = GenerationConfig(**CHAT_GENERATION_DEFAULTS)
-    model.save_pretrained(out)
-    n_params = sum(p.numel() for p in model.parameters())
-    meta = {"architecture": "LlamaForCausalLM", "size": size, "seed": seed, "parameters": n_params}
-    (out / "hf_ext_model.json").write_text(json.dumps(meta) + "\n")
-    return out
+    return _save_seeded_model(
+        out, LlamaForCausalLM, config, CHAT_GENERATION_DEFAULTS, seed, architecture="LlamaForCausalLM", size=size
+    )
 
 
 def smollm2_gguf_file(package: str = SMOLLM2_PACKAGE) -> Path:

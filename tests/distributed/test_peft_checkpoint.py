@@ -126,20 +126,27 @@ def test_resume_one_rank_to_two(lora_single, tiny_model_dir, tmp_path):
     assert_close(trainable(torch.load(lora_single / "trained.pt")), trainable(torch.load(tmp_path / "final.pt")))
 
 
-def test_export_merged_adapter_generates_like_trained_model(lora_zero3, tiny_model_dir, tmp_path):
+def check_merged_export(trained, src: Path, out: Path, model_cls, **generate_kwargs) -> None:
+    """``hf-ext export --merge`` of ``src``: no LoRA weight left, and greedy generations equal ``trained``'s."""
     from hf_ext.saving.export import export
 
-    trained = fresh_peft_model(tiny_model_dir)
-    trained.load_state_dict(torch.load(lora_zero3 / "trained.pt"), strict=False)
-    export(lora_zero3 / "out", tmp_path / "merged", merge=True)
-    merged = BlenderbotForConditionalGeneration.from_pretrained(tmp_path / "merged")
+    export(src, out, merge=True)
+    merged = model_cls.from_pretrained(out)
     assert not any("lora_" in k for k, _ in merged.named_parameters())
     prompts = torch.randint(4, 1000, (3, 10), generator=torch.Generator().manual_seed(2))
-    kwargs = dict(num_beams=1, do_sample=False, min_length=0, max_new_tokens=12)
+    kwargs = dict(num_beams=1, do_sample=False, max_new_tokens=12, **generate_kwargs)
     with torch.no_grad():
         assert torch.equal(
             merged.eval().generate(prompts, **kwargs), trained.eval().generate(input_ids=prompts, **kwargs)
         )
+
+
+def test_export_merged_adapter_generates_like_trained_model(lora_zero3, tiny_model_dir, tmp_path):
+    trained = fresh_peft_model(tiny_model_dir)
+    trained.load_state_dict(torch.load(lora_zero3 / "trained.pt"), strict=False)
+    check_merged_export(
+        trained, lora_zero3 / "out", tmp_path / "merged", BlenderbotForConditionalGeneration, min_length=0
+    )
 
 
 # ---- a decoder-only chat model: LoRA on every attention and MLP projection -----------------------------------------
@@ -181,17 +188,9 @@ def test_chat_model_lora_adapter_checkpoint_resumes_two_ranks_to_one(chat_lora_z
 def test_chat_model_export_merge_generates_like_the_trained_model(chat_lora_zero3, tiny_chat_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from hf_ext.saving.export import export
-
     trained = fresh_chat_peft_model(tiny_chat_model_dir)
     trained.load_state_dict(torch.load(chat_lora_zero3 / "trained.pt"), strict=False)
-    export(chat_lora_zero3 / "out", tmp_path / "merged", merge=True)
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
-    assert not any("lora_" in k for k, _ in merged.named_parameters())
+    check_merged_export(
+        trained, chat_lora_zero3 / "out", tmp_path / "merged", AutoModelForCausalLM, repetition_penalty=1.0
+    )
     assert (tmp_path / "merged" / "chat_template.jinja").is_file()  # the tokenizer and its template came along
-    prompts = torch.randint(4, 1000, (3, 10), generator=torch.Generator().manual_seed(2))
-    kwargs = dict(do_sample=False, max_new_tokens=12, repetition_penalty=1.0)
-    with torch.no_grad():
-        assert torch.equal(
-            merged.eval().generate(prompts, **kwargs), trained.eval().generate(input_ids=prompts, **kwargs)
-        )
