@@ -27,7 +27,7 @@ demo: setup
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/deepspeed --num_gpus $(NPROC) recipes/blenderbot.py \
 		--config recipes/configs/demo.yaml --output_dir $(DEMO_DIR)
 	@echo
-	@echo "Chat with it:  $(BIN)/chat-e --model $(DEMO_DIR)    (then open http://127.0.0.1:7860)"
+	@echo "Chat with it:  $(BIN)/chat-e --model $(DEMO_DIR)    (then open http://127.0.0.1:7860; or: make serve)"
 
 # the offline machinery on a random-init small BlenderBot and the chatterbot corpus
 demo-blenderbot: setup

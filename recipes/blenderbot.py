@@ -255,6 +255,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(
                 f"\nBLEU {metrics['eval_bleu']:.2f}  chrF {metrics['eval_chrf']:.2f}  eval loss {metrics['eval_loss']:.3f}"
             )
+        if training_args.do_train:
+            print(f"\nChat with it: chat-e --model {out}")
     return metrics
 
 
