@@ -5,7 +5,7 @@
     python -m benchmarks.bench_train --sizes tiny 400m --configs zero2 zero3 --steps 60 10 --repeats 3 --threads 1 \
         --out runs/bench/train.json
     # the decoder-only dialogue model of `make demo`: SmolLM2-135M-Instruct with LoRA, ZeRO-2
-    python -m benchmarks.bench_train --sizes smollm2 --configs zero2 --lora --batch 4 --seq_len 128 --steps 8 \
+    python -m benchmarks.bench_train --sizes smollm2 --configs zero2 --lora --batch 4 --seq_len 128 --steps 8 --threads 1 \
         --repeats 2 --out runs/bench/train_smollm2_lora.json
 
 For each model shape and ZeRO preset, stock and hf-ext train the same model on the same synthetic data with the same

@@ -147,8 +147,8 @@ def _has_tokenizer(path: Path) -> bool:
 def int8_layers(model) -> set[str]:
     """The ``nn.Linear`` layers :func:`quantize_int8` turns to int8: all of an encoder-decoder's; a decoder-only
     model's feed-forward layers only. Its attention projections and output head stay fp32: with them in int8,
-    SmolLM2-135M-Instruct misses its end-of-turn token and runs on into junk (4 of 9 benchmark replies, none with the
-    feed-forward layers alone), for about the same speed."""
+    SmolLM2-135M-Instruct misses its end-of-turn token and runs on into junk (docs/benchmarks.md, "Chat-E serving:
+    SmolLM2-135M-Instruct")."""
     import torch
 
     skip = set()
