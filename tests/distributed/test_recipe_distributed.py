@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, BlenderbotForConditionalGeneration
 
+from chat_e.ui import SAMPLE_CHATS
 from hf_ext.runtime import has_accelerator, usable_cores
 
 from ..conftest import RECIPE, ROOT, TINY_YAML, launcher_cmd, run
@@ -86,7 +87,8 @@ def test_recipe_trains_saves_and_reloads(name, recipe_runs, tiny_model_dir):
     )
     assert reply.shape[1] > 1
     assert (out / "training_curves.png").stat().st_size > 10_000
-    assert len(json.loads((out / "sample_replies.json").read_text())) == 2
+    # one opening message per Chat-E mode, then the --samples_to_print 2 validation contexts
+    assert len(json.loads((out / "sample_replies.json").read_text())) == len(SAMPLE_CHATS) + 2
 
 
 def test_two_rank_launchers_give_the_same_loss(recipe_runs):
