@@ -17,7 +17,8 @@ import json
 import re
 from pathlib import Path
 
-from .errors import DeepSpeedConfigError, Problem, Report
+from .errors import DeepSpeedConfigError, Problem, Report, short
+from .normalize import as_bool
 
 PRESET_DIR = Path(__file__).parent / "presets"
 PRESETS: tuple[str, ...] = tuple(sorted(p.stem for p in PRESET_DIR.glob("*.json")))
@@ -65,10 +66,16 @@ def describe(config) -> str:
 def load(config, report: Report) -> dict:
     """The config as a fresh dict; problems that stop loading raise :class:`DeepSpeedConfigError`."""
     if isinstance(config, dict):
-        return json.loads(json.dumps(config))
+        return _checked(config, "the config dict")
     if not isinstance(config, (str, Path)):
         raise DeepSpeedConfigError(
-            [Problem("", f"expected a path, a dict or a preset name, got {type(config).__name__}")]
+            [
+                Problem(
+                    "",
+                    f"expected a path, a dict or a preset name, got {type(config).__name__}",
+                    "pass the path of a DeepSpeed JSON file, an accelerate YAML, a dict or a preset name",
+                )
+            ]  # fmt: skip
         )
     text = str(config)
     if text in PRESETS:
@@ -76,20 +83,92 @@ def load(config, report: Report) -> dict:
     if text.lstrip().startswith("{"):  # an inline JSON string, as transformers accepts
         return _parse_json(text, "<inline JSON>", report)
     path = Path(text).expanduser()
+    if path.is_dir():
+        inside = sorted(p.name for p in path.iterdir() if p.suffix.lower() in (".json", ".yaml", ".yml"))[:5]
+        found = f" (it holds {', '.join(inside)})" if inside else ""
+        raise DeepSpeedConfigError([Problem("", f"{text} is a directory, not a config file{found}",
+                                            "pass the JSON or YAML file itself")])  # fmt: skip
     if not path.is_file():
         hint = f"; presets are {', '.join(PRESETS)}" if "/" not in text and not path.suffix else ""
-        raise DeepSpeedConfigError([Problem("", f"no such file: {text}{hint}")])
+        raise DeepSpeedConfigError([Problem("", f"no such file: {text}{hint}", "fix the path, or name a preset")])
     if path.suffix.lower() in (".yaml", ".yml"):
         return _load_yaml(path, report)
     return _load_json(path, report)
 
 
-def _load_json(path: Path, report: Report) -> dict:
+#: No DeepSpeed config nests deeper than a few levels (zero_optimization.offload_param.device is 3).
+MAX_DEPTH = 16
+
+#: Byte-order marks of the encodings Windows tools write (PowerShell's ``>`` writes UTF-16 LE).
+_WIDE_BOMS = {
+    b"\xff\xfe\x00\x00": "UTF-32",
+    b"\x00\x00\xfe\xff": "UTF-32",
+    b"\xff\xfe": "UTF-16",
+    b"\xfe\xff": "UTF-16",
+}
+
+
+def read_text(path: Path, report: Report) -> str:
+    """A config file's text: UTF-8 (a UTF-8 byte-order mark is dropped with a warning); anything else is one
+    problem naming the file and how to re-save it."""
     try:
-        text = path.read_text(encoding="utf-8")
+        data = path.read_bytes()
     except OSError as err:
-        raise DeepSpeedConfigError([Problem("", f"cannot read {path}: {err.strerror}")]) from None
-    return _parse_json(text, str(path), report)
+        raise DeepSpeedConfigError(
+            [Problem("", f"cannot read {path}: {err.strerror}", "check the path and its permissions")]
+        ) from None
+    wide = next((name for bom, name in _WIDE_BOMS.items() if data.startswith(bom)), None)
+    if (
+        wide is None
+        and len(data) >= 2
+        and 0 in data[:2]
+        and data[1::2].count(0) + data[::2].count(0) >= len(data) // 3
+    ):
+        wide = "UTF-16"  # UTF-16 without a byte-order mark: every other byte of ASCII text is zero
+    if wide is not None:
+        raise DeepSpeedConfigError([Problem(
+            "", f"{path} is {wide} text (what Windows PowerShell's `>` writes); DeepSpeed and transformers read UTF-8",
+            f"re-save it as UTF-8: iconv -f {wide} -t UTF-8 {path.name} > fixed{path.suffix} (PowerShell: "
+            "Set-Content -Encoding utf8)")])  # fmt: skip
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise DeepSpeedConfigError([Problem(
+            "", f"{path} is not a text config file (byte {data[err.start]:#04x} at offset {err.start} is not UTF-8)",
+            "pass a DeepSpeed JSON or accelerate YAML file saved as UTF-8")]) from None  # fmt: skip
+    if "\x00" in text:
+        raise DeepSpeedConfigError(
+            [Problem("", f"{path} is a binary file, not a config", "pass a DeepSpeed JSON or accelerate YAML file")]
+        )
+    if text.startswith("\ufeff"):
+        report.warn(f"{path}: UTF-8 byte-order mark ignored (transformers' json.load fails on it); re-save without it")
+        text = text[1:]
+    return text
+
+
+def _checked(data: dict, where: str) -> dict:
+    """A fresh plain-JSON copy of ``data``; a config nested deeper than any real one, or holding values JSON cannot
+    hold (YAML dates, sets), is one problem naming ``where``."""
+    depth, stack = 0, [(data, 1)]
+    while stack:
+        node, level = stack.pop()
+        depth = max(depth, level)
+        if depth > MAX_DEPTH:
+            raise DeepSpeedConfigError([Problem(
+                "", f"{where} is nested more than {MAX_DEPTH} levels deep; no DeepSpeed config is",
+                "pass the DeepSpeed config itself (sections such as zero_optimization hold plain values)")])  # fmt: skip
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        stack += [(child, level + 1) for child in children if isinstance(child, (dict, list))]
+    try:
+        return json.loads(json.dumps(data))
+    except (TypeError, ValueError) as err:
+        raise DeepSpeedConfigError(
+            [Problem("", f"{where} holds a value JSON cannot represent ({err})", "write plain numbers and strings")]
+        ) from None
+
+
+def _load_json(path: Path, report: Report) -> dict:
+    return _parse_json(read_text(path, report), str(path), report)
 
 
 def _no_duplicates(pairs):
@@ -107,16 +186,12 @@ class _DuplicateKey(ValueError):
 
 def _parse_json(text: str, where: str, report: Report) -> dict:
     try:
-        data = json.loads(text, object_pairs_hook=_no_duplicates)
-    except _DuplicateKey as err:
-        raise DeepSpeedConfigError(
-            [Problem(str(err), "key given twice in one object (DeepSpeed rejects that)")], where
-        ) from None
+        data = _json_object(text, where)
     except json.JSONDecodeError as err:
         fixed, commas = strip_trailing_commas(text)
         try:
-            data = json.loads(fixed, object_pairs_hook=_no_duplicates) if commas else None
-        except (json.JSONDecodeError, _DuplicateKey):
+            data = _json_object(fixed, where) if commas else None
+        except json.JSONDecodeError:
             data = None
         if data is None:
             problem = Problem("", f"{where}:{err.lineno}:{err.colno}: invalid JSON: {err.msg}", "fix the syntax")
@@ -127,8 +202,23 @@ def _parse_json(text: str, where: str, report: Report) -> dict:
                 "transformers' included, do not). Remove it to keep the file portable."
             )
     if not isinstance(data, dict):
-        raise DeepSpeedConfigError([Problem("", f"expected a JSON object, got {type(data).__name__}")], where)
-    return data
+        raise DeepSpeedConfigError([Problem("", f"{where} holds a JSON {type(data).__name__}, not an object",
+                                            'write the config as one object: {"zero_optimization": ...}')], where)  # fmt: skip
+    return _checked(data, where)
+
+
+def _json_object(text: str, where: str):
+    """``json.loads`` that refuses duplicate keys and nesting deeper than Python's parser can follow."""
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicates)
+    except _DuplicateKey as err:
+        raise DeepSpeedConfigError(
+            [Problem(str(err), f"given twice in one object of {where} (DeepSpeed rejects that)", "keep one of them")],
+            where,
+        ) from None
+    except RecursionError:
+        raise DeepSpeedConfigError([Problem("", f"{where} is nested more than {MAX_DEPTH} levels deep; no DeepSpeed "
+                                            "config is", "pass the DeepSpeed config itself")], where) from None  # fmt: skip
 
 
 _STRING_OR_COMMA = re.compile(r'"(?:[^"\\]|\\.)*"|,(?=\s*[}\]])')
@@ -155,19 +245,51 @@ def _find_relative(ref: str, base: Path) -> Path | None:
     return next((c for c in candidates if c.is_file()), None)
 
 
+def _yaml_loader():
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last one silently)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    def mapping(loader, node, deep=False):
+        keys = [loader.construct_object(k, deep=deep) for k, _ in node.value]
+        repeated = next((k for i, k in enumerate(keys) if isinstance(k, (str, int, float)) and k in keys[:i]), None)
+        if repeated is not None:
+            raise _DuplicateKey(repeated)
+        return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+    Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    return Loader
+
+
 def _load_yaml(path: Path, report: Report) -> dict:
     import yaml
 
+    text = read_text(path, report)
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(text, Loader=_yaml_loader())  # noqa: S506 - a SafeLoader subclass
+    except _DuplicateKey as err:
+        raise DeepSpeedConfigError(
+            [
+                Problem(
+                    str(err), f"given twice in one mapping of {path} (only the last would count)", "keep one of them"
+                )
+            ]
+        ) from None
+    except RecursionError:
+        raise DeepSpeedConfigError([Problem("", f"{path} is nested more than {MAX_DEPTH} levels deep; no DeepSpeed "
+                                            "config is", "pass the DeepSpeed config itself")]) from None  # fmt: skip
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         at = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
         raise DeepSpeedConfigError(
-            [Problem("", f"{path}{at}: invalid YAML: {getattr(err, 'problem', err)}")]
+            [Problem("", f"{path}{at}: invalid YAML: {getattr(err, 'problem', err)}", "fix the syntax")]
         ) from None
     if not isinstance(data, dict):
-        raise DeepSpeedConfigError([Problem("", f"{path}: expected a YAML mapping")])
+        raise DeepSpeedConfigError([Problem("", f"{path} holds a YAML {type(data).__name__}, not a mapping",
+                                            "pass an accelerate config YAML or a DeepSpeed config")])  # fmt: skip
+    data = _checked(data, str(path))
     if isinstance(data.get("deepspeed_config"), dict):
         return _from_accelerate(data, path, report)
     if isinstance(data.get("deepspeed"), str):  # a training YAML (TrainingArguments keys) pointing at a JSON
@@ -177,8 +299,38 @@ def _load_yaml(path: Path, report: Report) -> dict:
         report.warn(f"{path} is a training YAML; only its `deepspeed: {data['deepspeed']}` is read here")
         return load(str(target), report)
     if "zero_optimization" in data or "train_micro_batch_size_per_gpu" in data:  # a DeepSpeed config in YAML
-        return json.loads(json.dumps(data))
-    raise DeepSpeedConfigError([Problem("", f"{path} is neither an accelerate DeepSpeed YAML nor a DeepSpeed config")])
+        return data
+    raise DeepSpeedConfigError([Problem("", f"{path} is neither an accelerate DeepSpeed YAML nor a DeepSpeed config",
+                                        "pass the YAML `accelerate config` wrote (with a deepspeed_config section) or "
+                                        "a DeepSpeed JSON")])  # fmt: skip
+
+
+#: What ``accelerate launch`` accepts for ``mixed_precision`` (accelerate.utils.PrecisionType).
+ACCELERATE_PRECISIONS = ("no", "fp16", "bf16", "fp8")
+
+
+def _accelerate_stage(value, report: Report) -> int:
+    """accelerate's ``zero_stage`` as an int; anything else is one problem naming the YAML key (stage 2 stands in,
+    so that nothing else fails because of it)."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 3:
+        return value
+    if isinstance(value, str) and value.strip() in ("0", "1", "2", "3"):
+        return int(value)
+    report.problem("deepspeed_config.zero_stage", f"{short(value)} is not a ZeRO stage", "use 0, 1, 2 or 3")
+    return 2
+
+
+def _accelerate_precision(value, report: Report) -> str | None:
+    """accelerate's ``mixed_precision`` (None when absent). An unquoted YAML ``no`` reads as false: that is "no"."""
+    if value is None:
+        return None
+    if value is False:
+        return "no"
+    if isinstance(value, str) and value.strip().lower() in ACCELERATE_PRECISIONS:
+        return value.strip().lower()
+    report.problem("mixed_precision", f"{short(value)} is not a precision accelerate knows",
+                   f"use {', '.join(ACCELERATE_PRECISIONS[:-1])} or {ACCELERATE_PRECISIONS[-1]}")  # fmt: skip
+    return None
 
 
 def _missing(key: str, ref: str, yaml_path: Path) -> Problem:
@@ -209,7 +361,7 @@ def _from_accelerate(data: dict, path: Path, report: Report) -> dict:
     else:
         config = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto"}
         config["gradient_accumulation_steps"] = ds.get("gradient_accumulation_steps", "auto")
-        zero: dict = {"stage": int(ds.get("zero_stage", 2))}
+        zero: dict = {"stage": _accelerate_stage(ds.get("zero_stage", 2), report)}
         for section in ("offload_optimizer", "offload_param"):
             device = str(ds.get(f"{section}_device", "none"))
             if device != "none":
@@ -217,14 +369,15 @@ def _from_accelerate(data: dict, path: Path, report: Report) -> dict:
                 if ds.get(f"{section}_nvme_path") not in (None, "none"):
                     zero[section]["nvme_path"] = ds[f"{section}_nvme_path"]
         if zero["stage"] == 3:
-            zero["stage3_gather_16bit_weights_on_model_save"] = bool(ds.get("zero3_save_16bit_model", False))
+            save_16bit = as_bool(ds.get("zero3_save_16bit_model", False), declared_bool=True)
+            zero["stage3_gather_16bit_weights_on_model_save"] = save_16bit
         config["zero_optimization"] = zero
         if ds.get("gradient_clipping") not in (None, "auto"):
             config["gradient_clipping"] = ds["gradient_clipping"]
         for key, value in config.items():
             report.change(key, value, source, "added")
-    precision = str(data.get("mixed_precision", "")).lower()
-    if precision in ("no", "fp16", "bf16", "fp8"):
+    precision = _accelerate_precision(data.get("mixed_precision"), report)
+    if precision is not None:
         for name in ("fp16", "bf16"):
             wanted = precision == name or (name == "bf16" and precision == "fp8")
             section = config.setdefault(name, {})
@@ -269,4 +422,8 @@ def accelerate_launch_config(env) -> str | dict | None:
 
     inline = {key: yaml.safe_load(env[name]) for key, name in _ACCELERATE_ENV.items() if env.get(name) is not None}
     data = {"mixed_precision": env.get("ACCELERATE_MIXED_PRECISION", "no"), "deepspeed_config": inline}
-    return _from_accelerate(data, Path("accelerate launch"), Report())
+    report = Report()
+    config = _from_accelerate(data, Path("accelerate launch"), report)
+    if report.problems:
+        raise DeepSpeedConfigError(report.problems, "the settings accelerate launch passed")
+    return config

@@ -11,8 +11,14 @@ the same way, and records what it did:
   / ``offload_param`` sections (transformers only recognises offload through those);
 * ``stage3_gather_fp16_weights_on_model_save`` and the unprefixed ``gather_16bit_weights_on_model_save`` become
   ``stage3_gather_16bit_weights_on_model_save``, the only spelling transformers reads when saving;
-* string booleans (``"true"``) become booleans (transformers treats the string ``"false"`` as true);
-* float literals in integer fields (``1e9``, ``2e8``) become integers (DeepSpeed rejects non-integral floats).
+* string booleans (``"true"``) become booleans (transformers treats the string ``"false"`` as true); in the fields
+  DeepSpeed declares boolean, every spelling its config models read as one (``"yes"``, ``"off"``, ``1``) does too
+  (hf-ext and transformers compare with ``True``, DeepSpeed coerces: they would disagree);
+* float literals in integer fields (``1e9``, ``2e8``) become integers.
+
+And what no spelling rescues is refused, naming the key: a section that is not an object, a deprecated offload flag
+next to the section that replaced it (DeepSpeed refuses the pair), a boolean, non-integral, non-finite or
+out-of-range number in an integer field.
 """
 
 from __future__ import annotations
@@ -36,12 +42,13 @@ def normalize(config: dict) -> tuple[dict, Report]:
     config = _strip_keys(config, "", report)
     _rename_section(config, "bfloat16", "bf16", report)
     _zero_section(config, report)
+    _section_shapes(config, report)
     _move_misplaced_zero_keys(config, report)
     zero = config.get("zero_optimization")
     if isinstance(zero, dict):
         _offload_flags(zero, report)
         _gather_aliases(zero, report)
-    _string_booleans(config, "", report)
+    _booleans(config, "", report)
     _auto_spelling(config, "", report)
     _integer_fields(config, "", report)
     return config, report
@@ -87,6 +94,31 @@ def _zero_section(config: dict, report: Report):
         )
 
 
+#: Sections hf-ext reads itself, and what each must look like.
+SECTIONS = {
+    "zero_optimization": '{"stage": 2}',
+    "fp16": '{"enabled": true}',
+    "bf16": '{"enabled": true}',
+    "optimizer": '{"type": "AdamW", "params": {"lr": "auto"}}',
+    "scheduler": '{"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}',
+    "optimizer.params": '{"lr": "auto"}',
+    "scheduler.params": '{"warmup_num_steps": "auto"}',
+}
+
+
+def _section_shapes(config: dict, report: Report):
+    """A section that is not an object is one problem naming it, and is left out so that nothing else trips on it."""
+    for key, example in SECTIONS.items():
+        *parents, leaf = key.split(".")
+        node = config
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or leaf not in node or isinstance(node[leaf], dict):
+            continue
+        value = node.pop(leaf)
+        report.problem(key, f"must be a section (a JSON object), got {short(value)}", f"write it like {example}")
+
+
 def _move_misplaced_zero_keys(config: dict, report: Report):
     misplaced = [k for k in config if k in schema.zero_keys()]
     if not misplaced:
@@ -112,22 +144,21 @@ def _offload_flags(zero: dict, report: Report):
     for flag, section in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
         if flag not in zero:
             continue
-        enabled = _as_bool(zero.pop(flag))
+        if section in zero:  # DeepSpeed's config model refuses a deprecated field next to its replacement
+            zero.pop(flag)
+            report.problem(
+                f"zero_optimization.{flag}",
+                f"deprecated spelling of {section}, given together with it (DeepSpeed refuses the pair)",
+                f"remove {flag}: the {section} section says where the state goes",
+            )
+            continue
+        enabled = as_bool(zero.pop(flag), declared_bool=True)
         if not enabled:
             report.change(f"zero_optimization.{flag}", False, "deprecated flag, false: nothing to offload", "removed")
             continue
-        if isinstance(zero.get(section), dict) and zero[section].get("device", "none") not in ("none", "cpu"):
-            report.problem(
-                f"zero_optimization.{section}",
-                f"deprecated {flag}=true conflicts with {section}.device={zero[section]['device']!r}",
-                f"drop {flag}",
-            )
-            continue
-        target = zero.setdefault(section, {}) if isinstance(zero.get(section), dict) else {}
-        zero[section] = target
-        target["device"] = "cpu"
+        target = zero[section] = {"device": "cpu"}
         if pin is not None:
-            target.setdefault("pin_memory", _as_bool(pin))
+            target["pin_memory"] = as_bool(pin, declared_bool=True)
         report.change(f"zero_optimization.{section}", target, f"deprecated {flag}: true", "normalized")
     if pin is not None and not any(s in zero for s in ("offload_optimizer", "offload_param")):
         report.change("zero_optimization.cpu_offload_use_pin_memory", pin, "deprecated, nothing offloaded", "removed")
@@ -152,21 +183,39 @@ def _gather_aliases(zero: dict, report: Report):
         report.changes[-1].action = "normalized"
 
 
-def _as_bool(value):
-    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
-        return value.strip().lower() == "true"
+#: The one table of boolean spellings: the strings pydantic (DeepSpeed's config models) reads as booleans.
+BOOLEAN_WORDS = {
+    **dict.fromkeys(("true", "yes", "on", "y", "t", "1"), True),
+    **dict.fromkeys(("false", "no", "off", "n", "f", "0"), False),
+}
+
+
+def as_bool(value, declared_bool: bool = False):
+    """``value`` as a boolean when it spells one. ``"true"``/``"false"`` count anywhere (transformers tests such
+    strings for truth, so ``"false"`` would turn a feature on); the other spellings and 0/1 only where DeepSpeed
+    declares a boolean (``declared_bool``): elsewhere they may be a real string or number."""
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in ("true", "false") or (declared_bool and word in BOOLEAN_WORDS):
+            return BOOLEAN_WORDS[word]
+    elif declared_bool and type(value) is int and value in (0, 1):
+        return bool(value)
     return value
 
 
-def _string_booleans(node, prefix: str, report: Report):
+def _booleans(node, prefix: str, report: Report):
     if not isinstance(node, dict):
         return
+    bool_fields = schema.typed_fields("bool")
     for key, value in node.items():
+        path = prefix + str(key)
         if isinstance(value, dict):
-            _string_booleans(value, f"{prefix}{key}.", report)
-        elif isinstance(value, str) and value.strip().lower() in ("true", "false"):
-            node[key] = _as_bool(value)
-            report.change(prefix + key, node[key], f"string {value!r} read as a boolean", "normalized")
+            _booleans(value, f"{path}.", report)
+            continue
+        read = as_bool(value, declared_bool=path in bool_fields)
+        if read is not value and isinstance(read, bool):
+            node[key] = read
+            report.change(path, read, f"{short(value)} read as a boolean", "normalized")
 
 
 def _auto_spelling(node, prefix: str, report: Report):
@@ -180,26 +229,44 @@ def _auto_spelling(node, prefix: str, report: Report):
             report.change(prefix + key, "auto", f"{value!r} spelled as 'auto'", "normalized")
 
 
+#: DeepSpeed and torch keep integer settings in 64-bit integers.
+INT64_MAX = 2**63 - 1
+
+
 def _integer_fields(node, prefix: str, report: Report):
     if not isinstance(node, dict):
         return
     int_fields = schema.typed_fields("int")
-    for key, value in node.items():
-        path = prefix + key
+    for key, value in list(node.items()):
+        path = prefix + str(key)
         if isinstance(value, dict):
             _integer_fields(value, f"{path}.", report)
-        elif isinstance(value, str) and path in int_fields:
+            continue
+        if path not in int_fields or value == "auto":
+            continue
+        number = value
+        if isinstance(value, str):
             try:
                 number = float(value.strip())
             except ValueError:
-                continue
-            node[key] = int(number) if math.isfinite(number) else value
-            report.change(path, node[key], f"string {value!r} read as an integer", "normalized")
-        elif isinstance(value, float) and path in int_fields and math.isfinite(value):
-            node[key] = int(value)
-            if value.is_integer():
-                report.change(path, node[key], f"float literal {value!r} in an integer field", "normalized")
-            else:
-                report.change(path, node[key], f"non-integral {value!r} truncated (DeepSpeed wants an integer)")
-                report.changes[-1].action = "normalized"
-                report.warn(f"{path}: {value!r} is not an integer; using {node[key]}")
+                continue  # not a number at all: DeepSpeed's config model names it
+        if isinstance(number, bool):
+            node.pop(key)
+            report.problem(path, f"is a boolean ({short(value)}) where DeepSpeed wants an integer",
+                           f"write the number you mean (DeepSpeed would read {short(value)} as {int(number)})")  # fmt: skip
+        elif not isinstance(number, (int, float)):
+            continue
+        elif not math.isfinite(number):
+            node.pop(key)
+            report.problem(path, f"is {short(value)}, not a finite number", "write an integer")
+        elif abs(number) > INT64_MAX:
+            node.pop(key)
+            report.problem(path, f"{short(value)} does not fit a 64-bit integer", "use a realistic integer or "
+                           "remove it to use DeepSpeed's default")  # fmt: skip
+        elif not float(number).is_integer():
+            node.pop(key)
+            hint = f" such as {max(1, round(number))}" if number > 0 else ""
+            report.problem(path, f"{short(value)} is not an integer", f"use an integer{hint}")
+        elif number is not value or isinstance(value, float):
+            node[key] = int(number)
+            report.change(path, node[key], f"{short(value)} read as an integer", "normalized")

@@ -20,7 +20,6 @@ and also what it leaves to crash late or to go silently wrong:
 
 from __future__ import annotations
 
-import difflib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,6 +115,11 @@ def explain_deepspeed_config(
             err.origin = err.origin or origin
             raise
         return Resolution({}, origin, report.changes, report.warnings, err.problems)
+    foreign = _not_deepspeed(raw, origin)
+    if foreign is not None:  # one line, not one per key of somebody else's config
+        if raise_errors:
+            raise DeepSpeedConfigError([foreign], origin)
+        return Resolution({}, origin, report.changes, report.warnings, [foreign])
     resolved, normal = normalize(raw)
     report.extend(normal)
     resolution = Resolution(resolved, origin)
@@ -145,6 +149,7 @@ def explain_deepspeed_config(
         steps = args.max_steps
     if steps is not None:
         _fill_steps(resolved, args, steps, report)
+    _validate_named_sections(resolved, report)
     _leftover_autos(resolved, report, defer)
     _validate(resolved, report)
     resolution.changes, resolution.warnings, resolution.problems = report.changes, report.warnings, report.problems
@@ -153,6 +158,20 @@ def explain_deepspeed_config(
     if report.problems and raise_errors:
         raise DeepSpeedConfigError(report.problems, origin)
     return resolution
+
+
+def _not_deepspeed(config: dict, origin: str) -> Problem | None:
+    """A file that is some other tool's config (GPT-NeoX, Megatron, a training YAML) rather than a DeepSpeed one:
+    most of its top-level keys mean nothing to DeepSpeed."""
+    unknown = [k for k in config if k not in schema.known_top_level_keys()]
+    if len(unknown) < 5 or len(unknown) <= len(config) - len(unknown):
+        return None
+    return Problem(
+        "",
+        f"{origin} is not a DeepSpeed config: {len(unknown)} of its {len(config)} top-level keys mean nothing to "
+        f"DeepSpeed ({', '.join(map(str, unknown[:4]))}, ...)",
+        "pass the DeepSpeed JSON (or accelerate YAML) the training run uses",
+    )
 
 
 # --- helpers on dotted keys -------------------------------------------------------------------------------------
@@ -185,10 +204,59 @@ def _same(a, b) -> bool:
     return a == b
 
 
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _betas(value) -> bool:
+    return isinstance(value, list) and len(value) == 2 and all(_number(b) and 0 <= b < 1 for b in value)
+
+
+#: What a value hf-ext fills or compares must be, so that an invalid one is reported as invalid (with a fix that
+#: works) instead of as a mismatch whose fix would pass the invalid value on as a flag.
+VALID_VALUES = {
+    "train_micro_batch_size_per_gpu": (_positive_int, "a positive integer"),
+    "gradient_accumulation_steps": (_positive_int, "a positive integer"),
+    "train_batch_size": (_positive_int, "a positive integer"),
+    "gradient_clipping": (lambda v: _number(v) and v >= 0, "a number >= 0 (0: no clipping)"),
+    "optimizer.params.lr": (lambda v: _number(v) and v >= 0, "a number >= 0"),
+    "optimizer.params.betas": (_betas, "two numbers in [0, 1)"),
+    "optimizer.params.eps": (lambda v: _number(v) and v >= 0, "a number >= 0"),
+    "optimizer.params.weight_decay": (lambda v: _number(v) and v >= 0, "a number >= 0"),
+    "scheduler.params.warmup_min_lr": (lambda v: _number(v) and v >= 0, "a number >= 0"),
+    "scheduler.params.warmup_max_lr": (lambda v: _number(v) and v >= 0, "a number >= 0"),
+    "scheduler.params.total_num_steps": (_positive_int, "a positive integer"),
+    "scheduler.params.warmup_num_steps": (
+        lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+        "an integer >= 0",
+    ),  # fmt: skip
+}
+
+
+def _is_valid(config: dict, key: str) -> bool:
+    value = get_value(config, key, "auto")
+    rule = VALID_VALUES.get(key)
+    return value == "auto" or rule is None or rule[0](value)
+
+
+def _valid(config: dict, key: str, report: Report, source: str = "") -> bool:
+    """Whether the value at ``key`` is "auto", missing or valid; an invalid one is reported with a fix."""
+    if _is_valid(config, key):
+        return True
+    value, rule = get_value(config, key), VALID_VALUES[key]
+    fill = f'"auto" ({source}) or ' if source else ""
+    report.problem(key, f"{short(value)} is not {rule[1]}", f"set it to {fill}{rule[1]}")
+    return False
+
+
 def _fill(config, report, key, value, source, args_field=None, args_fix=None, add=False, match=True):
     """Replace ``"auto"`` at ``key`` by ``value``; add it when missing and ``add``; else compare when ``match``."""
     node, leaf = node_of(config, key, create=add)
-    if node is None:
+    if node is None or not _valid(config, key, report, source):
         return
     if leaf not in node:
         if add:
@@ -311,15 +379,52 @@ def _apply_memory_plan(config: dict, plan, keys: list[str], report: Report, sour
                 f"above the process baseline (budget {gb(plan.budget)}, {source})")  # fmt: skip
 
 
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def _batch_arithmetic(config: dict, args, world: int, report: Report) -> bool:
+    """An explicit ``train_batch_size`` that world x micro-batch x accumulation cannot give, as one problem stating
+    the arithmetic and the settings that satisfy it (one fix, not one mismatch after another). True if reported."""
+    values = {key: config.get(key, "auto") for key in BATCH_KEYS}
+    if not all(_is_valid(config, key) for key in BATCH_KEYS) or values["train_batch_size"] == "auto":
+        return False
+    total = values["train_batch_size"]
+    micro = values["train_micro_batch_size_per_gpu"]
+    accum = values["gradient_accumulation_steps"]
+    micro = args.per_device_train_batch_size if micro == "auto" else micro
+    accum = args.gradient_accumulation_steps if accum == "auto" else accum
+    if not all(_positive_int(v) for v in (micro, accum)) or world * micro * accum == total:
+        return False
+    explicit = [key for key in BATCH_KEYS[1:] if values[key] != "auto"]
+    arithmetic = f"{world} ranks x micro-batch {micro} x accumulation {accum} = {world * micro * accum}"
+    if total % world:
+        report.problem("train_batch_size", f"{total} cannot be split over {world} ranks ({arithmetic})",
+                       f'set train_batch_size to "auto" or a multiple of {world}')  # fmt: skip
+        return True
+    per_rank = total // world
+    new_micro = max(d for d in range(1, min(micro, per_rank) + 1) if per_rank % d == 0)
+    new_accum = per_rank // new_micro
+    flags = f"--per_device_train_batch_size {new_micro} --gradient_accumulation_steps {new_accum}"
+    autos = f'set {" and ".join(explicit)} to "auto" and ' if explicit else ""
+    report.problem(
+        "train_batch_size",
+        f"is {total} but {arithmetic}",
+        f'{autos}pass {flags} ({world} x {new_micro} x {new_accum} = {total}), or set train_batch_size to "auto"',
+        {} if explicit else {"per_device_train_batch_size": new_micro, "gradient_accumulation_steps": new_accum},
+    )
+    return True
+
+
 def _fill_from_args(config: dict, args, world: int, report: Report):
     micro, accum = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    match = not _batch_arithmetic(config, args, world, report)  # else said once, with the arithmetic
     _fill(config, report, "train_micro_batch_size_per_gpu", micro, "TrainingArguments.per_device_train_batch_size",
-          "per_device_train_batch_size", {"per_device_train_batch_size": get_value(config, "train_micro_batch_size_per_gpu")}, add=True)  # fmt: skip
+          "per_device_train_batch_size", {"per_device_train_batch_size": get_value(config, "train_micro_batch_size_per_gpu")}, add=True, match=match)  # fmt: skip
     _fill(config, report, "gradient_accumulation_steps", accum, "TrainingArguments.gradient_accumulation_steps",
-          "gradient_accumulation_steps", {"gradient_accumulation_steps": config.get("gradient_accumulation_steps")}, add=True)  # fmt: skip
+          "gradient_accumulation_steps", {"gradient_accumulation_steps": config.get("gradient_accumulation_steps")}, add=True, match=match)  # fmt: skip
     _fill(config, report, "train_batch_size", world * micro * accum,
           f"world size {world} x per_device_train_batch_size {micro} x gradient_accumulation_steps {accum}",
-          "world_size x per_device_train_batch_size x gradient_accumulation_steps", add=True)  # fmt: skip
+          "world_size x per_device_train_batch_size x gradient_accumulation_steps", add=True, match=match)  # fmt: skip
     _fill(config, report, "gradient_clipping", args.max_grad_norm, "TrainingArguments.max_grad_norm",
           "max_grad_norm", {"max_grad_norm": config.get("gradient_clipping")}, add=True)  # fmt: skip
     if "zero_optimization" not in config:
@@ -352,13 +457,7 @@ def _precision(config: dict, args, hardware: Hardware, report: Report, resolutio
     """The one precision rule: what TrainingArguments ask for, else what the config enables explicitly, else the
     hardware's default. Fills the fp16/bf16 sections and returns ``"bf16"``, ``"fp16"`` or ``None`` (fp32)."""
     asked = "bf16" if (args.bf16 or args.bf16_full_eval) else "fp16" if (args.fp16 or args.fp16_full_eval) else None
-    current = {}
-    for name in ("fp16", "bf16"):
-        section = config.get(name)
-        if section is not None and not isinstance(section, dict):
-            report.problem(name, f'must be a section like {{"enabled": true}}, got {short(section)}')
-            return None
-        current[name] = (section or {}).get("enabled", "auto")
+    current = {name: (config.get(name) or {}).get("enabled", "auto") for name in ("fp16", "bf16")}
     if asked:
         source, flag = f"TrainingArguments.{asked}", f"--{asked}"
         chosen = asked
@@ -375,7 +474,7 @@ def _precision(config: dict, args, hardware: Hardware, report: Report, resolutio
             report.problem("fp16.enabled", "fp16 and bf16 are both enabled", "enable at most one of them")
             return None
         if explicit:
-            chosen, source = explicit[0], "the config (TrainingArguments said nothing)"
+            chosen, source = explicit[0], f"{explicit[0]}.enabled in the config"
             resolution.args_updates[chosen] = True
         else:
             chosen = hardware.default_precision()
@@ -385,7 +484,7 @@ def _precision(config: dict, args, hardware: Hardware, report: Report, resolutio
     if chosen and not getattr(hardware, chosen):
         report.problem(
             f"{chosen}.enabled",
-            f"{chosen} is requested ({source}) but this {hardware.device} host has no {chosen} support",
+            f"{chosen} is asked for by {source} but this {hardware.device} host has no {chosen} support",
             f'set {chosen}.enabled to "auto" (or false), or train where {chosen} is supported',
         )
     for name in ("fp16", "bf16"):
@@ -497,29 +596,52 @@ def _leftover_autos(config: dict, report: Report, defer: bool):
             report.problem(key, '"auto" here has no source to fill it from', "replace it with a value")
 
 
-def _validate(config: dict, report: Report):
-    for key in config:
-        if key not in schema.known_top_level_keys():
-            report.problem(
-                key,
-                f"unknown top-level key{schema.did_you_mean(key, schema.known_top_level_keys())}; DeepSpeed "
-                "would silently ignore it",
-                "fix or remove it",
-            )
-    for section in schema.section_models():
-        if isinstance(config.get(section), dict):
-            for key, message in schema.section_problems(section, config[section]):
-                fix = (
-                    'set it to "auto" (from the model\'s hidden size) or a positive integer'
-                    if key in HIDDEN_SIZE_KEYS
-                    else ""
-                )
-                report.problem(key, message, fix)
+def _validate_named_sections(config: dict, report: Report):
+    """optimizer/scheduler: known type, known keys, and params the constructor DeepSpeed calls accepts. Run before
+    the leftover-"auto" check, so that a misspelt parameter set to "auto" is reported as misspelt."""
     _validate_named(config, "optimizer", ("type", "params", "legacy_fusion"), _optimizer_names(), report)
     _validate_named(config, "scheduler", ("type", "params"), _scheduler_names(), report)
+
+
+def _validate(config: dict, report: Report):
+    known = schema.suggestable_top_level_keys()
+    for key in config:
+        if key not in schema.known_top_level_keys():
+            report.problem(key, f"unknown top-level key{schema.did_you_mean(key, known)}; DeepSpeed would silently "
+                           "ignore it", schema.unknown_key_fix(key, known))  # fmt: skip
+    for key, message in schema.removed_keys(config):
+        report.problem(key, f"removed from DeepSpeed: {message}", "remove it")
+    for section in schema.section_models():
+        if isinstance(config.get(section), dict):
+            for key, message, fix in schema.section_problems(section, config[section]):
+                if key in HIDDEN_SIZE_KEYS:
+                    fix = 'set it to "auto" (from the model\'s hidden size) or a positive integer'
+                report.problem(key, message, fix)
+    _nvme_paths(config, report)
+    reported = {p.key.split(".")[0] for p in report.problems}
+    others = [k for k in config if k in schema.known_top_level_keys() and k not in reported and k not in OWN_CHECKS]
+    for key, message, fix in schema.key_problems(config, others):
+        report.problem(key, message, fix)
     if not report.problems:
-        for key, message in schema.validate_with_deepspeed(config):
-            report.problem(key, message)
+        for key, message, fix in schema.validate_with_deepspeed(config):
+            report.problem(key, message, fix)
+
+
+#: Top-level keys checked above (by DeepSpeed's section models or hf-ext's own rules), not one by one again.
+OWN_CHECKS = (*BATCH_KEYS, "zero_optimization", "fp16", "bf16", "optimizer", "scheduler", "gradient_clipping")
+
+
+def _nvme_paths(config: dict, report: Report):
+    zero = config.get("zero_optimization")
+    for section in ("offload_optimizer", "offload_param"):
+        offload = zero.get(section) if isinstance(zero, dict) else None
+        if isinstance(offload, dict) and offload.get("device") == "nvme" and not offload.get("nvme_path"):
+            report.problem(
+                f"zero_optimization.{section}.nvme_path",
+                "is missing: the device is nvme but no directory is given (DeepSpeed fails at engine start)",
+                f"set zero_optimization.{section}.nvme_path to a directory on a local NVMe disk, or set the device "
+                'to "cpu"',
+            )
 
 
 def _optimizer_names() -> tuple[set[str], set[str]]:
@@ -536,21 +658,51 @@ def _scheduler_names() -> tuple[set[str], set[str]]:
     return set(), set(VALID_LR_SCHEDULES)
 
 
+#: optimizer.params keys DeepSpeed refuses with its own message (engine._configure_basic_optimizer).
+_REFUSED_PARAMS = {
+    "max_grad_norm": (
+        "is not an optimizer parameter in DeepSpeed",
+        "remove it; clipping is the top-level gradient_clipping (from --max_grad_norm)",
+    ),  # fmt: skip
+}
+
+
 def _validate_named(config: dict, section: str, allowed: tuple, names: tuple[set[str], set[str]], report: Report):
     value = config.get(section)
-    if value is None:
-        return
     if not isinstance(value, dict):
-        report.problem(section, f"must be a section with a type and params, got {short(value)}")
-        return
+        return  # a non-section was reported when the config was normalized
     for key in value:
         if key not in allowed:
-            report.problem(f"{section}.{key}", f"unknown key{schema.did_you_mean(key, allowed)}", "fix or remove it")
+            report.problem(f"{section}.{key}", f"unknown key{schema.did_you_mean(key, allowed)}",
+                           schema.unknown_key_fix(key, allowed))  # fmt: skip
     kind = value.get("type")
     any_case, exact = names
+    if isinstance(kind, str) and kind.lower() in schema.REMOVED_OPTIMIZERS and section == "optimizer":
+        report.problem(f"{section}.type", f"{kind!r}: the 1-bit optimizers were removed from DeepSpeed (0.19)",
+                       'use "AdamW" (or "Lamb")')  # fmt: skip
+        return
     if not isinstance(kind, str) or (kind.lower() not in any_case and kind not in exact):
         choices = sorted(any_case | exact)
-        close = difflib.get_close_matches(str(kind), choices, n=1, cutoff=0.6)
-        close = close or difflib.get_close_matches(str(kind).lower(), choices, n=1, cutoff=0.6)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        report.problem(f"{section}.type", f"unknown {section} {kind!r}{hint}", f"use one of {', '.join(choices)}")
+        close = schema.closest(str(kind), choices) or schema.closest(str(kind).lower(), choices)
+        hint = f" (did you mean {close!r}?)" if close else ""
+        fix = f"use {close!r}" if close else f"use one of {', '.join(choices)}"
+        report.problem(f"{section}.type", f"unknown {section} {short(kind)}{hint}", fix)
+        return
+    params = value.get("params")
+    if not isinstance(params, dict):
+        return
+    if section == "optimizer":
+        built, accepted = schema.optimizer_parameters(kind, config)
+    else:
+        built, accepted = kind, schema.scheduler_parameters(kind)
+    if accepted is None:
+        return
+    for key in params:
+        if key in _REFUSED_PARAMS and section == "optimizer":
+            report.problem(f"{section}.params.{key}", *_REFUSED_PARAMS[key])
+        elif key not in accepted:
+            report.problem(
+                f"{section}.params.{key}",
+                f"{built} has no parameter {key!r}{schema.did_you_mean(key, accepted)} (its constructor would fail)",
+                schema.unknown_key_fix(key, accepted),
+            )

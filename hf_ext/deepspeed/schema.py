@@ -13,7 +13,10 @@ import difflib
 import functools
 import io
 import logging
+import re
 import typing
+
+from .errors import short
 
 # Sections that DeepSpeedConfig reads through helpers that never touch the top-level dict by key, or that the engine
 # reads later (``engine._config._param_dict``): known to DeepSpeed even though parsing a minimal config skips them.
@@ -185,13 +188,31 @@ STAGE3_ONLY_KEYS = (
 )
 
 
+def closest(key, choices) -> str | None:
+    """The known name ``key`` most likely misspells: the same words in another order (``comm_overlap`` for
+    ``overlap_comm``), else the closest spelling; ``None`` when nothing is close."""
+    choices = sorted(str(c) for c in choices)
+    words = sorted(str(key).lower().split("_"))
+    same_words = [c for c in choices if sorted(c.lower().split("_")) == words and c != key]
+    if same_words:
+        return same_words[0]
+    close = difflib.get_close_matches(str(key).lower(), choices, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
 def did_you_mean(key: str, choices) -> str:
-    close = difflib.get_close_matches(str(key).lower(), sorted(choices), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    close = closest(key, choices)
+    return f" (did you mean {close!r}?)" if close else ""
 
 
-def section_problems(section: str, values: dict) -> list[tuple[str, str]]:
-    """``(dotted key, message)`` for each problem DeepSpeed's model for ``section`` finds in ``values``."""
+def unknown_key_fix(key: str, choices) -> str:
+    """The fix for an unknown key: rename it to the name it most likely misspells, else remove it."""
+    close = closest(key, choices)
+    return f"rename it to {close!r}" if close else "remove it (or fix its spelling)"
+
+
+def section_problems(section: str, values: dict) -> list[tuple[str, str, str]]:
+    """``(dotted key, message, fix)`` for each problem DeepSpeed's model for ``section`` finds in ``values``."""
     from pydantic import ValidationError
 
     model = section_models()[section]
@@ -203,7 +224,7 @@ def section_problems(section: str, values: dict) -> list[tuple[str, str]]:
     except ValidationError as err:
         return [_describe(section, model, e) for e in err.errors()]
     except (AssertionError, ValueError, TypeError) as err:  # DeepSpeed's own checks inside the model
-        return [(section, str(err).strip().splitlines()[0])]
+        return [(section, str(err).strip().splitlines()[0], f"fix the {section} section as the message says")]
     finally:
         ds_logger.setLevel(level)
     return []
@@ -220,31 +241,194 @@ def _model_at(model: type, loc: tuple) -> type:
     return model
 
 
-def _describe(section: str, model: type, error: dict) -> tuple[str, str]:
+def field_default(model: type, loc: tuple):
+    """The default DeepSpeed uses for the field at ``loc`` of ``model`` (``None`` when it has none)."""
+    owner = _model_at(model, loc)
+    info = next((i for n, i in owner.model_fields.items() if loc and loc[-1] in (n, i.alias)), None)
+    if info is None or info.is_required():
+        return None
+    default = info.get_default(call_default_factory=True)
+    return getattr(default, "value", default)  # enums: their value
+
+
+def _one_of(expected: str) -> str:
+    """pydantic's "0, 1, 2, 3 or 3" (an enum with an alias member) without repeats."""
+    items = [item.strip() for item in re.split(r",| or ", expected) if item.strip()]
+    items = list(dict.fromkeys(items))
+    return ", ".join(items[:-1]) + f" or {items[-1]}" if len(items) > 1 else "".join(items)
+
+
+def _describe(section: str, model: type, error: dict) -> tuple[str, str, str]:
     loc = tuple(str(p) for p in error.get("loc", ()) if not str(p).startswith("function-"))
     key = ".".join((section, *loc)) if loc else section
-    if error.get("type") == "extra_forbidden":
-        owner = _model_at(model, loc)
-        return key, f"unknown key {loc[-1]!r}{did_you_mean(loc[-1], field_names(owner))}"
-    message = error.get("msg", "invalid value").removeprefix("Value error, ")
-    return key, f"{message} (got {error.get('input')!r})"
+    kind = error.get("type", "")
+    if kind == "extra_forbidden":
+        names = field_names(_model_at(model, loc))
+        return key, f"unknown key {loc[-1]!r}{did_you_mean(loc[-1], names)}", unknown_key_fix(loc[-1], names)
+    got = f" (got {short(error.get('input'))})"
+    if kind in ("enum", "literal_error"):
+        choices = _one_of(str(error.get("ctx", {}).get("expected", "")))
+        return key, f"must be {choices}{got}", f"use {choices}"
+    message = error.get("msg", "invalid value").removeprefix("Value error, ").removeprefix("Assertion failed, ")
+    if kind.startswith("int_") or kind == "int_type":
+        fix = "write an integer"
+    elif kind.startswith("bool_"):
+        fix = "write true or false"
+    elif kind.startswith(("float_", "greater_than", "less_than")):
+        fix = "write a number in range"
+    elif kind == "model_type" or kind == "dict_type":
+        fix = "write a section (a JSON object) there"
+    else:
+        fix = ""
+    default = field_default(model, loc) if loc else None
+    if default is not None:
+        fix = (fix + " or " if fix else "") + f"remove it to use DeepSpeed's default ({short(default)})"
+    return key, message + got, fix or "remove it to use DeepSpeed's default"
 
 
-def validate_with_deepspeed(config: dict) -> list[tuple[str, str]]:
-    """Run ``deepspeed.runtime.config.DeepSpeedConfig`` on ``config`` (world size 1: the batch-size arithmetic is
-    checked separately, for the real world size). Returns ``(key, message)`` problems instead of raising."""
+def _deepspeed_error(config: dict) -> str | None:
+    """The first line of what ``DeepSpeedConfig`` raises on ``config`` (world size 1), ``None`` if it accepts it."""
     from deepspeed.runtime.config import DeepSpeedConfig
     from deepspeed.utils import logger as ds_logger
 
-    probe = copy.deepcopy(config)
-    probe.pop("train_batch_size", None)  # DeepSpeed derives it from micro batch x accumulation x world size
     level = _deepspeed_logging_quiet()
     try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            DeepSpeedConfig(probe)
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            DeepSpeedConfig(copy.deepcopy(config))
     except Exception as err:  # noqa: BLE001 - any failure is reported as one line
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        return [("", f"DeepSpeed rejects the config: {first}")]
+        text = str(err).strip()
+        return text.splitlines()[0] if text else type(err).__name__
     finally:
         ds_logger.setLevel(level)
-    return []
+    return None
+
+
+#: The smallest config DeepSpeedConfig accepts: the base each key is checked against on its own.
+_BASE = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1}
+
+
+def key_problems(config: dict, keys) -> list[tuple[str, str, str]]:
+    """``(key, message, fix)`` for each top-level key in ``keys`` that DeepSpeed's own parser rejects on its own
+    (checked one by one, so that every such key is reported at once, by name)."""
+    problems = []
+    for key in keys:
+        message = _deepspeed_error({**_BASE, key: config[key]})
+        if message is not None:
+            problems.append((key, f"DeepSpeed rejects it: {message}", "fix or remove it"))
+    return problems
+
+
+def validate_with_deepspeed(config: dict) -> list[tuple[str, str, str]]:
+    """Run ``deepspeed.runtime.config.DeepSpeedConfig`` on the whole ``config`` (world size 1: the batch-size
+    arithmetic is checked separately, for the real world size). On failure the key is found by leaving top-level
+    keys out one at a time. Returns ``(key, message, fix)`` problems instead of raising."""
+    probe = {k: v for k, v in config.items() if k != "train_batch_size"}  # DeepSpeed derives it (world size 1)
+    message = _deepspeed_error(probe)
+    if message is None:
+        return []
+    culprit = next((k for k in probe if _deepspeed_error({k2: v for k2, v in probe.items() if k2 != k}) is None), "")
+    return [(culprit, f"DeepSpeed rejects the config: {message}", f"fix {culprit}" if culprit else "fix the config "
+             "as the message says")]  # fmt: skip
+
+
+# --- optimizer and scheduler parameters: the constructors DeepSpeed's engine calls ---------------------------------
+
+#: The 1-bit optimizers, removed in DeepSpeed 0.19 (their config names, lower-cased as DeepSpeed matched them).
+REMOVED_OPTIMIZERS = {"onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam", "onebitlamb": "OneBitLamb"}
+
+#: Keys the engine pops from optimizer.params before calling the constructor (engine._configure_basic_optimizer,
+#: get_optimizer_configuration), for the Adam family.
+_ADAM_POPPED = {"adam_w_mode", "torch_adam", "fp32_optimizer_states"}
+
+
+def _parameters(cls, skip: set[str]) -> set[str] | None:
+    """Keyword parameters of ``cls``'s constructor, without ``skip``; ``None`` when it takes ``**kwargs``."""
+    import inspect
+
+    params = inspect.signature(cls.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return None
+    return set(params) - {"self"} - skip
+
+
+def optimizer_parameters(name: str, config: dict) -> tuple[str, set[str] | None]:
+    """The optimizer class DeepSpeed's engine builds for ``optimizer.type`` ``name`` under ``config`` and the
+    ``optimizer.params`` keys it accepts (``None``: any, or the class cannot be inspected here).
+
+    The choice follows ``DeepSpeedEngine._configure_basic_optimizer``: Adam/AdamW become torch's with
+    ``torch_adam``, ``DeepSpeedCPUAdam`` when the optimizer is offloaded, else ``FusedAdam``; Adagrad and Lion have a
+    CPU variant for offload; other names are looked up in ``torch.optim``.
+    """
+    import torch
+
+    optimizer = config.get("optimizer")
+    params = optimizer.get("params") if isinstance(optimizer, dict) else None
+    params = params if isinstance(params, dict) else {}
+    zero = config.get("zero_optimization")
+    offload = zero.get("offload_optimizer") if isinstance(zero, dict) else None
+    cpu = isinstance(offload, dict) and offload.get("device") in ("cpu", "nvme")
+    lower = name.lower()
+    try:
+        if lower in ("adam", "adamw"):
+            if params.get("torch_adam") is True:
+                cls = torch.optim.AdamW if lower == "adamw" else torch.optim.Adam
+                return cls.__name__, _parameters(cls, {"params"}) | _ADAM_POPPED
+            if cpu:
+                from deepspeed.ops.adam import DeepSpeedCPUAdam as cls
+
+                return cls.__name__, _parameters(cls, {"model_params", "adamw_mode"}) | _ADAM_POPPED
+            from deepspeed.ops.adam import FusedAdam as cls
+
+            return cls.__name__, _parameters(cls, {"params"}) | _ADAM_POPPED
+        if lower == "adagrad":
+            from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
+
+            cls = DeepSpeedCPUAdagrad if cpu else torch.optim.Adagrad
+        elif lower == "lamb":
+            from deepspeed.ops.lamb import FusedLamb as cls
+        elif lower == "lion":
+            from deepspeed.ops.lion import DeepSpeedCPULion, FusedLion
+
+            cls = DeepSpeedCPULion if cpu else FusedLion
+        elif hasattr(torch.optim, name) and lower not in ("muadam", "muadamw", "musgd", "muon"):
+            cls = getattr(torch.optim, name)
+        else:  # mup's optimizers (an optional package) and Muon (its own parameter groups): not checked
+            return name, None
+    except ImportError:
+        return name, None
+    return cls.__name__, _parameters(cls, {"params", "model_params"})
+
+
+def scheduler_parameters(name: str) -> set[str] | None:
+    """The ``scheduler.params`` keys the LR scheduler DeepSpeed builds for ``name`` accepts (``None``: unknown)."""
+    import torch
+    from deepspeed.runtime import lr_schedules
+
+    cls = getattr(lr_schedules, name, None) or getattr(torch.optim.lr_scheduler, name, None)
+    if not isinstance(cls, type):
+        return None
+    return _parameters(cls, {"optimizer"})
+
+
+# --- features DeepSpeed removed ---------------------------------------------------------------------------------
+
+
+@functools.cache
+def suggestable_top_level_keys() -> frozenset[str]:
+    """Known top-level keys minus those of removed features: what a "did you mean" may propose."""
+    from deepspeed.runtime import config as ds_config
+
+    return known_top_level_keys() - frozenset(ds_config._REMOVED_TOP_LEVEL_CONFIG_KEYS)
+
+
+def removed_keys(config: dict) -> list[tuple[str, str]]:
+    """``(dotted key, DeepSpeed's message)`` for every key of a feature DeepSpeed has removed, from DeepSpeed's own
+    tables (it raises on the first one only)."""
+    from deepspeed.runtime import config as ds_config
+
+    found = [(k, m.strip().rstrip(".")) for k, m in ds_config._REMOVED_TOP_LEVEL_CONFIG_KEYS.items() if k in config]
+    zero = config.get("zero_optimization")
+    if isinstance(zero, dict):
+        found += [(f"zero_optimization.{k}", m.strip().rstrip(".")) for k, m in ds_config._REMOVED_ZERO_CONFIG_KEYS.items()
+                  if k in zero]  # fmt: skip
+    return found
