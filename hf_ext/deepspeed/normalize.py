@@ -14,7 +14,8 @@ the same way, and records what it did:
 * string booleans (``"true"``) become booleans (transformers treats the string ``"false"`` as true); in the fields
   DeepSpeed declares boolean, every spelling its config models read as one (``"yes"``, ``"off"``, ``1``) does too
   (hf-ext and transformers compare with ``True``, DeepSpeed coerces: they would disagree);
-* float literals in integer fields (``1e9``, ``2e8``) become integers.
+* float literals in integer fields (``1e9``, ``2e8``) become integers; numbers written as strings in float fields
+  (``"1e9"``) become numbers.
 
 And what no spelling rescues is refused, naming the key: a section that is not an object, a deprecated offload flag
 next to the section that replaced it (DeepSpeed refuses the pair), a boolean, non-integral, non-finite or
@@ -51,6 +52,7 @@ def normalize(config: dict) -> tuple[dict, Report]:
     _booleans(config, "", report)
     _auto_spelling(config, "", report)
     _integer_fields(config, "", report)
+    _float_fields(config, "", report)
     return config, report
 
 
@@ -270,3 +272,23 @@ def _integer_fields(node, prefix: str, report: Report):
         elif number is not value or isinstance(value, float):
             node[key] = int(number)
             report.change(path, node[key], f"{short(value)} read as an integer", "normalized")
+
+
+def _float_fields(node, prefix: str, report: Report):
+    """A number written as a string (``"1e9"``) in a field DeepSpeed declares float becomes that number."""
+    if not isinstance(node, dict):
+        return
+    float_fields = schema.typed_fields("float")
+    for key, value in node.items():
+        path = prefix + str(key)
+        if isinstance(value, dict):
+            _float_fields(value, f"{path}.", report)
+        elif isinstance(value, str) and path in float_fields and value.strip().lower() != "auto":
+            try:
+                number = float(value.strip())
+            except ValueError:
+                continue  # not a number: DeepSpeed's config model names it
+            if math.isfinite(number):
+                node[key] = number
+                report.change(path, number, f"{short(value)} read as a number", "normalized")
+

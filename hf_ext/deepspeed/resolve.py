@@ -132,6 +132,7 @@ def explain_deepspeed_config(
     if cpu_preset and _stage(resolved) == 3:  # before planning: the plan is of the sizes the run will use
         _cpu_zero3_preset(resolved, report)
     _memory_autos(resolved, args, model, world, hardware, precision, report, resolution)
+    _validate_named_sections(resolved, report)  # before filling: a misspelt or foreign param is reported as such
     _fill_from_args(resolved, args, world, report)
     stage = _stage(resolved)
     _stage3_only(resolved, stage, report)
@@ -149,7 +150,6 @@ def explain_deepspeed_config(
         steps = args.max_steps
     if steps is not None:
         _fill_steps(resolved, args, steps, report)
-    _validate_named_sections(resolved, report)
     _leftover_autos(resolved, report, defer)
     _validate(resolved, report)
     resolution.changes, resolution.warnings, resolution.problems = report.changes, report.warnings, report.problems
@@ -255,6 +255,8 @@ def _valid(config: dict, key: str, report: Report, source: str = "") -> bool:
 
 def _fill(config, report, key, value, source, args_field=None, args_fix=None, add=False, match=True):
     """Replace ``"auto"`` at ``key`` by ``value``; add it when missing and ``add``; else compare when ``match``."""
+    if any(problem.key == key for problem in report.problems):
+        return  # said once, by whoever knew why (a param the constructor lacks, say)
     node, leaf = node_of(config, key, create=add)
     if node is None or not _valid(config, key, report, source):
         return
@@ -332,6 +334,13 @@ def _memory_autos(config: dict, args, model, world: int, hardware: Hardware, pre
         memory_per_device=getattr(args, "memory_per_device", None),
     )
     chosen, source = decision.plan, decision.budget_source
+    if chosen is None and decision.smallest is None:  # what the config fixes rules every ZeRO setup out
+        fixed = {k: v for k, v in (config.get("zero_optimization") or {}).items()
+                 if k in ("stage", "offload_optimizer", "offload_param")
+                 and not any(key.startswith(f"zero_optimization.{k}") for key in keys)}  # fmt: skip
+        report.problem(keys[0], f'"auto" has nothing to choose from: no ZeRO setup has {short(fixed)}',
+                       'set those keys to "auto" too, or to a combination DeepSpeed runs (offload_param needs stage 3)')  # fmt: skip
+        return
     if chosen is None:
         smallest = decision.smallest
         report.problem(
@@ -447,10 +456,32 @@ def _fill_from_args(config: dict, args, world: int, report: Report):
         _fill(config, report, "scheduler.params.warmup_min_lr", 0, "0, as transformers does", match=False)
         _fill(config, report, "scheduler.params.warmup_max_lr", lr, "TrainingArguments.learning_rate",
               "learning_rate", {"learning_rate": get_value(config, "scheduler.params.warmup_max_lr")})  # fmt: skip
+    _schedule_choice(config, args, report)
     if getattr(args, "save_on_each_node", False):
         _fill(
             config, report, "checkpoint.use_node_local_storage", True, "TrainingArguments.save_on_each_node", add=True
         )
+
+
+#: The transformers schedule each DeepSpeed scheduler runs (after its warmup).
+SCHEDULE_OF = {"WarmupLR": "constant_with_warmup", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}
+
+
+def _schedule_choice(config: dict, args, report: Report):
+    """A config ``scheduler`` section replaces the Trainer's schedule (transformers builds DeepSpeed's instead), so an
+    ``lr_scheduler_type`` the user chose that differs from it would be silently ignored: say so."""
+    import dataclasses
+
+    kind = get_value(config, "scheduler.type")
+    asked = str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type))
+    default = next((f.default for f in dataclasses.fields(args) if f.name == "lr_scheduler_type"), None)
+    default = str(getattr(default, "value", default))
+    if not isinstance(kind, str) or asked == default or SCHEDULE_OF.get(kind) == asked:
+        return
+    same = next((name for name, schedule in SCHEDULE_OF.items() if schedule == asked), None)
+    instead = f', or set scheduler.type to "{same}"' if same else ""
+    report.warn(f"scheduler.type {kind} in the config is the schedule that runs: lr_scheduler_type {asked} is ignored "
+                f"(transformers builds DeepSpeed's scheduler). Remove the scheduler section to use {asked}{instead}.")  # fmt: skip
 
 
 def _precision(config: dict, args, hardware: Hardware, report: Report, resolution: Resolution) -> str | None:

@@ -12,7 +12,6 @@ import copy
 import difflib
 import functools
 import io
-import logging
 import re
 import typing
 
@@ -32,13 +31,19 @@ _SECTIONS_READ_ELSEWHERE = (
 )
 
 
-def _deepspeed_logging_quiet():
-    """DeepSpeed logs a line per config parse; keep ``hf-ext`` output to what the user asked for."""
+@contextlib.contextmanager
+def _deepspeed_quiet():
+    """DeepSpeed logs a line per config parse and prints; keep ``hf-ext`` output to what the user asked for.
+    (``Logger.disabled``, not ``setLevel``: the latter clears every logger's cache, slow when called per key.)"""
     from deepspeed.utils import logger as ds_logger
 
-    level = ds_logger.level
-    ds_logger.setLevel(logging.ERROR)
-    return level
+    disabled = ds_logger.disabled
+    ds_logger.disabled = True
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        ds_logger.disabled = disabled
 
 
 class _RecordingDict(dict):
@@ -81,15 +86,10 @@ class _RecordingDict(dict):
 def known_top_level_keys() -> frozenset[str]:
     """Every top-level key DeepSpeed's ``DeepSpeedConfig`` looks up when it parses a config."""
     from deepspeed.runtime.config import DeepSpeedConfig
-    from deepspeed.utils import logger as ds_logger
 
     probe = _RecordingDict(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1)
-    level = _deepspeed_logging_quiet()
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            DeepSpeedConfig(probe)
-    finally:
-        ds_logger.setLevel(level)
+    with _deepspeed_quiet():
+        DeepSpeedConfig(probe)
     return frozenset(k for k in probe.seen if isinstance(k, str)) | frozenset(_SECTIONS_READ_ELSEWHERE)
 
 
@@ -130,8 +130,9 @@ def _is_type(annotation, wanted: type) -> bool:
 
 @functools.cache
 def typed_fields(kind: str) -> frozenset[str]:
-    """Dotted paths (aliases included) of the ``int`` (``kind="int"``) or ``bool`` fields of the strict sections."""
-    wanted = {"int": int, "bool": bool}[kind]
+    """Dotted paths (aliases included) of the ``int``, ``float`` or ``bool`` (``kind``) fields of the strict
+    sections."""
+    wanted = {"int": int, "bool": bool, "float": float}[kind]
     paths: set[str] = set()
 
     def walk(model: type, prefix: str):
@@ -216,17 +217,13 @@ def section_problems(section: str, values: dict) -> list[tuple[str, str, str]]:
     from pydantic import ValidationError
 
     model = section_models()[section]
-    level = _deepspeed_logging_quiet()
-    from deepspeed.utils import logger as ds_logger
-
     try:
-        model(**copy.deepcopy(values))
+        with _deepspeed_quiet():
+            model(**copy.deepcopy(values))
     except ValidationError as err:
         return [_describe(section, model, e) for e in err.errors()]
     except (AssertionError, ValueError, TypeError) as err:  # DeepSpeed's own checks inside the model
         return [(section, str(err).strip().splitlines()[0], f"fix the {section} section as the message says")]
-    finally:
-        ds_logger.setLevel(level)
     return []
 
 
@@ -289,17 +286,13 @@ def _describe(section: str, model: type, error: dict) -> tuple[str, str, str]:
 def _deepspeed_error(config: dict) -> str | None:
     """The first line of what ``DeepSpeedConfig`` raises on ``config`` (world size 1), ``None`` if it accepts it."""
     from deepspeed.runtime.config import DeepSpeedConfig
-    from deepspeed.utils import logger as ds_logger
 
-    level = _deepspeed_logging_quiet()
     try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        with _deepspeed_quiet():
             DeepSpeedConfig(copy.deepcopy(config))
     except Exception as err:  # noqa: BLE001 - any failure is reported as one line
         text = str(err).strip()
         return text.splitlines()[0] if text else type(err).__name__
-    finally:
-        ds_logger.setLevel(level)
     return None
 
 

@@ -167,7 +167,7 @@ def decide(
         chosen, plans = formulas.choose(
             facts, profile, world_size, budget, micro_batch, _allowed(zero, keys), **common
         )
-        smallest = min(plans, key=lambda p: p.total_bytes) if chosen is None else None
+        smallest = min(plans, key=lambda p: p.total_bytes) if chosen is None and plans else None
         return MemoryDecision(chosen, smallest, source, keys)
     candidate = candidate_of(config)
     batch = micro_batch or max(1, formulas.max_micro_batch(candidate, facts, profile, world_size, budget, **common))
