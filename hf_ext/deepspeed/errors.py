@@ -32,6 +32,9 @@ class Problem:
     fix: str = ""
     args_fix: dict = field(default_factory=dict)
 
+    def __post_init__(self):  # one line each, whatever the source (a YAML parser's message spans lines)
+        self.message, self.fix = (" ".join(str(text).split()) for text in (self.message, self.fix))
+
     def __str__(self) -> str:
         where = f"{self.key}: " if self.key else ""
         return f"{where}{self.message}" + (f". Fix: {self.fix}" if self.fix else "")

@@ -49,10 +49,10 @@ def normalize(config: dict) -> tuple[dict, Report]:
     if isinstance(zero, dict):
         _offload_flags(zero, report)
         _gather_aliases(zero, report)
-    _booleans(config, "", report)
-    _auto_spelling(config, "", report)
-    _integer_fields(config, "", report)
-    _float_fields(config, "", report)
+    _booleans(config, report)
+    _auto_spelling(config, report)
+    _integer_fields(config, report)
+    _float_fields(config, report)
     return config, report
 
 
@@ -205,90 +205,80 @@ def as_bool(value, declared_bool: bool = False):
     return value
 
 
-def _booleans(node, prefix: str, report: Report):
+def _leaves(node, prefix: str = ""):
+    """``(parent, key, dotted path, value)`` of every non-section value below ``node`` (a snapshot: the caller may
+    replace or drop the value)."""
     if not isinstance(node, dict):
         return
-    bool_fields = schema.typed_fields("bool")
-    for key, value in node.items():
+    for key, value in list(node.items()):
         path = prefix + str(key)
         if isinstance(value, dict):
-            _booleans(value, f"{path}.", report)
-            continue
+            yield from _leaves(value, f"{path}.")
+        else:
+            yield node, key, path, value
+
+
+def _booleans(config: dict, report: Report):
+    bool_fields = schema.typed_fields("bool")
+    for parent, key, path, value in _leaves(config):
         read = as_bool(value, declared_bool=path in bool_fields)
         if read is not value and isinstance(read, bool):
-            node[key] = read
+            parent[key] = read
             report.change(path, read, f"{short(value)} read as a boolean", "normalized")
 
 
-def _auto_spelling(node, prefix: str, report: Report):
-    if not isinstance(node, dict):
-        return
-    for key, value in node.items():
-        if isinstance(value, dict):
-            _auto_spelling(value, f"{prefix}{key}.", report)
-        elif isinstance(value, str) and value != "auto" and value.strip().lower() == "auto":
-            node[key] = "auto"
-            report.change(prefix + key, "auto", f"{value!r} spelled as 'auto'", "normalized")
+def _auto_spelling(config: dict, report: Report):
+    for parent, key, path, value in _leaves(config):
+        if isinstance(value, str) and value != "auto" and value.strip().lower() == "auto":
+            parent[key] = "auto"
+            report.change(path, "auto", f"{value!r} spelled as 'auto'", "normalized")
 
 
 #: DeepSpeed and torch keep integer settings in 64-bit integers.
 INT64_MAX = 2**63 - 1
 
 
-def _integer_fields(node, prefix: str, report: Report):
-    if not isinstance(node, dict):
-        return
+def _number(value):
+    """``value`` as a number when it is one or a string spelling one (``None`` otherwise)."""
+    if isinstance(value, str):
+        try:
+            return float(value.strip())
+        except ValueError:
+            return None  # not a number at all: DeepSpeed's config model names it
+    return value if isinstance(value, (int, float)) else None
+
+
+def _integer_fields(config: dict, report: Report):
     int_fields = schema.typed_fields("int")
-    for key, value in list(node.items()):
-        path = prefix + str(key)
-        if isinstance(value, dict):
-            _integer_fields(value, f"{path}.", report)
+    for parent, key, path, value in _leaves(config):
+        number = _number(value) if path in int_fields else None
+        if number is None:
             continue
-        if path not in int_fields or value == "auto":
-            continue
-        number = value
-        if isinstance(value, str):
-            try:
-                number = float(value.strip())
-            except ValueError:
-                continue  # not a number at all: DeepSpeed's config model names it
         if isinstance(number, bool):
-            node.pop(key)
+            parent.pop(key)
             report.problem(path, f"is a boolean ({short(value)}) where DeepSpeed wants an integer",
                            f"write the number you mean (DeepSpeed would read {short(value)} as {int(number)})")  # fmt: skip
-        elif not isinstance(number, (int, float)):
-            continue
         elif not math.isfinite(number):
-            node.pop(key)
+            parent.pop(key)
             report.problem(path, f"is {short(value)}, not a finite number", "write an integer")
         elif abs(number) > INT64_MAX:
-            node.pop(key)
+            parent.pop(key)
             report.problem(path, f"{short(value)} does not fit a 64-bit integer", "use a realistic integer or "
                            "remove it to use DeepSpeed's default")  # fmt: skip
         elif not float(number).is_integer():
-            node.pop(key)
+            parent.pop(key)
             hint = f" such as {max(1, round(number))}" if number > 0 else ""
             report.problem(path, f"{short(value)} is not an integer", f"use an integer{hint}")
         elif number is not value or isinstance(value, float):
-            node[key] = int(number)
-            report.change(path, node[key], f"{short(value)} read as an integer", "normalized")
+            parent[key] = int(number)
+            report.change(path, parent[key], f"{short(value)} read as an integer", "normalized")
 
 
-def _float_fields(node, prefix: str, report: Report):
+def _float_fields(config: dict, report: Report):
     """A number written as a string (``"1e9"``) in a field DeepSpeed declares float becomes that number."""
-    if not isinstance(node, dict):
-        return
     float_fields = schema.typed_fields("float")
-    for key, value in node.items():
-        path = prefix + str(key)
-        if isinstance(value, dict):
-            _float_fields(value, f"{path}.", report)
-        elif isinstance(value, str) and path in float_fields and value.strip().lower() != "auto":
-            try:
-                number = float(value.strip())
-            except ValueError:
-                continue  # not a number: DeepSpeed's config model names it
-            if math.isfinite(number):
-                node[key] = number
-                report.change(path, number, f"{short(value)} read as a number", "normalized")
-
+    for parent, key, path, value in _leaves(config):
+        number = _number(value) if isinstance(value, str) and path in float_fields else None
+        if number is not None and math.isfinite(number):
+            parent[key] = number
+            report.change(path, number, f"{short(value)} read as a number", "normalized")

@@ -28,3 +28,23 @@ def test_console_script_has_no_traceback_on_user_errors(tmp_path):
     assert proc.returncode == 1
     assert "Traceback" not in proc.stdout + proc.stderr
     assert sum(line.startswith("error: ") for line in proc.stdout.splitlines()) == 4
+
+
+def test_console_script_says_one_line_for_each_unreadable_file(tmp_path):
+    """The four files that used to end in a traceback: UTF-16, random bytes, 100,000 levels of nesting, and an
+    accelerate YAML with ``zero_stage: three``. One process per file, as a user would run them."""
+    files = {
+        "utf16.json": json.dumps(BROKEN).encode("utf-16"),
+        "bytes.json": bytes(range(256)) * 4,
+        "deep.json": ("[" * 100_000 + "]" * 100_000).encode(),
+        "accelerate.yaml": b"distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: three\n",
+    }
+    script = Path(sys.executable).parent / "hf-ext"
+    for name, data in files.items():
+        path = tmp_path / name
+        path.write_bytes(data)
+        proc = subprocess.run([str(script), "ds", "doctor", str(path), "--output_dir", str(tmp_path)],
+                              capture_output=True, text=True, env=launch_env(), timeout=300)  # fmt: skip
+        output = (proc.stdout + proc.stderr).strip().splitlines()
+        output = [line for line in output if "real_accelerator.py" not in line]  # DeepSpeed's import-time notice
+        assert proc.returncode == 1 and len(output) == 1 and output[0].startswith("error: "), (name, output)
