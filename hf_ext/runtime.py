@@ -178,9 +178,21 @@ def return_freed_memory_to_os(threshold: int = 64 * 1024) -> bool:
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3
     done = bool(mallopt(m_mmap_threshold, threshold)) and bool(mallopt(m_trim_threshold, 0))
-    if done and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)  # what model loading freed before now goes back too
+    if done:
+        trim_heap()  # what model loading freed before now goes back too
     return done
+
+
+def trim_heap() -> None:
+    """Hand the free memory at the top of glibc's heaps back to the OS (``malloc_trim``); a no-op elsewhere."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 @dataclass

@@ -113,6 +113,11 @@ class GenerationEvalArguments:
             (context, generation, reference) rows printed and logged at each evaluation.
         save_generations (`bool`, defaults to `True`):
             Write every row to ``output_dir/generations/step-N.jsonl``.
+        generation_gather_weights (`str`, defaults to `"auto"`):
+            Under ZeRO-3: gather the weights once per evaluation and generate on a plain local copy (``"true"``), or
+            generate on the partitioned model, which gathers every layer at every decoding step (``"false"``).
+            ``"auto"`` gathers once when the copy fits beside the training state (the memory plan, else the memory
+            free on each rank).
     """
 
     generation_eval: bool = field(
@@ -141,12 +146,25 @@ class GenerationEvalArguments:
     save_generations: bool = field(
         default=True, metadata={"help": "Write every generation row to output_dir/generations/step-N.jsonl."}
     )
+    generation_gather_weights: str = field(
+        default="auto",
+        metadata={
+            "help": "ZeRO-3 generation eval: gather the weights once per evaluation (true), per decoding step "
+            "(false), or once when the copy fits the memory (auto).",
+            "choices": ["auto", "true", "false"],
+        },
+    )
 
     def _validate_generation_eval(self) -> None:
         if self.generation_batch_size is not None and self.generation_batch_size < 1:
             raise ValueError(f"`generation_batch_size` must be >= 1 or None, got {self.generation_batch_size}.")
         if self.log_samples < 0:
             raise ValueError(f"`log_samples` must be >= 0, got {self.log_samples}.")
+        self.generation_gather_weights = str(self.generation_gather_weights).strip().lower()
+        if self.generation_gather_weights not in ("auto", "true", "false"):
+            raise ValueError(
+                f"`generation_gather_weights` must be auto, true or false, got {self.generation_gather_weights!r}."
+            )
 
 
 @contextlib.contextmanager

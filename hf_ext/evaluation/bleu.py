@@ -27,12 +27,15 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field, fields, replace
+from functools import partial
 from pathlib import Path
 
 import torch
 from transformers import TrainerCallback
 
+from ..runtime import local_world_size
 from ..training_args import GenerationEvalArguments
+from .gathered import GenerationPath, choose_generation_path, gathered_copy, is_partitioned
 
 logger = logging.getLogger(__name__)
 
@@ -283,6 +286,7 @@ class BleuEvalCallback(TrainerCallback):
         self.last_rows: list[dict] = []
         self.last_stats: dict = {}
         self._tb_writer = None
+        self._logged_path = None
 
     # --------------------------------------------------------------------------------- settings
     def generation_kwargs(self, args, model=None) -> dict:
@@ -306,6 +310,22 @@ class BleuEvalCallback(TrainerCallback):
                     kwargs.setdefault(new, kwargs.pop(total))
         kwargs.pop("synced_gpus", None)  # decided per run, see generate_in_order
         return kwargs
+
+    def zero3_path(self, args, model) -> GenerationPath | None:
+        """For a ZeRO-3 model: gather the weights once or per decoding step (the same choice on every rank, logged
+        when it changes); ``None`` otherwise."""
+        if not is_partitioned(model):
+            return None
+        plan = getattr(args, "memory_plan", None)
+        setting = self.config.generation_gather_weights
+        path = choose_generation_path(model, setting, plan, args.device, local_world_size())
+        if path.gathered and not all(_gather([path.gathered])):  # every rank must take part in the gathers
+            path = GenerationPath(False, "another rank has no room for the gathered copy")
+        if (path.gathered, path.reason) != self._logged_path:
+            self._logged_path = (path.gathered, path.reason)
+            if _dist_world()[0] == 0:
+                logger.info(f"Generation eval under ZeRO-3: {path.name} ({path.reason})")
+        return path
 
     def batch_size(self, args) -> int:
         size = self.config.generation_batch_size or getattr(args, "generation_batch_size", None)
@@ -340,19 +360,20 @@ class BleuEvalCallback(TrainerCallback):
         was_training = model.training
         model.eval()
         start = time.time()
+        generate = partial(generate_in_order, tokenizer=tokenizer, rows=rows, gen_kwargs=self.generation_kwargs(args, model),
+                           batch_size=self.batch_size(args), bucket=self.config.generation_bucket_by_length,
+                           device=args.device)  # fmt: skip
         try:
-            hyps, gen_lens, stats = generate_in_order(
-                model,
-                tokenizer,
-                rows,
-                self.generation_kwargs(args, model),
-                self.batch_size(args),
-                bucket=self.config.generation_bucket_by_length,
-                device=args.device,
-            )
+            path = self.zero3_path(args, model)
+            if path is not None and path.gathered:
+                with gathered_copy(model) as plain:
+                    hyps, gen_lens, stats = generate(plain, synced_gpus=False)
+            else:
+                hyps, gen_lens, stats = generate(model)
         finally:
             model.train(was_training)
         runtime = time.time() - start
+        stats["path"] = path.name if path is not None else "plain"
         refs = [_decode_labels(tokenizer, r["labels"]) if "labels" in r else "" for r in rows]
         scores = compute_bleu_chrf(hyps, refs)
         new = {

@@ -52,6 +52,10 @@ logger = logging.getLogger(__name__)
 #: stated accuracy of a plan's per-rank total: within ERROR_BAND of the prediction, plus ERROR_FLOOR bytes
 ERROR_BAND = 0.15
 ERROR_FLOOR = 64 * MiB
+
+#: Room kept beside a gathered copy of the weights for generation itself (activations, the beams' caches), as a
+#: share of the copy.
+GATHERED_EVAL_HEADROOM = 0.25
 PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OPTIMIZER_BYTES = {"fp32": 8, "bf16": 12, "fp16": 12}  # Adam m + v (+ fp32 master under mixed precision)
 FP32 = 4
@@ -304,6 +308,22 @@ class Plan:
         return self.device_bytes + (self.states.host if self.offload_counts else 0) + self.overhead
 
     @property
+    def eval_state_bytes(self) -> int:
+        """What stays allocated per rank between training steps (during an evaluation): the model states and
+        DeepSpeed's buffers, not the activations or the step's temporaries."""
+        host = self.states.host if self.offload_counts else 0
+        return self.baseline + self.states.device + sum(self.buffers.values()) + host + self.overhead
+
+    @property
+    def gathered_eval_bytes(self) -> int:
+        """The extra peak per rank of a generation eval with the weights gathered once (hf_ext.evaluation.gathered):
+        a full copy of the parameters and room for generation beside it. 0 below ZeRO-3 (the weights are whole)."""
+        if self.candidate.ddp or self.candidate.stage < 3:
+            return 0
+        full = (self.states.params + self.states.host_params) * self.world_size
+        return int(full * (1 + GATHERED_EVAL_HEADROOM))
+
+    @property
     def band(self) -> tuple[int, int]:
         """The stated error band: [total x (1 - ERROR_BAND) - ERROR_FLOOR, total x (1 + ERROR_BAND) + ERROR_FLOOR]."""
         total = self.total_bytes
@@ -312,6 +332,11 @@ class Plan:
     @property
     def fits(self) -> bool:
         return self.budget is None or self.baseline + self.total_bytes <= self.budget
+
+    @property
+    def gathered_eval_fits(self) -> bool:
+        """Whether a generation eval with the weights gathered once fits the budget beside the training state."""
+        return self.budget is None or self.eval_state_bytes + self.gathered_eval_bytes <= self.budget
 
     def components(self) -> dict[str, int]:
         parts = {
@@ -342,6 +367,10 @@ class Plan:
         if self.budget is not None:
             lines.append(f"  {'+ process baseline':<28} {gb(self.baseline):>12}")
             lines.append(f"  {'budget':<28} {gb(self.budget):>12}  {'fits' if self.fits else 'does NOT fit'}")
+        if self.gathered_eval_bytes:
+            verdict = "" if self.budget is None else ": fits" if self.gathered_eval_fits else ": does NOT fit"
+            lines.append(f"  {'generation eval, gathered':<28} {gb(self.gathered_eval_bytes):>12}  beside the "
+                         f"training state{verdict}")  # fmt: skip
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -360,6 +389,8 @@ class Plan:
             "budget": self.budget,
             "baseline": self.baseline,
             "fits": self.fits,
+            "gathered_eval_bytes": self.gathered_eval_bytes,
+            "gathered_eval_fits": self.gathered_eval_fits,
         }
 
 

@@ -67,6 +67,7 @@ def format_table(result: dict) -> str:
     head = ["", "config", "max micro-batch", "GiB/rank at max"]
     if any("plan_at_micro_batch" in r for r in result["rows"]):
         head.append(f"GiB/rank at {result['rows'][0]['plan_at_micro_batch'].micro_batch}")
+    head.append("gathered eval GiB")
     lines = [head]
     for row in result["rows"]:
         mark = "*" if row["config"] == result["recommended"] else ""
@@ -76,6 +77,9 @@ def format_table(result: dict) -> str:
         if "plan_at_micro_batch" in row:
             q = row["plan_at_micro_batch"]
             cells.append(f"{(q.total_bytes + q.baseline) / 2**30:.2f}" + ("" if q.fits else " (no)"))
+        # ZeRO-3 only: a full copy of the weights for generation eval, beside the training state
+        cells.append(f"{p.gathered_eval_bytes / 2**30:.2f}" + ("" if p.gathered_eval_fits else " (no)")
+                     if p.gathered_eval_bytes else "-")  # fmt: skip
         if p.notes:
             cells.append("; ".join(p.notes))
         lines.append(cells)
@@ -94,4 +98,6 @@ def format_table(result: dict) -> str:
         else "* nothing fits: lower --seq_len, add --gradient_checkpointing or ranks, or raise --memory_per_device"
     )
     footer += f"\nstated error band: ±{band['relative']:.0%} + {gb(band['absolute_bytes'])} of the prediction"
+    footer += ("\ngathered eval: the extra peak of a ZeRO-3 generation eval that gathers the weights once "
+               "(generation_gather_weights); (no): it falls back to per-token gathers")  # fmt: skip
     return f"{summary}\n\n{text}\n\n{footer}"

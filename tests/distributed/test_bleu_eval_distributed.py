@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from ..bleu_support import N_EVAL, decoded_labels, eval_dataset, read_jsonl
 from ..conftest import ROOT, launcher_cmd, run
@@ -34,17 +35,55 @@ def check_two_ranks_equal_one(results: list[dict], single: dict, tokenizer) -> N
         assert "eval_loss" in metrics
 
 
-def test_zero3_two_ranks_uneven_lengths_equal_one_rank(eval_model_dir, tokenizer, single_rank, tmp_path):
-    # evaluate, then train with metric_for_best_model="bleu" (stock cannot train after a ZeRO-3 evaluate())
-    results = launch_worker(eval_model_dir, tmp_path, 3, "--train_steps", "8", "--eval_steps", "4")
+@pytest.fixture(scope="module")
+def per_token_run(eval_model_dir, tmp_path_factory) -> tuple[list[dict], Path]:
+    """ZeRO-3, 2 ranks, generation on the partitioned model (a gather per layer per decoding step): evaluate, train
+    with metric_for_best_model="bleu" (stock cannot train after a ZeRO-3 evaluate()), a final beam-search eval."""
+    out = tmp_path_factory.mktemp("per_token")
+    return launch_worker(eval_model_dir, out, 3, "--train_steps", "8", "--eval_steps", "4", "--gather", "false",
+                         "--final_beams", "3"), out  # fmt: skip
+
+
+def test_zero3_two_ranks_uneven_lengths_equal_one_rank(per_token_run, tokenizer, single_rank):
+    results, out = per_token_run
     stats = [r["eval_only_stats"] for r in results]
+    assert {s["path"] for s in stats} == {"per-token gathers"}
     # the scenario: ranks hold different numbers of batches and generate to different lengths ...
     assert sorted(s["batches"] for s in stats) == [2, 3]
     assert stats[0]["widths"][: len(stats[1]["widths"])] != stats[1]["widths"][: len(stats[0]["widths"])]
     # ... yet make the same number of generate() calls (synced), finish, and agree with one process
     assert stats[0]["calls"] == stats[1]["calls"] == 3
     check_two_ranks_equal_one(results, single_rank, tokenizer)
-    check_best_model(results, tmp_path)
+    check_best_model(results, out, final_as_during_training=False)  # the final evaluation searches 3 beams
+
+
+def test_zero3_gathered_once_generates_the_same_and_training_continues_bit_identically(
+    per_token_run, eval_model_dir, tokenizer, single_rank, tmp_path
+):
+    """The same run with the weights gathered once per evaluation: the same generations (greedy and beam search),
+    no synced calls, and the checkpoints written after each evaluation are bit-identical to the per-token run's
+    (nothing of the gathered copy leaks into the partitioned parameters)."""
+    from safetensors.torch import load_file
+
+    per_token, per_token_out = per_token_run
+    results = launch_worker(eval_model_dir, tmp_path, 3, "--train_steps", "8", "--eval_steps", "4", "--gather",
+                            "true", "--final_beams", "3")  # fmt: skip
+    for gathered, reference in zip(results, per_token):
+        stats = gathered["eval_only_stats"]
+        assert stats["path"] == "gathered once" and stats["calls"] == stats["batches"]  # no synced extra calls
+        assert gathered["final_stats"]["path"] == "gathered once"
+        assert gathered["eval_only_generations"] == reference["eval_only_generations"] == single_rank["generations"]
+        assert gathered["final_generations"] == reference["final_generations"]  # beam search, after training
+        for key in ("eval_bleu", "eval_chrf", "eval_gen_len"):
+            assert gathered["final"][key] == reference["final"][key]
+        assert eval_scores(gathered["log_history"]) == eval_scores(reference["log_history"])
+    assert len({r["final_generations"][0] for r in results}) == 1
+    for step in (4, 8):
+        ours = load_file(tmp_path / f"checkpoint-{step}" / "model.safetensors")
+        theirs = load_file(per_token_out / f"checkpoint-{step}" / "model.safetensors")
+        assert ours.keys() == theirs.keys()
+        assert all(torch.equal(ours[name], theirs[name]) for name in ours), step
+    check_best_model(results, tmp_path, final_as_during_training=False)
 
 
 def test_zero2_eval_only_and_best_model(eval_model_dir, tokenizer, single_rank, tmp_path):
@@ -59,8 +98,16 @@ def test_zero2_eval_only_and_best_model(eval_model_dir, tokenizer, single_rank, 
     check_best_model(results, tmp_path)
 
 
-def check_best_model(results: list[dict], out: Path) -> None:
-    """metric_for_best_model="bleu" picked the best evaluation and load_best_model_at_end loaded that model."""
+def eval_scores(history: list[dict]) -> list[dict]:
+    """The evaluations of a log history without their timings."""
+    timing = ("runtime", "per_second", "_time")
+    return [{k: v for k, v in h.items() if k.startswith("eval_") and not any(t in k for t in timing)}
+            for h in history if "eval_bleu" in h]  # fmt: skip
+
+
+def check_best_model(results: list[dict], out: Path, final_as_during_training: bool = True) -> None:
+    """metric_for_best_model="bleu" picked the best evaluation and load_best_model_at_end loaded that model (which
+    the final evaluation shows when it generates as the evaluations during training did)."""
     history = results[0]["log_history"]
     evals = [(h["step"], h["eval_bleu"]) for h in history if "eval_bleu" in h]
     assert [step for step, _ in evals] == [4, 8]
@@ -68,7 +115,9 @@ def check_best_model(results: list[dict], out: Path) -> None:
     for result in results:
         assert result["best_metric"] == best_bleu
         assert Path(result["best_model_checkpoint"]).name == f"checkpoint-{best_step}"
-        assert result["final"]["eval_bleu"] == best_bleu
+        assert result["final"]["eval_bleu"] == best_bleu or not final_as_during_training
+    if not final_as_during_training:
+        return
     at_best = [r["generation"] for r in read_jsonl(out / "generations" / f"step-{best_step}.jsonl")]
     if best_step != 8:  # the final evaluation rewrote step-8.jsonl; the best one is intact
         assert results[0]["final_generations"] == at_best
@@ -86,7 +135,8 @@ def test_decoder_only_zero3_two_ranks_equal_one_rank(tiny_chat_model_dir, tmp_pa
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     single = evaluate_single_rank(model_dir, tokenizer, tmp_path_factory)
     assert len(set(single["generations"])) > 3
-    results = launch_worker(model_dir, tmp_path / "run", 3)
+    results = launch_worker(model_dir, tmp_path / "run", 3)  # generation_gather_weights="auto": room to gather
+    assert {r["eval_only_stats"]["path"] for r in results} == {"gathered once"}
     check_two_ranks_equal_one(results, single, tokenizer)
     rows = read_jsonl(tmp_path / "run" / "generations" / "step-0.jsonl")
     assert [r["generation"] for r in rows] == single["generations"]

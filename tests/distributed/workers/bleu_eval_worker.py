@@ -1,10 +1,11 @@
 """BLEU eval under a real 2-rank DeepSpeed launch; leaves metrics and per-rank generation stats to check.
 
     deepspeed --num_gpus 2 tests/distributed/workers/bleu_eval_worker.py --model DIR --out DIR --stage 3 --n_eval 18
-        [--train_steps 8 --eval_steps 4]
+        [--train_steps 8 --eval_steps 4] [--gather auto|true|false] [--final_beams 4]
 
 Eval-only first (no engine exists yet: ZeRO-1/2 must not raise), then, with ``--train_steps``, a short training with
-``metric_for_best_model="bleu"`` and ``load_best_model_at_end``, then a final evaluation of the loaded best model.
+``metric_for_best_model="bleu"`` and ``load_best_model_at_end``, then a final evaluation of the loaded best model
+(with ``--final_beams`` beams when given). ``--gather`` is ``generation_gather_weights`` (ZeRO-3).
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ def main() -> None:
     parser.add_argument("--train_steps", type=int, default=0)
     parser.add_argument("--eval_steps", type=int, default=4)
     parser.add_argument("--n_train", type=int, default=64)
+    parser.add_argument("--gather", default="auto", choices=["auto", "true", "false"])
+    parser.add_argument("--final_beams", type=int, default=None)
     parser.add_argument("--local_rank", type=int, default=-1)  # set by the deepspeed launcher
     cli = parser.parse_args()
     out = Path(cli.out)
@@ -69,6 +72,7 @@ def main() -> None:
         report_to="none",
         log_samples=3,
         seed=0,
+        generation_gather_weights=cli.gather,
         **GEN,
     )
     tokenizer = AutoTokenizer.from_pretrained(cli.model)
@@ -98,8 +102,9 @@ def main() -> None:
         result["log_history"] = [dict(entry) for entry in trainer.state.log_history]
         result["best_metric"] = trainer.state.best_metric
         result["best_model_checkpoint"] = trainer.state.best_model_checkpoint
-        result["final"] = trainer.evaluate()
+        result["final"] = trainer.evaluate(**({"num_beams": cli.final_beams} if cli.final_beams else {}))
         result["final_generations"] = [r["generation"] for r in callback.last_rows]
+        result["final_stats"] = callback.last_stats
     (out / f"result-rank{args.process_index}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
