@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import threading
 import time
 import types
 from pathlib import Path
@@ -27,37 +26,6 @@ from pathlib import Path
 from benchmarks import harness
 
 MODULE = "benchmarks.bench_save"
-
-
-class PeakRSS:
-    """Peak resident memory of this process above its level at ``__enter__``, sampled by a thread."""
-
-    def __init__(self, interval: float = 0.002):
-        import psutil
-
-        self.process, self.interval = psutil.Process(), interval
-
-    def __enter__(self):
-        gc.collect()
-        self.base = self.peak = self.process.memory_info().rss
-        self.running = True
-        self.thread = threading.Thread(target=self._sample, daemon=True)
-        self.thread.start()
-        return self
-
-    def _sample(self):
-        while self.running:
-            self.peak = max(self.peak, self.process.memory_info().rss)
-            time.sleep(self.interval)
-
-    def __exit__(self, *exc):
-        self.running = False
-        self.thread.join()
-        self.peak = max(self.peak, self.process.memory_info().rss)
-
-    @property
-    def extra(self) -> int:
-        return self.peak - self.base
 
 
 def dir_bytes(path: Path) -> int:
@@ -125,7 +93,7 @@ class _MeasureAtTrainBegin:
 
 def timed(trainer, args, result, name, fn, out):
     trainer.accelerator.wait_for_everyone()
-    with PeakRSS() as rss:
+    with harness.PeakRSS() as rss:
         start = time.perf_counter()
         fn(out)
         trainer.accelerator.wait_for_everyone()

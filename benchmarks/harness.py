@@ -7,6 +7,7 @@ the benches call hf_ext for them.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -15,6 +16,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -86,6 +88,37 @@ def launch_worker(args: list[str], out: Path, env_extra: dict | None = None, lau
     if code != 0:
         return f"exit {code} (see {log}): " + log.read_text()[-300:].replace("\n", " ")
     return [json.loads(path.read_text()) for path in results]
+
+
+class PeakRSS:
+    """Peak resident memory of this process above its level at ``__enter__``, sampled by a thread."""
+
+    def __init__(self, interval: float = 0.002):
+        import psutil
+
+        self.process, self.interval = psutil.Process(), interval
+
+    def __enter__(self):
+        gc.collect()
+        self.base = self.peak = self.process.memory_info().rss
+        self.running = True
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def _sample(self):
+        while self.running:
+            self.peak = max(self.peak, self.process.memory_info().rss)
+            time.sleep(self.interval)
+
+    def __exit__(self, *exc):
+        self.running = False
+        self.thread.join()
+        self.peak = max(self.peak, self.process.memory_info().rss)
+
+    @property
+    def extra(self) -> int:
+        return self.peak - self.base
 
 
 def available_memory() -> int:

@@ -8,6 +8,7 @@ two private methods with no public counterpart, ``_save_checkpoint`` and ``_load
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 
@@ -164,11 +165,30 @@ class Seq2SeqTrainer(_HfExtTrainerMixin, _Seq2SeqTrainer):
         if callback is not None:
             callback.call_gen_kwargs = dict(gen_kwargs)
         try:
-            with plain_eval_without_engine(self):
+            with plain_eval_without_engine(self), self._gathered_for_evaluation(callback):
                 return super().evaluate(*args, **gen_kwargs)
         finally:
             if callback is not None:
                 callback.call_gen_kwargs = {}
+
+    @contextlib.contextmanager
+    def _gathered_for_evaluation(self, callback):
+        """Under ZeRO-3, when the BLEU eval gathers the weights once, the loss pass runs on the same gathered copy
+        (``prediction_step``): one gather per evaluation in all."""
+        if callback is None:
+            yield
+            return
+        with callback.gathered_for_evaluation(self.args, self.model) as plain:
+            self._eval_model = plain
+            try:
+                yield
+            finally:
+                self._eval_model = None
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
+        plain = getattr(self, "_eval_model", None)
+        return super().prediction_step(plain if plain is not None else model, inputs, prediction_loss_only,
+                                       ignore_keys=ignore_keys, **gen_kwargs)  # fmt: skip
 
     def predict(self, *args, **gen_kwargs):
         runtime.prepare_run(self.args)

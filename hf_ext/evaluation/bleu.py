@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
 from functools import partial
 from pathlib import Path
@@ -287,6 +288,10 @@ class BleuEvalCallback(TrainerCallback):
         self.last_stats: dict = {}
         self._tb_writer = None
         self._logged_path = None
+        #: the gathered copy of a ZeRO-3 model while :meth:`gathered_for_evaluation` holds one
+        self.gathered_model = None
+        self._path: GenerationPath | None = None
+        self.gather_seconds = 0.0
 
     # --------------------------------------------------------------------------------- settings
     def generation_kwargs(self, args, model=None) -> dict:
@@ -311,6 +316,35 @@ class BleuEvalCallback(TrainerCallback):
         kwargs.pop("synced_gpus", None)  # decided per run, see generate_in_order
         return kwargs
 
+    @contextmanager
+    def generation_model(self, args, model):
+        """``(module, path)`` to generate with: under ZeRO-3 a gathered copy when :meth:`zero3_path` says so (the
+        one :meth:`gathered_for_evaluation` holds, else one built here), otherwise ``model`` itself."""
+        if self.gathered_model is not None:
+            yield self.gathered_model, self._path
+            return
+        path = self.zero3_path(args, model)
+        if path is not None and path.gathered:
+            with gathered_copy(model) as plain:
+                yield plain, path
+        else:
+            yield model, path
+
+    @contextmanager
+    def gathered_for_evaluation(self, args, model):
+        """Hold one gathered copy for a whole ``evaluate()``: :class:`hf_ext.Seq2SeqTrainer` runs its loss pass on it
+        too, so that the weights are gathered once per evaluation, not once per loss batch and again per decoding
+        step. Yields the copy, or ``None`` where the model is not partitioned or the copy does not fit."""
+        start = time.time()
+        with self.generation_model(args, model) as (plain, path):
+            self._path = path
+            self.gathered_model = plain if plain is not model else None
+            self.gather_seconds = time.time() - start
+            try:
+                yield self.gathered_model
+            finally:
+                self.gathered_model = None
+
     def zero3_path(self, args, model) -> GenerationPath | None:
         """For a ZeRO-3 model: gather the weights once or per decoding step (the same choice on every rank, logged
         when it changes); ``None`` otherwise."""
@@ -323,8 +357,9 @@ class BleuEvalCallback(TrainerCallback):
             path = GenerationPath(False, "another rank has no room for the gathered copy")
         if (path.gathered, path.reason) != self._logged_path:
             self._logged_path = (path.gathered, path.reason)
-            if _dist_world()[0] == 0:
-                logger.info(f"Generation eval under ZeRO-3: {path.name} ({path.reason})")
+            if _dist_world()[0] == 0:  # a fallback the user did not ask for costs time: a warning
+                level = logging.WARNING if not path.gathered and setting == "auto" else logging.INFO
+                logger.log(level, f"Generation eval under ZeRO-3: {path.name} ({path.reason})")
         return path
 
     def batch_size(self, args) -> int:
@@ -364,16 +399,15 @@ class BleuEvalCallback(TrainerCallback):
                            batch_size=self.batch_size(args), bucket=self.config.generation_bucket_by_length,
                            device=args.device)  # fmt: skip
         try:
-            path = self.zero3_path(args, model)
-            if path is not None and path.gathered:
-                with gathered_copy(model) as plain:
-                    hyps, gen_lens, stats = generate(plain, synced_gpus=False)
-            else:
-                hyps, gen_lens, stats = generate(model)
+            with self.generation_model(args, model) as (plain, path):
+                copied = time.time() - start
+                hyps, gen_lens, stats = generate(plain, synced_gpus=False if plain is not model else None)
         finally:
             model.train(was_training)
         runtime = time.time() - start
         stats["path"] = path.name if path is not None else "plain"
+        if path is not None and path.gathered:
+            stats["gather_seconds"] = round(self.gather_seconds if self.gathered_model is not None else copied, 3)
         refs = [_decode_labels(tokenizer, r["labels"]) if "labels" in r else "" for r in rows]
         scores = compute_bleu_chrf(hyps, refs)
         new = {

@@ -102,8 +102,10 @@ def gathered_copy(model, group_bytes: int = GROUP_BYTES):
     """A plain, unpartitioned copy of the ZeRO-3 ``model`` on this rank (in eval mode), freed on the way out.
 
     Collective: every rank must enter it. The copy is built on the meta device (no memory, no initialisation), then
-    each parameter is replaced by a clone of its gathered full tensor, ``group_bytes`` at a time; tied parameters
-    stay tied. Buffers are not partitioned by ZeRO-3 and are cloned as they are.
+    each parameter is replaced by its gathered full tensor, ``group_bytes`` at a time; tied parameters stay tied.
+    The copy keeps the very tensors the gather produced (no second copy): leaving ``GatheredParameters`` only drops
+    DeepSpeed's reference to them (``free_param`` rebinds ``param.data``), and nothing writes to weights during an
+    evaluation. Buffers are not partitioned by ZeRO-3 and are shared as they are.
     """
     import deepspeed
 
@@ -119,7 +121,7 @@ def gathered_copy(model, group_bytes: int = GROUP_BYTES):
         if size >= group_bytes or i == len(params) - 1:
             with deepspeed.zero.GatheredParameters(group, modifier_rank=None):
                 for p in group:
-                    clones[id(p)] = torch.nn.Parameter(p.data.detach().clone(), requires_grad=False)
+                    clones[id(p)] = torch.nn.Parameter(p.data.detach(), requires_grad=False)
             group, size = [], 0
     targets = dict(copy.named_modules())
     for name, module in model.named_modules():
@@ -129,7 +131,7 @@ def gathered_copy(model, group_bytes: int = GROUP_BYTES):
                 target._parameters[key] = clones[id(param)]
         for key, buffer in module._buffers.items():
             if buffer is not None:
-                target._buffers[key] = buffer.detach().clone()
+                target._buffers[key] = buffer.detach()
     del clones
     copy.eval()
     try:
