@@ -36,7 +36,7 @@ from transformers import TrainerCallback
 
 from ..runtime import local_world_size
 from ..training_args import GenerationEvalArguments
-from .gathered import GenerationPath, choose_generation_path, gathered_copy, is_partitioned
+from .gathered import GenerationPath, choose_generation_path, gathered_copy, is_partitioned_model
 
 logger = logging.getLogger(__name__)
 
@@ -348,7 +348,7 @@ class BleuEvalCallback(TrainerCallback):
     def zero3_path(self, args, model) -> GenerationPath | None:
         """For a ZeRO-3 model: gather the weights once or per decoding step (the same choice on every rank, logged
         when it changes); ``None`` otherwise."""
-        if not is_partitioned(model):
+        if not is_partitioned_model(model):
             return None
         plan = getattr(args, "memory_plan", None)
         setting = self.config.generation_gather_weights

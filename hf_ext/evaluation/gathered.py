@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import gather
 from ..memory.formulas import GATHERED_EVAL_HEADROOM
 
 logger = logging.getLogger(__name__)
@@ -29,9 +30,9 @@ logger = logging.getLogger(__name__)
 GROUP_BYTES = 256 * 2**20
 
 
-def is_partitioned(model) -> bool:
-    """True when ``model``'s parameters are ZeRO-3 partitions (DeepSpeed gives each a ``ds_id``)."""
-    return any(hasattr(p, "ds_id") for p in model.parameters())
+def is_partitioned_model(model) -> bool:
+    """True when ``model``'s parameters are ZeRO-3 partitions."""
+    return any(gather.is_partitioned(p) for p in model.parameters())
 
 
 def _unique_parameters(model) -> list[torch.nn.Parameter]:
@@ -107,8 +108,6 @@ def gathered_copy(model, group_bytes: int = GROUP_BYTES):
     DeepSpeed's reference to them (``free_param`` rebinds ``param.data``), and nothing writes to weights during an
     evaluation. Buffers are not partitioned by ZeRO-3 and are shared as they are.
     """
-    import deepspeed
-
     with torch.device("meta"):
         copy = type(model)(model.config)
     copy.generation_config = model.generation_config
@@ -119,7 +118,7 @@ def gathered_copy(model, group_bytes: int = GROUP_BYTES):
         group.append(param)
         size += getattr(param, "ds_numel", param.numel()) * param.element_size()
         if size >= group_bytes or i == len(params) - 1:
-            with deepspeed.zero.GatheredParameters(group, modifier_rank=None):
+            with gather.gathered(group):
                 for p in group:
                     clones[id(p)] = torch.nn.Parameter(p.data.detach(), requires_grad=False)
             group, size = [], 0
