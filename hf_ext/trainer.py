@@ -20,6 +20,7 @@ from .deepspeed import callbacks as deepspeed_callbacks
 from .evaluation.bleu import BleuEvalCallback, BleuEvalConfig
 from .evaluation.zero_eval import plain_eval_without_engine
 from .memory.measure import MemoryPlanCallback
+from .schedule import ResumedScheduleCallback
 from .saving import checkpoints
 from .saving import zero as saving
 from .training_args import Seq2SeqTrainingArguments, TrainingArguments
@@ -76,6 +77,7 @@ class _HfExtTrainerMixin:
         super().__init__(model, as_hf_ext_args(args, self.args_class, deepspeed), *pos, **kwargs)
         deepspeed_callbacks.attach_to_trainer(self)  # model-dependent "auto" keys; resolved config file at train start
         self.add_callback(MemoryPlanCallback())  # plan at train start, measured peak at train end
+        self.add_callback(ResumedScheduleCallback())  # a resumed run starts at its own schedule's learning rate
         if self.model_accepts_loss_kwargs and loss_ignores_num_items(model):
             logger.info(f"{type(model).__name__} averages its own loss: not rescaling it by the global token count.")
             self.model_accepts_loss_kwargs = False
