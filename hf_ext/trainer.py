@@ -20,9 +20,9 @@ from .deepspeed import callbacks as deepspeed_callbacks
 from .evaluation.bleu import BleuEvalCallback, BleuEvalConfig
 from .evaluation.zero_eval import plain_eval_without_engine
 from .memory.measure import MemoryPlanCallback
-from .schedule import ResumedScheduleCallback
 from .saving import checkpoints
 from .saving import zero as saving
+from .schedule import ResumedScheduleCallback
 from .training_args import Seq2SeqTrainingArguments, TrainingArguments
 
 logger = logging.getLogger(__name__)
