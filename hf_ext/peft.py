@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from .gather import gathered, is_partitioned
+from .schedule import inner_scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -96,13 +97,6 @@ def _inner_optimizer(optimizer):
     return optimizer
 
 
-def _inner_scheduler(scheduler):
-    """The schedule itself: accelerate wraps it (and its DeepSpeed wrapper's ``step`` does nothing)."""
-    while scheduler is not None and hasattr(scheduler, "scheduler"):
-        scheduler = scheduler.scheduler
-    return scheduler
-
-
 def _deepspeed_param(param) -> bool:
     return is_partitioned(param) or hasattr(param, "_hp_mapping")
 
@@ -138,7 +132,7 @@ def _full_fp32(param) -> torch.Tensor:
 
 def save_trainable_state(trainer, output_dir: str | Path) -> None:
     """Write :data:`TRAINABLE_STATE_NAME` (every rank takes part in the gathers; the main process writes)."""
-    model, optimizer, scheduler = trainer.model, trainer.optimizer, _inner_scheduler(trainer.lr_scheduler)
+    model, optimizer, scheduler = trainer.model, trainer.optimizer, inner_scheduler(trainer.lr_scheduler)
     params = {}
     for name, param in trainable_parameters(model):
         entry = {"param": _full_fp32(param)}
@@ -202,7 +196,7 @@ def _set_state(optimizer, param, key: str, value: torch.Tensor) -> None:
 def load_trainable_state(trainer, checkpoint: str | Path) -> None:
     """Restore parameters, optimizer and scheduler from :data:`TRAINABLE_STATE_NAME` (every rank)."""
     state = torch.load(Path(checkpoint) / TRAINABLE_STATE_NAME, map_location="cpu", weights_only=False)
-    model, optimizer, scheduler = trainer.model, trainer.optimizer, _inner_scheduler(trainer.lr_scheduler)
+    model, optimizer, scheduler = trainer.model, trainer.optimizer, inner_scheduler(trainer.lr_scheduler)
     named = dict(trainable_parameters(model))
     missing = sorted(set(named) - set(state["params"]))
     unexpected = sorted(set(state["params"]) - set(named))

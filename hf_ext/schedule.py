@@ -18,6 +18,13 @@ from transformers import TrainerCallback
 logger = logging.getLogger(__name__)
 
 
+def inner_scheduler(scheduler):
+    """The schedule itself: accelerate wraps it (and its DeepSpeed wrapper's ``step`` does nothing)."""
+    while scheduler is not None and hasattr(scheduler, "scheduler"):
+        scheduler = scheduler.scheduler
+    return scheduler
+
+
 def scheduled_lrs(scheduler) -> list[float] | None:
     """The learning rate of each parameter group at the scheduler's current step, from the schedule itself (not from
     the optimizer): transformers' ``LambdaLR`` schedules and DeepSpeed's own schedulers; ``None`` for others."""
@@ -44,8 +51,9 @@ class ResumedScheduleCallback(TrainerCallback):
                 f"The checkpoint is at step {step} but this run stops at max_steps={state.max_steps}: nothing to "
                 f"train. Pass --max_steps above {step} to continue it, or start from an earlier checkpoint."
             )
-        lrs = scheduled_lrs(lr_scheduler) if lr_scheduler is not None else None
-        groups = getattr(getattr(lr_scheduler, "optimizer", None), "param_groups", None)
+        scheduler = inner_scheduler(lr_scheduler)
+        lrs = scheduled_lrs(scheduler) if scheduler is not None else None
+        groups = getattr(getattr(scheduler, "optimizer", None), "param_groups", None)
         if lrs is None or not groups or len(groups) != len(lrs):
             return
         saved = [group["lr"] for group in groups]
