@@ -167,28 +167,19 @@ class Seq2SeqTrainer(_HfExtTrainerMixin, _Seq2SeqTrainer):
         if callback is not None:
             callback.call_gen_kwargs = dict(gen_kwargs)
         try:
-            with plain_eval_without_engine(self), self._gathered_for_evaluation(callback):
+            gathered = (
+                callback.gathered_for_evaluation(self.args, self.model) if callback else contextlib.nullcontext()
+            )
+            with plain_eval_without_engine(self), gathered:  # ZeRO-3: one gathered copy for loss pass and generation
                 return super().evaluate(*args, **gen_kwargs)
         finally:
             if callback is not None:
                 callback.call_gen_kwargs = {}
 
-    @contextlib.contextmanager
-    def _gathered_for_evaluation(self, callback):
-        """Under ZeRO-3, when the BLEU eval gathers the weights once, the loss pass runs on the same gathered copy
-        (``prediction_step``): one gather per evaluation in all."""
-        if callback is None:
-            yield
-            return
-        with callback.gathered_for_evaluation(self.args, self.model) as plain:
-            self._eval_model = plain
-            try:
-                yield
-            finally:
-                self._eval_model = None
-
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
-        plain = getattr(self, "_eval_model", None)
+        # under ZeRO-3 the loss pass runs on the BLEU eval's gathered copy when it holds one: one gather per evaluation
+        callback = getattr(self, "bleu_eval_callback", None)
+        plain = callback.gathered_model if callback is not None else None
         return super().prediction_step(plain if plain is not None else model, inputs, prediction_loss_only,
                                        ignore_keys=ignore_keys, **gen_kwargs)  # fmt: skip
 

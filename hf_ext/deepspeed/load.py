@@ -147,6 +147,12 @@ def read_text(path: Path, report: Report) -> str:
     return text
 
 
+def _too_deep(where: str) -> DeepSpeedConfigError:
+    problem = Problem("", f"{where} is nested more than {MAX_DEPTH} levels deep; no DeepSpeed config is",
+                      "pass the DeepSpeed config itself (sections such as zero_optimization hold plain values)")  # fmt: skip
+    return DeepSpeedConfigError([problem], where)
+
+
 def _checked(data: dict, where: str) -> dict:
     """A fresh plain-JSON copy of ``data``; a config nested deeper than any real one, or holding values JSON cannot
     hold (YAML dates, sets), is one problem naming ``where``."""
@@ -155,9 +161,7 @@ def _checked(data: dict, where: str) -> dict:
         node, level = stack.pop()
         depth = max(depth, level)
         if depth > MAX_DEPTH:
-            raise DeepSpeedConfigError([Problem(
-                "", f"{where} is nested more than {MAX_DEPTH} levels deep; no DeepSpeed config is",
-                "pass the DeepSpeed config itself (sections such as zero_optimization hold plain values)")])  # fmt: skip
+            raise _too_deep(where)
         children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
         stack += [(child, level + 1) for child in children if isinstance(child, (dict, list))]
     try:
@@ -217,9 +221,8 @@ def _json_object(text: str, where: str):
             [Problem(str(err), f"given twice in one object of {where} (DeepSpeed rejects that)", "keep one of them")],
             where,
         ) from None
-    except RecursionError:
-        raise DeepSpeedConfigError([Problem("", f"{where} is nested more than {MAX_DEPTH} levels deep; no DeepSpeed "
-                                            "config is", "pass the DeepSpeed config itself")], where) from None  # fmt: skip
+    except RecursionError:  # deeper than Python's parser follows
+        raise _too_deep(where) from None
 
 
 _STRING_OR_COMMA = re.compile(r'"(?:[^"\\]|\\.)*"|,(?=\s*[}\]])')
@@ -281,9 +284,8 @@ def _load_yaml(path: Path, report: Report) -> dict:
                 )
             ]
         ) from None
-    except RecursionError:
-        raise DeepSpeedConfigError([Problem("", f"{path} is nested more than {MAX_DEPTH} levels deep; no DeepSpeed "
-                                            "config is", "pass the DeepSpeed config itself")]) from None  # fmt: skip
+    except RecursionError:  # deeper than PyYAML's constructor follows
+        raise _too_deep(str(path)) from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         at = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""

@@ -204,8 +204,9 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+def _non_negative(value) -> bool:
+    """A finite number >= 0 (not a boolean)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
 
 
 def _positive_int(value) -> bool:
@@ -213,7 +214,7 @@ def _positive_int(value) -> bool:
 
 
 def _betas(value) -> bool:
-    return isinstance(value, list) and len(value) == 2 and all(_number(b) and 0 <= b < 1 for b in value)
+    return isinstance(value, list) and len(value) == 2 and all(_non_negative(b) and b < 1 for b in value)
 
 
 #: What a value hf-ext fills or compares must be, so that an invalid one is reported as invalid (with a fix that
@@ -222,13 +223,13 @@ VALID_VALUES = {
     "train_micro_batch_size_per_gpu": (_positive_int, "a positive integer"),
     "gradient_accumulation_steps": (_positive_int, "a positive integer"),
     "train_batch_size": (_positive_int, "a positive integer"),
-    "gradient_clipping": (lambda v: _number(v) and v >= 0, "a number >= 0 (0: no clipping)"),
-    "optimizer.params.lr": (lambda v: _number(v) and v >= 0, "a number >= 0"),
+    "gradient_clipping": (_non_negative, "a number >= 0 (0: no clipping)"),
+    "optimizer.params.lr": (_non_negative, "a number >= 0"),
     "optimizer.params.betas": (_betas, "two numbers in [0, 1)"),
-    "optimizer.params.eps": (lambda v: _number(v) and v >= 0, "a number >= 0"),
-    "optimizer.params.weight_decay": (lambda v: _number(v) and v >= 0, "a number >= 0"),
-    "scheduler.params.warmup_min_lr": (lambda v: _number(v) and v >= 0, "a number >= 0"),
-    "scheduler.params.warmup_max_lr": (lambda v: _number(v) and v >= 0, "a number >= 0"),
+    "optimizer.params.eps": (_non_negative, "a number >= 0"),
+    "optimizer.params.weight_decay": (_non_negative, "a number >= 0"),
+    "scheduler.params.warmup_min_lr": (_non_negative, "a number >= 0"),
+    "scheduler.params.warmup_max_lr": (_non_negative, "a number >= 0"),
     "scheduler.params.total_num_steps": (_positive_int, "a positive integer"),
     "scheduler.params.warmup_num_steps": (
         lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,

@@ -267,7 +267,7 @@ def _describe(section: str, model: type, error: dict) -> tuple[str, str, str]:
         choices = _one_of(str(error.get("ctx", {}).get("expected", "")))
         return key, f"must be {choices}{got}", f"use {choices}"
     message = error.get("msg", "invalid value").removeprefix("Value error, ").removeprefix("Assertion failed, ")
-    if kind.startswith("int_") or kind == "int_type":
+    if kind.startswith("int_"):
         fix = "write an integer"
     elif kind.startswith("bool_"):
         fix = "write true or false"
@@ -327,7 +327,7 @@ def validate_with_deepspeed(config: dict) -> list[tuple[str, str, str]]:
 # --- optimizer and scheduler parameters: the constructors DeepSpeed's engine calls ---------------------------------
 
 #: The 1-bit optimizers, removed in DeepSpeed 0.19 (their config names, lower-cased as DeepSpeed matched them).
-REMOVED_OPTIMIZERS = {"onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam", "onebitlamb": "OneBitLamb"}
+REMOVED_OPTIMIZERS = frozenset({"onebitadam", "zerooneadam", "onebitlamb"})
 
 #: Keys the engine pops from optimizer.params before calling the constructor (engine._configure_basic_optimizer,
 #: get_optimizer_configuration), for the Adam family.
@@ -364,15 +364,17 @@ def optimizer_parameters(name: str, config: dict) -> tuple[str, set[str] | None]
     try:
         if lower in ("adam", "adamw"):
             if params.get("torch_adam") is True:
-                cls = torch.optim.AdamW if lower == "adamw" else torch.optim.Adam
-                return cls.__name__, _parameters(cls, {"params"}) | _ADAM_POPPED
-            if cpu:
+                cls, own = (torch.optim.AdamW if lower == "adamw" else torch.optim.Adam), {"params"}
+            elif cpu:
                 from deepspeed.ops.adam import DeepSpeedCPUAdam as cls
 
-                return cls.__name__, _parameters(cls, {"model_params", "adamw_mode"}) | _ADAM_POPPED
-            from deepspeed.ops.adam import FusedAdam as cls
+                own = {"model_params", "adamw_mode"}  # adamw_mode: the engine passes it itself
+            else:
+                from deepspeed.ops.adam import FusedAdam as cls
 
-            return cls.__name__, _parameters(cls, {"params"}) | _ADAM_POPPED
+                own = {"params"}
+            accepted = _parameters(cls, own)
+            return cls.__name__, None if accepted is None else accepted | _ADAM_POPPED
         if lower == "adagrad":
             from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
 

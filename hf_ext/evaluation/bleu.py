@@ -288,9 +288,10 @@ class BleuEvalCallback(TrainerCallback):
         self.last_stats: dict = {}
         self._tb_writer = None
         self._logged_path = None
-        #: the gathered copy of a ZeRO-3 model while :meth:`gathered_for_evaluation` holds one
+        #: the gathered copy of a ZeRO-3 model while :meth:`gathered_for_evaluation` holds one, and its path
         self.gathered_model = None
         self._path: GenerationPath | None = None
+        #: seconds the last gathered copy took to build (decision included)
         self.gather_seconds = 0.0
 
     # --------------------------------------------------------------------------------- settings
@@ -323,9 +324,11 @@ class BleuEvalCallback(TrainerCallback):
         if self.gathered_model is not None:
             yield self.gathered_model, self._path
             return
+        start = time.time()
         path = self.zero3_path(args, model)
         if path is not None and path.gathered:
             with gathered_copy(model) as plain:
+                self.gather_seconds = time.time() - start
                 yield plain, path
         else:
             yield model, path
@@ -335,11 +338,9 @@ class BleuEvalCallback(TrainerCallback):
         """Hold one gathered copy for a whole ``evaluate()``: :class:`hf_ext.Seq2SeqTrainer` runs its loss pass on it
         too, so that the weights are gathered once per evaluation, not once per loss batch and again per decoding
         step. Yields the copy, or ``None`` where the model is not partitioned or the copy does not fit."""
-        start = time.time()
         with self.generation_model(args, model) as (plain, path):
             self._path = path
             self.gathered_model = plain if plain is not model else None
-            self.gather_seconds = time.time() - start
             try:
                 yield self.gathered_model
             finally:
@@ -400,14 +401,13 @@ class BleuEvalCallback(TrainerCallback):
                            device=args.device)  # fmt: skip
         try:
             with self.generation_model(args, model) as (plain, path):
-                copied = time.time() - start
                 hyps, gen_lens, stats = generate(plain, synced_gpus=False if plain is not model else None)
         finally:
             model.train(was_training)
         runtime = time.time() - start
         stats["path"] = path.name if path is not None else "plain"
         if path is not None and path.gathered:
-            stats["gather_seconds"] = round(self.gather_seconds if self.gathered_model is not None else copied, 3)
+            stats["gather_seconds"] = round(self.gather_seconds, 3)
         refs = [_decode_labels(tokenizer, r["labels"]) if "labels" in r else "" for r in rows]
         scores = compute_bleu_chrf(hyps, refs)
         new = {

@@ -64,7 +64,7 @@ def the_one_problem(config, tmp_path, **kwargs):
 def resolves(config, tmp_path, world=1, **args):
     resolution = explain_deepspeed_config(config, make_args(tmp_path, **args), None, world, defer=True,
                                           raise_errors=True, hardware=GPU)  # fmt: skip
-    deepspeed_accepts({k: v for k, v in resolution.config.items()}, world_size=world)
+    deepspeed_accepts(resolution.config, world_size=world)
     return resolution
 
 
