@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import warnings
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -230,30 +229,3 @@ def load_trainable_state(trainer, checkpoint: str | Path) -> None:
         f"Resumed {len(named)} trainable tensors, optimizer step {state['optimizer_step']} from {checkpoint} "
         f"(written on {state['world_size']} rank(s), now {trainer.args.world_size})."
     )
-
-
-@contextmanager
-def deepspeed_resume(trainer, checkpoint):
-    """While ``trainer.train`` runs: let transformers' DeepSpeed resume skip an hf-ext trainable-state checkpoint.
-
-    transformers resumes a DeepSpeed run with ``deepspeed_load_checkpoint``, which needs a ZeRO checkpoint of the same
-    world size and raises without one; there is no public hook to replace it. The state is loaded instead by
-    :func:`load_trainable_state`, from ``Trainer._load_optimizer_and_scheduler`` right after.
-    """
-    if not (getattr(trainer, "is_deepspeed_enabled", False) and is_trainable_state_checkpoint(checkpoint)):
-        yield
-        return
-    import transformers.trainer as hf_trainer
-
-    original = hf_trainer.deepspeed_load_checkpoint
-
-    def load(engine, path, *args, **kwargs):
-        if is_trainable_state_checkpoint(path):
-            return None
-        return original(engine, path, *args, **kwargs)
-
-    hf_trainer.deepspeed_load_checkpoint = load
-    try:
-        yield
-    finally:
-        hf_trainer.deepspeed_load_checkpoint = original

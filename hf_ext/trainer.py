@@ -20,7 +20,7 @@ from .deepspeed import callbacks as deepspeed_callbacks
 from .evaluation.bleu import BleuEvalCallback, BleuEvalConfig
 from .evaluation.zero_eval import plain_eval_without_engine
 from .memory.measure import MemoryPlanCallback
-from .saving import checkpoints
+from .saving import checkpoints, resume
 from .saving import zero as saving
 from .schedule import ResumedScheduleCallback
 from .training_args import Seq2SeqTrainingArguments, TrainingArguments
@@ -82,14 +82,15 @@ class _HfExtTrainerMixin:
             logger.info(f"{type(model).__name__} averages its own loss: not rescaling it by the global token count.")
             self.model_accepts_loss_kwargs = False
 
-    # --- training, saving (hf_ext.saving), resume (hf_ext.peft) ---
+    # --- training, saving and resume (hf_ext.saving, hf_ext.peft) ---
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         runtime.prepare_run(self.args)
         resume_from_checkpoint = checkpoints.resolve_resume_from_checkpoint(self, resume_from_checkpoint)
         if self.deepspeed is not None and self.optimizer is None:  # an engine from evaluate(): inference only
             self._drop_inference_engine()
         deepspeed_callbacks.reopen_step_keys(self)  # an evaluate() before train() may have filled them for inference
-        with peft.deepspeed_resume(self, resume_from_checkpoint):
+        universal = resume.prepare_resume(self, resume_from_checkpoint)  # written on another number of ranks
+        with resume.deepspeed_resume(self, resume_from_checkpoint, universal):
             return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _drop_inference_engine(self) -> None:

@@ -392,6 +392,14 @@ def _apply_memory_plan(config: dict, plan, keys: list[str], report: Report, sour
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
+def split_batch(total: int, world: int, micro: int) -> tuple[int, int]:
+    """The micro-batch (the largest divisor of ``total / world`` up to ``micro``) and accumulation that give a global
+    batch of ``total`` on ``world`` ranks; ``total`` must be a multiple of ``world``."""
+    per_rank = total // world
+    new_micro = max(d for d in range(1, min(micro, per_rank) + 1) if per_rank % d == 0)
+    return new_micro, per_rank // new_micro
+
+
 def _batch_arithmetic(config: dict, args, world: int, report: Report) -> bool:
     """An explicit ``train_batch_size`` that world x micro-batch x accumulation cannot give, as one problem stating
     the arithmetic and the settings that satisfy it (one fix, not one mismatch after another). True if reported."""
@@ -411,9 +419,7 @@ def _batch_arithmetic(config: dict, args, world: int, report: Report) -> bool:
         report.problem("train_batch_size", f"{total} cannot be split over {world} ranks ({arithmetic})",
                        f'set train_batch_size to "auto" or a multiple of {world}')  # fmt: skip
         return True
-    per_rank = total // world
-    new_micro = max(d for d in range(1, min(micro, per_rank) + 1) if per_rank % d == 0)
-    new_accum = per_rank // new_micro
+    new_micro, new_accum = split_batch(total, world, micro)
     flags = f"--per_device_train_batch_size {new_micro} --gradient_accumulation_steps {new_accum}"
     autos = f'set {" and ".join(explicit)} to "auto" and ' if explicit else ""
     report.problem(

@@ -17,6 +17,7 @@ logger = logging.getLogger(__name__)
 CHECKPOINT_MARKER = "hf_ext_checkpoint.json"
 CHECKPOINT_PREFIX = "checkpoint"
 TMP_PREFIX = "tmp-"
+UNIVERSAL_SUFFIX = ".universal"  # checkpoint-N.universal: its DeepSpeed universal conversion (hf_ext.saving.resume)
 TRAINER_STATE_NAME = "trainer_state.json"
 _RE_CHECKPOINT = re.compile(rf"^{CHECKPOINT_PREFIX}-(\d+)$")
 _RE_TMP = re.compile(rf"^{TMP_PREFIX}{CHECKPOINT_PREFIX}-(\d+)$")
@@ -77,6 +78,7 @@ def rotate_complete_checkpoints(run_dir: str | Path, save_total_limit: int | Non
             continue
         logger.info(f"Deleting older checkpoint {path} due to save_total_limit={save_total_limit}")
         shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(path.with_name(path.name + UNIVERSAL_SUFFIX), ignore_errors=True)  # its cached conversion
         remaining -= 1
 
 

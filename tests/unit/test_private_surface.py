@@ -9,8 +9,11 @@ What is touched, and why no public hook does it:
   happen before any public hook runs, so a crash there can lose the newest complete checkpoint.
 * ``Trainer._load_optimizer_and_scheduler`` (overridden by ``hf_ext.trainer``): the stock loader reads per-rank
   optimizer files only; hf-ext's PEFT checkpoints hold the state by parameter name, for any world size.
-* ``transformers.trainer.deepspeed_load_checkpoint`` (patched while ``train`` runs, ``hf_ext.peft.deepspeed_resume``):
-  it raises without a ZeRO checkpoint of the same world size, before ``_load_optimizer_and_scheduler`` runs.
+* ``transformers.trainer.deepspeed_load_checkpoint`` (patched while ``train`` runs,
+  ``hf_ext.saving.resume.deepspeed_resume``): it raises without a ZeRO checkpoint of the same world size, before
+  ``_load_optimizer_and_scheduler`` runs; a checkpoint of another world size is loaded from its universal conversion.
+* ``DeepSpeedEngine._config.load_universal_checkpoint`` (set around that one load, same module): the switch DeepSpeed's
+  ``load_checkpoint`` reads; the engine was started without it so that its own config stays the user's.
 * ``Accelerator._models`` (``hf_ext.evaluation.zero_eval``): the models accelerate prepared, restored after an
   engine-free evaluation on ZeRO-1/2.
 """
@@ -67,7 +70,7 @@ def test_deepspeed_resume_patch_point():
     loop = inspect.getsource(Trainer._prepare_for_training)
     patched_call = loop.index("deepspeed_load_checkpoint(")
     assert patched_call < loop.index("self._load_optimizer_and_scheduler(resume_from_checkpoint)"), (
-        "transformers reordered the DeepSpeed resume: re-read hf_ext/peft.py deepspeed_resume"
+        "transformers reordered the DeepSpeed resume: re-read hf_ext/saving/resume.py deepspeed_resume"
     )
 
 
@@ -75,3 +78,16 @@ def test_accelerator_keeps_its_prepared_models_in_a_list():
     assert "self._models = []" in inspect.getsource(Accelerator.__init__), (
         "accelerate changed Accelerator._models: re-read hf_ext/evaluation/zero_eval.py"
     )
+
+
+def test_deepspeed_reads_load_universal_from_the_engine_config():
+    # hf_ext.saving.resume switches load_universal on for one load through the engine's parsed config
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    config = DeepSpeedConfig({"train_batch_size": 1, "checkpoint": {"load_universal": True}})
+    assert config.load_universal_checkpoint is True
+    assert "return self._config.load_universal_checkpoint" in inspect.getsource(
+        DeepSpeedEngine.load_universal_checkpoint
+    )
+    assert "self.load_universal_checkpoint()" in inspect.getsource(DeepSpeedEngine.load_checkpoint)

@@ -2,7 +2,7 @@
 and leave artifacts to check.
 
     deepspeed --num_gpus 2 tests/distributed/workers/train_save.py --model DIR --out DIR --stage 3 [--gather on|off|misnamed]
-        [--resume true|PATH] [--dump FILE] [--stock_save DIR] [--max_shard_size 20KB]
+        [--resume true|PATH] [--dump FILE] [--stock_save DIR] [--max_shard_size 20KB] [--accum N] [--samples FILE]
 
 With --lora, LoRA (r=4) on --lora_targets (default q_proj,v_proj; "all-linear" for every projection) (+
 --modules_to_save NAME); dropout is off so that runs on different
@@ -75,6 +75,20 @@ def gathered_state_dict(model) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
 
 
+class SampleRecordingTrainer(hf_ext.Seq2SeqTrainer):
+    """Records ``[optimizer step, sample id]`` for every sample a training forward sees (the rows carry their index,
+    taken out of the batch before the model sees it)."""
+
+    samples: list[list[int]]
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        ids = inputs.pop("sample_id")
+        if model.training:
+            self.samples = getattr(self, "samples", [])
+            self.samples += [[self.state.global_step + 1, int(i)] for i in ids]
+        return super().compute_loss(model, inputs, *args, **kwargs)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
@@ -90,6 +104,9 @@ def main() -> None:
     parser.add_argument("--save_steps", type=int, default=4)
     parser.add_argument("--save_total_limit", type=int, default=2)
     parser.add_argument("--batch", type=int, default=2, help="per-device batch size")
+    parser.add_argument("--accum", type=int, default=1, help="gradient accumulation steps")
+    parser.add_argument("--no_dropout", action="store_true", help="so that runs on different world sizes compare")
+    parser.add_argument("--samples", default=None, help="write the sample ids each rank trained on, per step, here")
     parser.add_argument("--lora", action="store_true")
     parser.add_argument("--modules_to_save", default=None)
     parser.add_argument("--lora_targets", default="q_proj,v_proj")
@@ -100,6 +117,8 @@ def main() -> None:
     args = hf_ext.Seq2SeqTrainingArguments(
         output_dir=opts.out,
         per_device_train_batch_size=opts.batch,
+        gradient_accumulation_steps=opts.accum,
+        remove_unused_columns=not opts.samples,  # the sample ids reach compute_loss
         num_train_epochs=opts.epochs,
         learning_rate=1e-3,
         save_strategy="steps",
@@ -116,7 +135,8 @@ def main() -> None:
     transformers.set_seed(0)
     config = AutoConfig.from_pretrained(opts.model)
     causal = not config.is_encoder_decoder
-    no_dropout = dict(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0) if opts.lora and not causal else {}
+    no_dropout = dict(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+    no_dropout = no_dropout if (opts.lora or opts.no_dropout) and not causal else {}
     model = model_class(config).from_pretrained(opts.model, **no_dropout)
     if opts.lora:
         from peft import LoraConfig, get_peft_model
@@ -125,10 +145,15 @@ def main() -> None:
         targets = "all-linear" if opts.lora_targets == "all-linear" else opts.lora_targets.split(",")
         lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, modules_to_save=modules_to_save)
         model = get_peft_model(model, lora)
-    trainer = hf_ext.Seq2SeqTrainer(
+    data = synthetic_dataset(opts.n, config.vocab_size, causal=causal)
+    trainer_class = hf_ext.Seq2SeqTrainer
+    if opts.samples:
+        data = [dict(row, sample_id=i) for i, row in enumerate(data)]
+        trainer_class = SampleRecordingTrainer
+    trainer = trainer_class(
         model=model,
         args=args,
-        train_dataset=synthetic_dataset(opts.n, config.vocab_size, causal=causal),
+        train_dataset=data,
         data_collator=default_data_collator,
         processing_class=AutoTokenizer.from_pretrained(opts.model),
     )
@@ -152,6 +177,9 @@ def main() -> None:
     state_dict = gathered_state_dict(trainer.model)
     if opts.stock_save:
         transformers.Seq2SeqTrainer.save_model(trainer, opts.stock_save)
+    if opts.samples:
+        with open(f"{opts.samples}.rank{args.process_index}.json", "w") as f:
+            json.dump(trainer.samples, f)
     if args.process_index == 0 and opts.dump:
         torch.save(state_dict, opts.dump)
         info = {

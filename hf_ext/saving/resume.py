@@ -1,0 +1,262 @@
+"""Resuming a DeepSpeed run from any checkpoint, on any number of ranks.
+
+A ZeRO checkpoint holds the optimizer state (and under ZeRO-3 the weights) partitioned over the ranks that wrote it;
+DeepSpeed refuses it on another world size ("Automatic adjustment of ZeRO's optimizer state partitioning with a new
+world size is not currently supported"). DeepSpeed's *universal* checkpoint holds every parameter's fp32 value and
+optimizer state whole, and ``load_universal`` re-partitions it for the ranks that load it. On such a resume hf-ext
+
+* converts the checkpoint with DeepSpeed's own ``ds_to_universal`` (``--inject_missing_state``: transformers'
+  checkpoints lack the marker it wants) into ``checkpoint-N.universal`` next to it, once: the conversion is cached
+  and the original is never written to;
+* keeps the global batch by setting the gradient accumulation (or refuses with the arithmetic and a fix), so that the
+  sampler hands every optimizer step the same samples as on the old world size and the schedule's steps match;
+* loads the converted checkpoint into the engine transformers started, and says all of it in one log line.
+
+hf-ext's PEFT checkpoints hold the trainable state by parameter name (:mod:`hf_ext.peft`) and need none of this.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..deepspeed.resolve import split_batch
+from ..peft import is_trainable_state_checkpoint
+from .checkpoints import TMP_PREFIX, UNIVERSAL_SUFFIX, replace_dir
+
+logger = logging.getLogger(__name__)
+
+UNIVERSAL_MARKER = "hf_ext_universal.json"
+LATEST_UNIVERSAL = "latest_universal"  # the tag file DeepSpeed's load_universal reads instead of "latest"
+
+
+@dataclass(frozen=True)
+class ZeroCheckpoint:
+    """What a DeepSpeed checkpoint directory says about the run that wrote it."""
+
+    path: Path  # checkpoint-N
+    tag: str  # global_stepN
+    world_size: int  # data-parallel ranks that wrote the partitioned state
+    train_batch_size: int | None
+    micro_batch: int | None
+    accumulation: int | None
+
+    @property
+    def universal_path(self) -> Path:
+        return self.path.with_name(self.path.name + UNIVERSAL_SUFFIX)
+
+    def batch_arithmetic(self) -> str:
+        return (f"{self.world_size} ranks x micro-batch {self.micro_batch} x accumulation {self.accumulation} = "
+                f"{self.train_batch_size}")  # fmt: skip
+
+
+def read_zero_checkpoint(path: str | Path) -> ZeroCheckpoint | None:
+    """The ZeRO checkpoint in ``path`` (its ``latest`` tag), or ``None`` when there is no partitioned state there."""
+    import torch
+
+    path = Path(path)
+    latest = path / "latest"
+    if not latest.is_file():
+        return None
+    tag = latest.read_text().strip()
+    folder = path / tag
+    optim_files = sorted(folder.glob("*zero_pp_rank_*_mp_rank_00_optim_states.pt"))
+    model_files = sorted(folder.glob("*mp_rank_00_model_states.pt"))
+    if not optim_files or not model_files:
+        return None  # no ZeRO partitioning: any world size loads it
+    # mmap: under ZeRO-1/2 this file also holds the whole model, which is not read here
+    states = torch.load(model_files[0], map_location="cpu", mmap=True, weights_only=False)
+    config = states.get("ds_config") or {}
+    return ZeroCheckpoint(
+        path=path,
+        tag=tag,
+        world_size=int(states.get("dp_world_size") or len(optim_files)),
+        train_batch_size=config.get("train_batch_size"),
+        micro_batch=config.get("train_micro_batch_size_per_gpu"),
+        accumulation=config.get("gradient_accumulation_steps"),
+    )
+
+
+def _fingerprint(folder: Path) -> dict[str, list[int]]:
+    """Size and mtime of each file of the source tag: a re-written checkpoint invalidates its conversion."""
+    return {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def cached_universal(checkpoint: ZeroCheckpoint) -> Path | None:
+    """The conversion of ``checkpoint`` made earlier, if it is complete and of the checkpoint as it is now."""
+    out = checkpoint.universal_path
+    try:
+        marker = json.loads((out / UNIVERSAL_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    same = marker.get("tag") == checkpoint.tag and marker.get("source") == _fingerprint(
+        checkpoint.path / checkpoint.tag
+    )
+    return out if same else None
+
+
+def convert_to_universal(checkpoint: ZeroCheckpoint) -> tuple[Path, float]:
+    """Convert ``checkpoint`` with DeepSpeed's ``ds_to_universal`` into ``checkpoint-N.universal`` (written as
+    ``tmp-checkpoint-N.universal`` and renamed when complete). Returns the path and the seconds it took."""
+    out = checkpoint.universal_path
+    tmp = out.with_name(TMP_PREFIX + out.name)
+    shutil.rmtree(tmp, ignore_errors=True)
+    workers = str(max(1, min(4, os.cpu_count() or 1)))
+    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+           str(checkpoint.path / checkpoint.tag), "--output_folder", str(tmp / checkpoint.tag),
+           "--inject_missing_state", "--num_extract_workers", workers, "--num_merge_workers", workers]  # fmt: skip
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    if proc.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        lines = [line for line in (proc.stderr or proc.stdout).strip().splitlines() if line.strip()]
+        raise RuntimeError(
+            f"DeepSpeed's ds_to_universal could not convert {checkpoint.path / checkpoint.tag} for a resume on "
+            f"another number of ranks: {lines[-1] if lines else f'exit code {proc.returncode}'}. Resume it on "
+            f"{checkpoint.world_size} ranks instead."
+        )
+    (tmp / LATEST_UNIVERSAL).write_text(checkpoint.tag)
+    marker = {"tag": checkpoint.tag, "world_size": checkpoint.world_size, "seconds": round(seconds, 2),
+              "source": _fingerprint(checkpoint.path / checkpoint.tag)}  # fmt: skip
+    (tmp / UNIVERSAL_MARKER).write_text(json.dumps(marker, indent=1) + "\n")
+    replace_dir(tmp, out)
+    return out, seconds
+
+
+def _filled_from_args(resolution, key: str) -> bool:
+    """True when hf-ext filled ``key`` of the DeepSpeed config from the TrainingArguments (it was ``"auto"``)."""
+    return any(c.key == key and c.action in ("filled", "added") for c in resolution.changes)
+
+
+def keep_global_batch(trainer, checkpoint: ZeroCheckpoint) -> str:
+    """Set this run's gradient accumulation so that its global batch is the checkpoint's; a phrase for the log line.
+
+    The per-rank batch is left as asked. Raises ``ValueError`` with the arithmetic and a fix when the checkpoint's
+    global batch cannot be made on this world size with that micro-batch.
+    """
+    args = trainer.args
+    world, micro, accum = args.world_size, args.per_device_train_batch_size, args.gradient_accumulation_steps
+    total = checkpoint.train_batch_size
+    if not isinstance(total, int) or world * micro * accum == total:
+        return f"global batch {world * micro * accum} as before"
+    if total % (world * micro):
+        if total % world:
+            divisors = [str(d) for d in range(1, total + 1) if total % d == 0]
+            fix = f"resume on a number of ranks that divides {total} ({', '.join(divisors)})"
+        else:
+            new_micro, new_accum = split_batch(total, world, micro)
+            fix = (f"pass --per_device_train_batch_size {new_micro} --gradient_accumulation_steps {new_accum} "
+                   f"({world} x {new_micro} x {new_accum} = {total})")  # fmt: skip
+        raise ValueError(
+            f"{checkpoint.path.name} was trained with a global batch of {total} ({checkpoint.batch_arithmetic()}); "
+            f"{world} ranks x micro-batch {micro} cannot make {total} with any gradient accumulation. Fix: {fix}."
+        )
+    new_accum = total // (world * micro)
+    _set_accumulation(trainer, new_accum, total)
+    return f"gradient accumulation {accum} -> {new_accum} keeps the global batch of {total}"
+
+
+def _set_accumulation(trainer, accumulation: int, total: int) -> None:
+    """``gradient_accumulation_steps`` in the arguments and in the DeepSpeed config the engine will start from."""
+    args = trainer.args
+    resolution = getattr(args, "deepspeed_resolution", None)
+    plugin = getattr(getattr(trainer.accelerator, "state", None), "deepspeed_plugin", None)
+    configs = {id(c): c for c in (getattr(getattr(args, "hf_deepspeed_config", None), "config", None),
+                                  getattr(getattr(plugin, "hf_ds_config", None), "config", None)) if c is not None}  # fmt: skip
+    wanted = {"gradient_accumulation_steps": accumulation, "train_batch_size": total}
+    for config in configs.values():
+        for key, value in wanted.items():
+            if config.get(key, value) == value:
+                continue
+            if resolution is not None and not _filled_from_args(resolution, key):
+                raise ValueError(
+                    f"The DeepSpeed config fixes {key} to {config[key]}, but keeping the checkpoint's global batch of "
+                    f'{total} on {args.world_size} ranks needs {value}. Fix: set {key} to "auto" in the config.'
+                )
+            config[key] = value
+    args.gradient_accumulation_steps = accumulation
+
+
+def prepare_resume(trainer, checkpoint) -> Path | None:
+    """Before ``train`` starts the engine: when ``checkpoint`` was written on another number of ranks, keep the global
+    batch, convert it (once, on the process that saves) and return the converted directory; else ``None``.
+
+    Call on every rank: the others wait for the conversion.
+    """
+    if not getattr(trainer, "is_deepspeed_enabled", False) or checkpoint is None or isinstance(checkpoint, bool):
+        return None
+    if is_trainable_state_checkpoint(checkpoint):
+        return None
+    found = read_zero_checkpoint(checkpoint)
+    args = trainer.args
+    if found is None or found.world_size == args.world_size:
+        return None
+    batch = keep_global_batch(trainer, found)
+    cached = cached_universal(found)
+    took = "converted earlier"
+    if cached is None and args.should_save:
+        _, seconds = convert_to_universal(found)
+        took = f"converted in {seconds:.1f} s"
+    trainer.accelerator.wait_for_everyone()
+    universal = cached_universal(found)
+    if universal is None:
+        raise RuntimeError(f"The universal conversion of {found.path} is missing on this process: is {found.path.parent} "
+                           "shared by every node? Convert it on each node, or resume on the same number of ranks.")  # fmt: skip
+    if args.should_log:
+        size = _dir_bytes(universal) / 2**20
+        logger.warning(
+            f"Resuming {found.path.name} (written on {found.world_size} ranks) on {args.world_size}: loaded from the "
+            f"DeepSpeed universal checkpoint {universal.name} ({took}, {size:.0f} MiB); {batch}."
+        )
+    return universal
+
+
+@contextmanager
+def deepspeed_resume(trainer, checkpoint, universal: Path | None = None):
+    """While ``trainer.train`` runs: route transformers' DeepSpeed resume (``deepspeed_load_checkpoint``, a module
+    global of ``transformers.trainer``; no public hook replaces it) for the checkpoints it cannot load itself.
+
+    * an hf-ext PEFT checkpoint: skipped; :func:`hf_ext.peft.load_trainable_state` loads it right after, from
+      ``Trainer._load_optimizer_and_scheduler``;
+    * a checkpoint of another world size: loaded from its ``universal`` conversion with DeepSpeed's
+      ``load_universal`` switched on for that one call.
+    """
+    peft_state = getattr(trainer, "is_deepspeed_enabled", False) and is_trainable_state_checkpoint(checkpoint)
+    if not (peft_state or universal is not None):
+        yield
+        return
+    import transformers.trainer as hf_trainer
+
+    original = hf_trainer.deepspeed_load_checkpoint
+
+    def load(engine, path, *args, **kwargs):
+        if is_trainable_state_checkpoint(path):
+            return None
+        if universal is not None and Path(path) == Path(checkpoint):
+            ds_config = engine._config  # the parsed config; load_checkpoint reads load_universal_checkpoint from it
+            before = ds_config.load_universal_checkpoint
+            ds_config.load_universal_checkpoint = True
+            try:
+                return original(engine, str(universal), *args, **kwargs)
+            finally:
+                ds_config.load_universal_checkpoint = before
+        return original(engine, path, *args, **kwargs)
+
+    hf_trainer.deepspeed_load_checkpoint = load
+    try:
+        yield
+    finally:
+        hf_trainer.deepspeed_load_checkpoint = original

@@ -1,0 +1,71 @@
+"""Resuming on another world size keeps the checkpoint's global batch, or refuses with the arithmetic and a fix that
+works (the resumes themselves run in tests/distributed/test_resume_world_size.py).
+
+Real hf-ext TrainingArguments with a resolved DeepSpeed config, in this process (world size 1); the checkpoint is the
+record :func:`read_zero_checkpoint` makes of one written on 2 ranks.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+import hf_ext
+from hf_ext.saving.resume import ZeroCheckpoint, keep_global_batch
+
+
+def written_on_two_ranks(micro: int, accum: int) -> ZeroCheckpoint:
+    return ZeroCheckpoint(Path("run/checkpoint-4"), "global_step4", 2, 2 * micro * accum, micro, accum)
+
+
+def trainer_with(tmp_path, micro: int, accum: int, **config):
+    ds = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+          "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 2}, **config}  # fmt: skip
+    args = hf_ext.TrainingArguments(str(tmp_path), per_device_train_batch_size=micro, gradient_accumulation_steps=accum,
+                                    deepspeed=ds, report_to=[])  # fmt: skip
+    return SimpleNamespace(args=args, accelerator=SimpleNamespace(state=None))
+
+
+def test_accumulation_takes_up_the_ranks_that_are_gone(tmp_path):
+    trainer = trainer_with(tmp_path, micro=2, accum=1)  # the command line of the 2-rank run, now on 1 rank
+    said = keep_global_batch(trainer, written_on_two_ranks(micro=2, accum=1))
+    assert said == "gradient accumulation 1 -> 2 keeps the global batch of 4"
+    config = trainer.args.hf_deepspeed_config.config
+    assert trainer.args.gradient_accumulation_steps == 2
+    assert (config["gradient_accumulation_steps"], config["train_batch_size"]) == (2, 4)
+    assert config["train_micro_batch_size_per_gpu"] == 2
+
+
+def test_a_run_that_already_keeps_the_global_batch_is_left_alone(tmp_path):
+    trainer = trainer_with(tmp_path, micro=4, accum=2)
+    assert keep_global_batch(trainer, written_on_two_ranks(micro=2, accum=2)) == "global batch 8 as before"
+    assert trainer.args.gradient_accumulation_steps == 2
+
+
+def test_a_global_batch_the_micro_batch_cannot_make_is_refused_with_a_fix_that_works(tmp_path):
+    checkpoint = written_on_two_ranks(micro=3, accum=1)  # global batch 6
+    with pytest.raises(ValueError) as refused:
+        keep_global_batch(trainer_with(tmp_path, micro=4, accum=1), checkpoint)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert "global batch of 6 (2 ranks x micro-batch 3 x accumulation 1 = 6)" in message
+    flags = re.search(r"--per_device_train_batch_size (\d+) --gradient_accumulation_steps (\d+)", message)
+    micro, accum = int(flags[1]), int(flags[2])
+    assert micro * accum == 6  # 1 rank
+    fixed = trainer_with(tmp_path, micro=micro, accum=accum)
+    keep_global_batch(fixed, checkpoint)
+    assert fixed.args.gradient_accumulation_steps == accum
+
+
+def test_an_accumulation_fixed_by_the_config_is_named_with_its_fix(tmp_path):
+    checkpoint = written_on_two_ranks(micro=2, accum=1)
+    with pytest.raises(
+        ValueError, match='fixes gradient_accumulation_steps to 1.*set gradient_accumulation_steps to "auto"'
+    ):
+        keep_global_batch(trainer_with(tmp_path, micro=2, accum=1, gradient_accumulation_steps=1), checkpoint)
+    fixed = trainer_with(tmp_path, micro=2, accum=1)  # the fix: "auto"
+    keep_global_batch(fixed, checkpoint)
+    assert fixed.args.hf_deepspeed_config.config["gradient_accumulation_steps"] == 2
