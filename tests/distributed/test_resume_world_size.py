@@ -72,6 +72,9 @@ def runs(request, tiny_model_dir, tmp_path_factory):
         before = digests(checkpoint)
         proc = train(tiny_model_dir, root / name, ranks, stage, "--accum", str(accum), "--resume", str(checkpoint))
         found[name] = {"before": before, "after": digests(checkpoint), "log": proc.stdout + proc.stderr}
+    # the same resume again: the conversion is reused
+    proc = train(tiny_model_dir, root / "again", 1, stage, "--resume", str(root / "two" / "out" / "checkpoint-4"))
+    found["again"] = proc.stdout + proc.stderr
     found["root"] = root
     return found
 
@@ -129,3 +132,11 @@ def test_conversion_is_said_cached_and_leaves_the_checkpoint_untouched(runs, nam
     assert len(lines) == 1, found["log"][-3000:]
     assert f"(written on {written} ranks) on {ranks}" in lines[0]
     assert f"gradient accumulation {accum} keeps the global batch of 4" in lines[0]
+
+
+def test_a_second_resume_reuses_the_conversion(runs):
+    lines = [line for line in runs["again"].splitlines() if "universal checkpoint" in line]
+    assert len(lines) == 1 and "(converted earlier," in lines[0], runs["again"][-3000:]
+    root = runs["root"]
+    first, again = torch.load(root / "two_on_one" / "trained.pt"), torch.load(root / "again" / "trained.pt")
+    assert all(torch.equal(first[k], again[k]) for k in first)
