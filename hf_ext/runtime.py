@@ -227,14 +227,19 @@ def prepare_run(args) -> RunSetup:
 
 
 def run_summary(trainer) -> dict:
-    """Where and how a trainer ran: launcher, world size, engine, ZeRO stage, threads (for logs and checks)."""
+    """Where and how a trainer ran: launcher, world size, nodes, ranks per node, engine, ZeRO stage, threads (for logs
+    and checks)."""
     import torch.distributed as dist
 
     engine = trainer.model_wrapped
     stage = getattr(engine, "zero_optimization_stage", None)
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    per_node = min(local_world_size(), world)
     return {
         "launcher": LAUNCHER,
-        "world_size": dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1,
+        "world_size": world,
+        "nodes": max(1, world // per_node),
+        "ranks_per_node": per_node,
         "engine": type(engine).__name__,
         "zero_stage": stage() if callable(stage) else None,
         "device": str(trainer.args.device),

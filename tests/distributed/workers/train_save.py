@@ -27,6 +27,7 @@ from transformers import AutoConfig, AutoTokenizer, default_data_collator
 import hf_ext
 from hf_ext.deepspeed.resolve import load_deepspeed_config
 from hf_ext.model_info import model_class
+from hf_ext.runtime import run_summary
 
 GATHER_KEY = "stage3_gather_16bit_weights_on_model_save"
 
@@ -186,6 +187,7 @@ def main() -> None:
             "world_size": args.world_size,
             "gather_16bit": bool(getattr(engine, "zero_gather_16bit_weights_on_model_save", lambda: None)()),
             "global_step": trainer.state.global_step,
+            "run": run_summary(trainer),
             "log_history": trainer.state.log_history,
         }
         with open(opts.dump + ".json", "w") as f:
