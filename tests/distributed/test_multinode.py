@@ -1,5 +1,6 @@
 """Two nodes on loopback: ``torchrun --nnodes 2 --node_rank {0,1} --rdzv_endpoint 127.0.0.1:PORT``, one rank each,
-ZeRO-3 — training, checkpoints, a resume and a save that loads, as a user with two machines would run them.
+ZeRO-3 — training, checkpoints, a resume and a save that loads, as a user with two machines would run them; and the
+same training under ``accelerate launch --machine_rank {0,1}`` with a two-machine config.
 
 The two "nodes" are two torchrun agents on this host that only share the rendezvous endpoint and the output directory
 (as two machines share a network filesystem); nothing tells hf-ext they are on one machine.
@@ -21,14 +22,41 @@ pytestmark = pytest.mark.distributed
 SCRIPT = ROOT / "tests" / "distributed" / "workers" / "train_save.py"
 
 
-def two_nodes(model_dir, out: Path, *extra: str) -> None:
-    """Start both nodes' torchrun agents at once and wait for both; fail with the tail of each node's output."""
+#: accelerate's DeepSpeed multi-node config: "standard" starts each node's processes like torchrun (DeepSpeed's own
+#: pdsh launcher would need ssh)
+ACCELERATE_TWO_NODES = """compute_environment: LOCAL_MACHINE
+distributed_type: DEEPSPEED
+deepspeed_config:
+  deepspeed_config_file: hf_ext/deepspeed/presets/zero3.json
+  zero3_init_flag: true
+  deepspeed_multinode_launcher: standard
+main_training_function: main
+num_machines: 2
+num_processes: 2
+rdzv_backend: static
+same_network: true
+main_process_ip: 127.0.0.1
+main_process_port: {port}
+"""
+
+
+def node_command(launcher: str, node: int, port: int, out: Path) -> list[str]:
+    if launcher == "torchrun":
+        return [str(BIN / "torchrun"), "--nnodes", "2", "--nproc_per_node", "1", "--node_rank", str(node),
+                "--rdzv_endpoint", f"127.0.0.1:{port}", str(SCRIPT)]  # fmt: skip
+    config = out.parent / f"{out.name}.accelerate.yaml"
+    config.write_text(ACCELERATE_TWO_NODES.format(port=port))
+    return [str(BIN / "accelerate"), "launch", "--config_file", str(config), "--machine_rank", str(node), str(SCRIPT)]
+
+
+def two_nodes(model_dir, out: Path, *extra: str, launcher: str = "torchrun") -> None:
+    """Start both nodes' launchers at once and wait for both; fail with the tail of each node's output."""
     port = free_port()
     procs = []
+    out.mkdir()
     for node in (0, 1):
-        cmd = [str(BIN / "torchrun"), "--nnodes", "2", "--nproc_per_node", "1", "--node_rank", str(node),
-               "--rdzv_endpoint", f"127.0.0.1:{port}", str(SCRIPT), "--model", str(model_dir), "--out",
-               str(out / "out"), "--stage", "3", "--no_dropout", "--epochs", "1", "--save_total_limit", "3",
+        cmd = [*node_command(launcher, node, port, out), "--model", str(model_dir), "--out", str(out / "out"),
+               "--stage", "3", "--no_dropout", "--epochs", "1", "--save_total_limit", "3",
                "--dump", str(out / "trained.pt"), *extra]  # fmt: skip
         log = open(out.parent / f"{out.name}.node{node}.log", "w")
         procs.append((subprocess.Popen(cmd, cwd=ROOT, env=launch_env(), stdout=log, stderr=subprocess.STDOUT), log))
@@ -46,9 +74,7 @@ def two_nodes(model_dir, out: Path, *extra: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("two_nodes")
-    (root / "full").mkdir()
     two_nodes(tiny_model_dir, root / "full")
-    (root / "resumed").mkdir()
     two_nodes(tiny_model_dir, root / "resumed", "--resume", str(root / "full" / "out" / "checkpoint-4"))
     return root
 
@@ -80,3 +106,13 @@ def test_two_node_resume_ends_where_the_uninterrupted_run_did(runs):
     assert info["global_step"] == 8 and info["run"]["nodes"] == 2
     full, resumed = torch.load(runs / "full" / "trained.pt"), torch.load(runs / "resumed" / "trained.pt")
     assert all(torch.equal(full[k], resumed[k]) for k in full)  # same ranks, same order of sums: bit for bit
+
+
+def test_accelerate_launch_on_two_nodes_trains_the_same_model(runs, tiny_model_dir):
+    two_nodes(tiny_model_dir, runs / "accelerate", launcher="accelerate")
+    info = json.loads((runs / "accelerate" / "trained.pt.json").read_text())
+    run = info["run"]
+    assert (run["launcher"], run["world_size"], run["nodes"], run["ranks_per_node"]) == ("accelerate", 2, 2, 1)
+    assert (run["engine"], run["zero_stage"], info["global_step"]) == ("DeepSpeedEngine", 3, 8)
+    torchrun, accelerate = torch.load(runs / "full" / "trained.pt"), torch.load(runs / "accelerate" / "trained.pt")
+    assert all(torch.equal(torchrun[k], accelerate[k]) for k in torchrun)
