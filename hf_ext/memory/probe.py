@@ -112,24 +112,77 @@ def probe_activations(model, seq_len: int, batches=(1, 2), checkpointing: bool =
     return ActivationProfile(seq_len, checkpointing, points)
 
 
-def _load_model(model):
-    """A model to probe: ``model`` itself, or a random-init copy of the architecture ``model`` names."""
-    if hasattr(model, "parameters"):
-        return model, False
-    return random_init_model(model), True
+#: a whole-model probe holds fp32 weights, their gradients and the activations: above this share of the available
+#: memory, the probe runs on 2- and 3-layer copies instead and extrapolates to the model's depth
+WHOLE_PROBE_SHARE = 0.25
+#: config fields that hold a model's depth (an encoder-decoder has two, changed together)
+#: the depths probed instead of the whole model: from the second layer on, each layer adds the same bytes to the peak
+#: (a 1-layer model peaks at another point of the backward pass, so it is not used)
+PROBED_DEPTHS = (2, 3)
+DEPTH_FIELDS = (("encoder_layers", "decoder_layers"), ("num_hidden_layers",))
+
+
+def depth_fields(config) -> tuple[tuple[str, ...], int] | None:
+    """The config fields holding the model's depth and that depth, when every such field holds the same number."""
+    for fields in DEPTH_FIELDS:
+        values = {getattr(config, name, None) for name in fields}
+        if len(values) == 1 and isinstance(depth := values.pop(), int) and depth > PROBED_DEPTHS[-1]:
+            return fields, depth
+    return None
+
+
+def extrapolate_depth(two: list[tuple[int, int]], three: list[tuple[int, int]], depth: int) -> list[tuple[int, int]]:
+    """Activation bytes of a ``depth``-layer model from 2- and 3-layer measurements at the same micro-batches: the
+    layers are identical, so each further layer adds what the third one added."""
+    return [(b, a2 + (depth - 2) * max(0, a3 - a2)) for (b, a2), (_, a3) in zip(two, three)]
+
+
+def _too_large_to_probe_whole(num_params: int) -> bool:
+    import psutil
+
+    return 3 * 4 * num_params > WHOLE_PROBE_SHARE * psutil.virtual_memory().available  # fp32 weights, grads, more
 
 
 def measure(model, seq_len: int, checkpointing: bool) -> dict:
-    """Model facts and activation profile of ``model`` (object, config or path) as a JSON-able dict."""
+    """Model facts and activation profile of ``model`` (object, config or path) as a JSON-able dict.
+
+    A model object is probed as it is. A config or path is built random-init on the CPU, or, when that copy would
+    not fit comfortably (:data:`WHOLE_PROBE_SHARE`), counted on the meta device and probed as 2- and 3-layer copies.
+    """
+    import copy
     import gc
 
-    probe_model, built = _load_model(model)
-    facts = model_facts(probe_model)
-    profile = probe_activations(probe_model, seq_len, (1, 2), checkpointing)
-    if built:
+    import torch
+    from transformers import AutoConfig, PretrainedConfig
+
+    if hasattr(model, "parameters"):
+        facts, profile = model_facts(model), probe_activations(model, seq_len, (1, 2), checkpointing)
+        return {"facts": facts.__dict__, "seq_len": seq_len, "checkpointing": checkpointing, "points": profile.points}
+    config = model if isinstance(model, PretrainedConfig) else AutoConfig.from_pretrained(str(model))
+    with torch.device("meta"):
+        facts = model_facts(random_init_model(config))
+    depth = depth_fields(config)
+    if depth is None or not _too_large_to_probe_whole(facts.num_params):
+        shapes = [(config, None)]
+    else:
+        fields, layers = depth
+        shapes = []
+        for n in PROBED_DEPTHS:
+            shallow = copy.deepcopy(config)
+            for name in fields:
+                setattr(shallow, name, n)
+            shapes.append((shallow, layers))
+    measured = []
+    for shape, _ in shapes:
+        probe_model = random_init_model(shape)
+        measured.append(probe_activations(probe_model, seq_len, (1, 2), checkpointing).points)
         del probe_model
         gc.collect()
-    return {"facts": facts.__dict__, "seq_len": seq_len, "checkpointing": checkpointing, "points": profile.points}
+    points = measured[0] if len(measured) == 1 else extrapolate_depth(measured[0], measured[1], depth[1])
+    data = {"facts": facts.__dict__, "seq_len": seq_len, "checkpointing": checkpointing, "points": points}
+    if len(measured) > 1:
+        data["probed_layers"] = list(PROBED_DEPTHS)
+    return data
 
 
 def from_measurement(data: dict) -> tuple[ModelFacts, ActivationProfile]:

@@ -255,3 +255,18 @@ def test_release_freed_memory_switch():
     args = hf_ext.TrainingArguments("unused", report_to=[])
     assert args.release_freed_memory is None and args.memory_plan is None
     assert not wants_freed_memory_released(args)
+
+
+def test_depth_extrapolation_arithmetic():
+    from hf_ext.memory.probe import depth_fields, extrapolate_depth
+
+    # 2 layers: 100 bytes, 3 layers: 130 -> each further layer 30; 48 layers: 100 + 46 x 30
+    assert extrapolate_depth([(1, 100), (2, 190)], [(1, 130), (2, 250)], 48) == [(1, 1480), (2, 2950)]
+    from transformers import BlenderbotConfig, GPT2Config
+
+    assert depth_fields(GPT2Config(n_layer=48)) == (("num_hidden_layers",), 48)
+    assert depth_fields(BlenderbotConfig(encoder_layers=12, decoder_layers=12)) == (
+        ("encoder_layers", "decoder_layers"),
+        12,
+    )
+    assert depth_fields(BlenderbotConfig(encoder_layers=2, decoder_layers=24)) is None  # unequal: probed whole
