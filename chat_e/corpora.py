@@ -189,6 +189,45 @@ def load_chatterbot(seed: int = 42, val_fraction: float = 0.1, test_fraction: fl
     )
 
 
+#: topics of the classification task: the chatterbot categories with at least this many conversations
+TOPIC_MIN_CONVERSATIONS = 40
+#: conversations kept per topic (a seeded sample), so that no topic outweighs the others several times over
+TOPIC_MAX_CONVERSATIONS = 200
+
+
+def load_chatterbot_topics(
+    seed: int = 42, val_fraction: float = 0.1, test_fraction: float = 0.1
+) -> datasets.DatasetDict:
+    """Which topic a chatterbot exchange belongs to: ``text`` (a conversation's first two turns), ``label`` (its
+    category, a ``ClassLabel``), split by conversation like :func:`load_chatterbot`.
+
+    Categories with fewer than :data:`TOPIC_MIN_CONVERSATIONS` conversations are left out; larger ones are sampled
+    down to :data:`TOPIC_MAX_CONVERSATIONS` (seeded).
+    """
+    from collections import defaultdict
+
+    by_topic: dict[str, list[dict]] = defaultdict(list)
+    for conv in chatterbot_conversations():
+        by_topic[conv["category"]].append(conv)
+    topics = sorted(t for t, convs in by_topic.items() if len(convs) >= TOPIC_MIN_CONVERSATIONS)
+    rng = random.Random(seed)
+    conversations = []
+    for topic in topics:
+        convs = by_topic[topic]
+        conversations += rng.sample(convs, TOPIC_MAX_CONVERSATIONS) if len(convs) > TOPIC_MAX_CONVERSATIONS else convs
+    features = datasets.Features({"text": datasets.Value("string"), "label": datasets.ClassLabel(names=topics)})
+    rows = [{"text": " ".join(conv["turns"][:2]), "label": topics.index(conv["category"])} for conv in conversations]
+    return split_by_conversation(
+        conversations,
+        group_key=lambda conv: conv["turns"][0].lower(),
+        pairs=datasets.Dataset.from_list(rows, features=features),
+        spans=[range(i, i + 1) for i in range(len(rows))],
+        seed=seed,
+        val_fraction=val_fraction,
+        test_fraction=test_fraction,
+    )
+
+
 # ---------------------------------------------------------------------------------------------- chitchat corpus
 #: Newest turns kept in the context of each chitchat pair. Chitchat conversations are long (median 17 turns after
 #: merging, up to 564) and a turn averages ~17 words, so 8 turns already fill the default 128-token source budget

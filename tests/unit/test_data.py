@@ -268,3 +268,19 @@ def test_chitchat_plus_chatterbot_has_both_sources_shuffled():
     texts, chatterbot = ds["test"]["texts"][:], from_chatterbot("test")
     assert sorted(t for t, c in zip(texts, chatterbot) if not c) == sorted(load_chitchat(seed=42)["test"]["texts"][:])
     assert sum(chatterbot) > 200 and chatterbot.index(True) < len(chatterbot) - sum(chatterbot)
+
+
+def test_chatterbot_topics_are_the_corpus_categories_split_by_conversation():
+    from collections import Counter
+
+    from chat_e.corpora import chatterbot_conversations, load_chatterbot_topics
+
+    data = load_chatterbot_topics()
+    names = data["train"].features["label"].names
+    sizes = Counter(conv["category"] for conv in chatterbot_conversations())
+    assert names == sorted(c for c, n in sizes.items() if n >= 40)  # oracle: counted from the corpus here
+    total = Counter(names[label] for split in data.values() for label in split["label"])
+    assert total == {c: min(sizes[c], 200) for c in names}
+    texts = {split: set(data[split]["text"]) for split in data}
+    assert not texts["train"] & texts["test"] and not texts["train"] & texts["validation"]
+    assert data["train"][0]["text"] and isinstance(data["train"][0]["label"], int)
