@@ -23,10 +23,6 @@ from benchmarks import harness
 MODULE = "benchmarks.bench_resume"
 
 
-def dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
-
-
 def worker(opts) -> None:
     import transformers
     from transformers import BlenderbotForConditionalGeneration, default_data_collator
@@ -111,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     if opts.worker:
         return worker(opts)
 
-    from hf_ext.saving.resume import UNIVERSAL_MARKER, read_zero_checkpoint
+    from hf_ext.saving.resume import UNIVERSAL_MARKER, dir_bytes, read_zero_checkpoint
 
     workdir = Path(opts.workdir or harness.ROOT / "runs" / "bench_resume")
     workdir.mkdir(parents=True, exist_ok=True)

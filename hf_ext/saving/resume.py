@@ -90,7 +90,7 @@ def _fingerprint(folder: Path) -> dict[str, list[int]]:
     return {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(folder.iterdir()) if p.is_file()}
 
 
-def _dir_bytes(path: Path) -> int:
+def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
@@ -216,7 +216,7 @@ def prepare_resume(trainer, checkpoint) -> Path | None:
         raise RuntimeError(f"The universal conversion of {found.path} is missing on this process: is {found.path.parent} "
                            "shared by every node? Convert it on each node, or resume on the same number of ranks.")  # fmt: skip
     if args.should_log:
-        size = _dir_bytes(universal) / 2**20
+        size = dir_bytes(universal) / 2**20
         logger.warning(
             f"Resuming {found.path.name} (written on {found.world_size} ranks) on {args.world_size}: loaded from the "
             f"DeepSpeed universal checkpoint {universal.name} ({took}, {size:.0f} MiB); {batch}."
