@@ -1,7 +1,7 @@
 """``hf-ext ds plan`` (parsing only; the work is :mod:`hf_ext.memory.report`): which ZeRO stage, offload and micro-batch fit the memory of each rank.
 
     hf-ext ds plan --model PATH --world_size N [--memory_per_device 8GB] [--seq_len 128] [--gradient_checkpointing]
-        [--micro_batch N] [--precision fp32|bf16|fp16] [--json]
+        [--micro_batch N] [--precision fp32|bf16|fp16] [--device cpu|cuda] [--json]
 
 Prints one row per configuration (stage x offload): the largest micro-batch that fits and the predicted memory per
 rank at it (and at ``--micro_batch`` when given); the recommendation — the least-sharded configuration that fits
@@ -37,6 +37,8 @@ def plan_command_parser(subparsers):
         help="activation checkpointing on",
     )
     parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None, help="default: hardware's")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                        help="plan for this kind of device (default: this host's; another needs --memory_per_device)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.set_defaults(func=plan_command)
     return parser
@@ -46,7 +48,7 @@ def plan_command(args) -> int:
     quiet_logging()
     try:
         result = run_plan(args.model, args.world_size, args.memory_per_device, args.seq_len, args.micro_batch,
-                          args.checkpointing, args.precision, args.nproc_per_node)  # fmt: skip
+                          args.checkpointing, args.precision, args.nproc_per_node, args.device)  # fmt: skip
     except (OSError, ValueError) as err:
         print(f"hf-ext ds plan: error: {err}", file=sys.stderr)
         return 1

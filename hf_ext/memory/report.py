@@ -14,16 +14,29 @@ from .probe import from_measurement, measure
 
 
 def run_plan(model, world_size: int, memory_per_device=None, seq_len: int = 128, micro_batch: int | None = None,
-             checkpointing: bool = False, precision: str | None = None, nproc_per_node: int | None = None) -> dict:  # fmt: skip
-    """The plans of every candidate and the recommendation, as a dict (what ``--json`` prints)."""
+             checkpointing: bool = False, precision: str | None = None, nproc_per_node: int | None = None,
+             device: str | None = None) -> dict:  # fmt: skip
+    """The plans of every candidate and the recommendation, as a dict (what ``--json`` prints).
+
+    ``device`` plans for another kind of host than this one (``cuda`` from a CPU machine, say): its budget must then
+    be given, and the precision defaults to fp32 unless given.
+    """
     hardware = Hardware.detect()
-    precision = precision or hardware.default_precision() or "fp32"
-    baseline = process_baseline(hardware.device)
+    if device is not None and device != hardware.device:
+        if memory_per_device is None:
+            raise ValueError(
+                f"planning for {device} on a {hardware.device} host needs --memory_per_device (e.g. 80GB)"
+            )
+        precision = precision or "fp32"
+    else:
+        device = hardware.device
+        precision = precision or hardware.default_precision() or "fp32"
+    baseline = process_baseline(device)
     local_ranks = nproc_per_node or world_size  # ranks sharing this node's memory (default: one node)
-    budget = parse_bytes(memory_per_device) if memory_per_device else detect_budget(hardware.device, local_ranks)
+    budget = parse_bytes(memory_per_device) if memory_per_device else detect_budget(device, local_ranks)
     facts, profile = from_measurement(measure(model, seq_len, checkpointing))
     zero: dict = {}  # DeepSpeed's defaults, with the hidden-size based bucket sizes of an "auto" config
-    common = dict(precision=precision, device=hardware.device, baseline=baseline)
+    common = dict(precision=precision, device=device, baseline=baseline)
     rows = []
     candidates = [formulas.Candidate(0, ddp=True), *formulas.CANDIDATES]
     for c in candidates:
@@ -43,7 +56,7 @@ def run_plan(model, world_size: int, memory_per_device=None, seq_len: int = 128,
         "world_size": world_size,
         "seq_len": seq_len,
         "precision": precision,
-        "device": hardware.device,
+        "device": device,
         "activation_checkpointing": checkpointing,
         "budget_bytes": budget,
         "baseline_bytes": baseline,

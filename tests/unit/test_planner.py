@@ -242,6 +242,19 @@ def test_ds_plan_cli_json_and_table(tiny_model_dir, capsys):
     assert any(line.startswith("*") for line in table.splitlines())
 
 
+def test_ds_plan_for_gpus_from_a_cpu_host(tiny_model_dir, capsys):
+    from hf_ext.cli import main
+    from hf_ext.memory.formulas import GPU_RESERVE
+
+    argv = ["ds", "plan", "--model", str(tiny_model_dir), "--world_size", "2", "--seq_len", "32", "--device", "cuda"]
+    assert main(argv) == 1  # no budget to read from a GPU this host lacks
+    error = capsys.readouterr().err.strip()
+    assert error.count("\n") == 0 and "needs --memory_per_device" in error
+    assert main([*argv, "--memory_per_device", "80GB", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["device"], result["precision"], result["baseline_bytes"]) == ("cuda", "fp32", GPU_RESERVE)
+
+
 def test_release_freed_memory_switch():
     from types import SimpleNamespace
 
