@@ -50,7 +50,7 @@ import hf_ext
 from benchmarks.harness import synthetic_dataset
 from hf_ext.deepspeed.resolve import load_deepspeed_config
 from hf_ext.memory.measure import MemoryPlanCallback, current_rss, peak_rss, reset_peak_rss
-from hf_ext.model_info import model_class
+from hf_ext.model_info import model_class, random_init_model
 from hf_ext.runtime import place_cpu_threads, run_summary, start_deepspeed_comm
 
 ORDER = ("stock", "hf-ext", "hf-ext", "stock")
@@ -229,7 +229,11 @@ def build_trainer(opts, args, trainer_class, *callbacks):
     """A ``trainer_class`` with ``callbacks`` on the seeded model from ``opts.model`` and synthetic rows; and the
     peak RSS once the model was loaded."""
     transformers.set_seed(0)
-    model = model_class(AutoConfig.from_pretrained(opts.model)).from_pretrained(opts.model)
+    config = AutoConfig.from_pretrained(opts.model)
+    if opts.from_config:  # pre-training from scratch, as the blog's GPT-2 run (ZeRO-3: built partitioned)
+        model = random_init_model(config, seed=0)
+    else:
+        model = model_class(config).from_pretrained(opts.model)
     if opts.lora:  # as the dialogue recipe's --use_peft: every attention and MLP projection
         from peft import LoraConfig, get_peft_model
 
@@ -398,6 +402,7 @@ def main() -> None:
     parser.add_argument("--trace", action="store_true", help="count the Python calls of each step (slows steps)")
     parser.add_argument("--activation_checkpointing", action="store_true")
     parser.add_argument("--lora", action="store_true", help="train LoRA adapters (r=16, all-linear), as --use_peft")
+    parser.add_argument("--from_config", action="store_true", help="random-init model from --model's config only")
     parser.add_argument("--memory_per_device", default=None)
     parser.add_argument(
         "--release_freed_memory", default="auto", choices=list(RELEASE),
