@@ -46,7 +46,8 @@ class HfExtArguments:
         save_max_shard_size (`str`, defaults to ``"5GB"``):
             Largest safetensors shard ``save_model`` writes (``"200MB"``, ``"5GB"``, ``"1GiB"``).
         save_gather_size (`str`, defaults to ``"256MiB"``):
-            Under ZeRO-3, the parameters gathered at once while saving: the extra memory a save needs per rank.
+            Under ZeRO-3, the bound on the extra memory a save needs per rank (with ``save_max_shard_size``: the
+            smaller of the two counts). Half of it is gathered at a time, as the collectives stage a second copy.
     """
 
     memory_per_device: str | None = field(
@@ -72,7 +73,10 @@ class HfExtArguments:
     )
     save_gather_size: str = field(
         default="256MiB",
-        metadata={"help": "Under ZeRO-3, parameters gathered at once while saving (the extra memory of a save)."},
+        metadata={
+            "help": "Under ZeRO-3, the extra memory a save may use per rank (or the shard size if smaller); "
+            "half of it is gathered at a time."
+        },
     )
     # what resolution found: declared, not passed (init=False keeps them out of to_dict and the command line)
     deepspeed_resolution: Resolution | None = field(default=None, init=False, repr=False)

@@ -3,7 +3,8 @@ of parameters gathered at a time, tied parameters stored once, and a check after
 ``[0]``-shaped or missing tensors.
 
 Every rank calls :func:`write_entries` under ZeRO-3 (the gathers are collective); only the main rank writes bytes,
-straight into the shard file, so the extra memory on it is one gather group, never the model.
+straight into the shard file, so the extra memory on it is one gather group and its collectives' staging (at most about
+one shard, or ``gather_bytes`` if smaller, or twice the largest tensor), never the model.
 """
 
 from __future__ import annotations
@@ -207,11 +208,18 @@ def write_entries(
 
     Non-main ranks only join the gathers. Returns the files written (empty on non-main ranks).
     """
+    from ..runtime import trim_heap
+
     out = Path(output_dir)
-    shards = plan_shards(entries, parse_bytes(max_shard_size))
+    shard_limit = parse_bytes(max_shard_size)
+    shards = plan_shards(entries, shard_limit)
     names = shard_names(len(shards))
     metadata = {"format": "pt", **(metadata or {})}
-    gather_limit = parse_bytes(gather_bytes)
+    # The extra memory of a save is bounded by the smaller of gather_bytes and the shard size. Gathering N bytes can
+    # cost up to 2N while the collectives run (DeepSpeed allocates every gathered tensor up front, and gloo's
+    # all-gather stages each output once more in a flat buffer of its own), so a group holds at most half of it; a
+    # tensor larger than that is gathered alone.
+    gather_limit = min(parse_bytes(gather_bytes), shard_limit) // 2
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
         remove_weight_files(out)
@@ -226,6 +234,10 @@ def write_entries(
                     if f is not None:
                         for entry in group:
                             _write_tensor(f, entry, entry.source)
+                if any(e.partitioned for e in group):
+                    # glibc keeps the released gather in its heaps unless told otherwise, and the next group does not
+                    # always reuse it, so the resident set would grow towards the model's size shard after shard
+                    trim_heap()
         finally:
             if f is not None:
                 f.close()
