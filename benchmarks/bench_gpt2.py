@@ -78,10 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
         report["zero3_run"] = {"steps": opts.steps, "peak_bytes": [r["peak_bytes"] for r in results],
                                "increment_bytes": [r["increment_bytes"] for r in results],
                                "final_loss": results[0]["final_loss"], "plan": results[0]["plan"]}  # fmt: skip
-    print(table(report))
-    if opts.out:
-        harness.write_json(opts.out, report)
-    return report
+    return harness.finish(report, table(report), opts.out)
 
 
 if __name__ == "__main__":

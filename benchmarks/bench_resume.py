@@ -131,10 +131,7 @@ def main(argv: list[str] | None = None) -> dict | None:
             run["conversion_seconds"] = json.loads((universal / UNIVERSAL_MARKER).read_text())["seconds"]
             run["universal_bytes"] = dir_bytes(universal)
         report[path] = run
-    print(table(report))
-    if opts.out:
-        harness.write_json(opts.out, report)
-    return report
+    return harness.finish(report, table(report), opts.out)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,22 @@
 """Saving benchmark: stock ``Trainer.save_model`` vs hf-ext's streaming save, and LoRA checkpoints stock vs hf-ext.
 
     python -m benchmarks.bench_save --size 400m --max_shard_size 200MB --out runs/bench/save_400m.json
+    python -m benchmarks.bench_save --size 1b --max_shard_size 200MB --no_lora --out runs/bench/save_1b.json
 
-Builds a random-init BlenderBot of the given shape (chat_e.models), then runs two 2-rank ZeRO-3 jobs under
-``deepspeed --num_gpus 2`` (one optimizer step each, so the engine exists):
+Builds a random-init BlenderBot of the given shape (chat_e.models; ``1b``: :data:`BENCH_SIZES`), then
+runs 2-rank ZeRO-3 jobs under ``deepspeed --num_gpus 2``:
 
-* full model: rank-0 peak extra RSS (sampled every 2 ms above the RSS before the call) and wall time of hf-ext's
-  ``save_model`` and of the stock ``transformers.Trainer.save_model`` on the same trainer — hf-ext first, so that
-  memory the stock call keeps in the allocator cannot inflate hf-ext's number;
-* LoRA (r=8 on q/v): bytes and wall time of a checkpoint written by the stock ``Trainer._save_checkpoint`` and by
-  hf-ext's.
+* full model, one fresh launch per save path (stock ``transformers.Trainer.save_model``, hf-ext's ``save_model``),
+  each from the same checkpoint, measured as soon as the DeepSpeed engine exists. glibc runs with
+  :data:`harness.FREED_MEMORY_TO_OS_ENV` and the heap is trimmed right before the call, so rank 0's resident set
+  tracks its live bytes. Per path: rank-0 peak extra RSS (sampled every 2 ms above the RSS just before the call), the
+  peak live bytes of the tensors rank 0 allocates during the call (torch.profiler's memory events, a cross-check that
+  does not depend on pages), wall time and the files written;
+* LoRA (r=8 on q/v, one optimizer step, then both checkpoints in the same launch): bytes and wall time of a checkpoint
+  written by the stock ``Trainer._save_checkpoint`` and by hf-ext's.
 
-Prints a Markdown table and writes the numbers as JSON to --out.
+``--glibc_defaults`` launches without those glibc settings (the heap is still trimmed before each call), to show what
+freed memory that glibc keeps does to the RSS numbers. Prints Markdown tables and writes the numbers as JSON to --out.
 """
 
 from __future__ import annotations
@@ -26,10 +31,34 @@ from pathlib import Path
 from benchmarks import harness
 
 MODULE = "benchmarks.bench_save"
+PATHS = ("stock", "hf_ext")
+
+#: shapes this bench builds beyond chat_e's own sizes (same keys as ``chat_e.models.SIZES``)
+BENCH_SIZES = {
+    # facebook/blenderbot-1B-distill's widths with 8 decoder layers instead of 12: 1.02B parameters, 3.8 GiB in fp32,
+    # so that the two ZeRO-3 ranks and stock's full gather on rank 0 fit a 24 GiB host together
+    "1b": dict(vocab=8008, d_model=2560, encoder_layers=2, decoder_layers=8, heads=32, ffn=10240),
+}
 
 
 def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def ensure_size(size: str, model_dir: Path) -> Path:
+    """The random-init model of ``size`` in ``model_dir``: a chat_e size, or one of :data:`BENCH_SIZES` built by
+    chat_e's BlenderBot builder with that shape registered."""
+    if size not in BENCH_SIZES:
+        return harness.ensure_model(size, model_dir)
+    if not (model_dir / "config.json").exists():
+        from chat_e import models
+
+        models.SIZES.setdefault(size, BENCH_SIZES[size])
+        models.build(str(model_dir), size, seed=0)
+    return model_dir
+
+
+# --- the worker side: one 2-rank launch ---------------------------------------------------------------------------
 
 
 def worker(opts) -> None:
@@ -59,8 +88,8 @@ def worker(opts) -> None:
     trainer = hf_ext.Seq2SeqTrainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator)
     work = Path(opts.workdir)
     result = {}
-    if opts.mode == "full":  # measure as soon as the engine exists: no Adam state, so the 400M shape fits in RAM
-        trainer.add_callback(_MeasureAtTrainBegin(lambda: measure_full(trainer, args, work, result)))
+    if opts.mode == "full":  # measured as soon as the engine exists, before any optimizer step
+        trainer.add_callback(_MeasureAtTrainBegin(lambda: measure_full(trainer, args, work, opts.path, result)))
         try:
             trainer.train()
         except _Measured:
@@ -91,30 +120,79 @@ class _MeasureAtTrainBegin:
         raise _Measured
 
 
-def timed(trainer, args, result, name, fn, out):
+def peak_without_file_maps(events, out: Path) -> int:
+    """:func:`harness.peak_live_bytes` of ``events`` less those of storages that map a ``.safetensors`` file under
+    ``out`` whole: the allocations and frees whose size is exactly one such file's. safetensors' ``safe_open`` (the
+    check after hf-ext's save reads each shard's header with it) maps the whole file as one storage; the profiler
+    counts its size, but only the header's pages are ever read."""
+    sizes = {p.stat().st_size for p in Path(out).rglob("*.safetensors")}
+    return harness.peak_live_bytes([(t, nbytes) for t, nbytes in events if abs(nbytes) not in sizes])
+
+
+def timed(trainer, args, fn, out, cross_check: bool = False) -> dict:
+    """Wall time and rank-0 peak extra RSS of ``fn(out)`` on every rank; with ``cross_check``, also the peak live
+    bytes of the tensors rank 0 allocates inside it."""
+    from hf_ext.runtime import trim_heap
+
     trainer.accelerator.wait_for_everyone()
-    with harness.PeakRSS() as rss:
-        start = time.perf_counter()
-        fn(out)
-        trainer.accelerator.wait_for_everyone()
-        seconds = time.perf_counter() - start
-    result[name] = {"seconds": round(seconds, 3), "rank0_extra_rss_bytes": rss.extra}
+    gc.collect()
+    with harness.PeakTensorBytes(enabled=cross_check and args.process_index == 0) as tensors:
+        trim_heap()  # what is free in the heap now goes back to the OS: the baseline holds only live bytes
+        parts = rss_parts()
+        with harness.PeakRSS() as rss:
+            start = time.perf_counter()
+            fn(out)
+            trainer.accelerator.wait_for_everyone()
+            seconds = time.perf_counter() - start
+    result = {"seconds": round(seconds, 3), "rank0_extra_rss_bytes": rss.extra, "rank0_base_rss_bytes": rss.base}
+    result["rank0_base_rss_parts"] = parts
+    if tensors.peak is not None:
+        result.update(rank0_peak_tensor_bytes=tensors.peak, profiler_memory_events=len(tensors.events))
+        result["rank0_peak_tensor_bytes_without_file_maps"] = peak_without_file_maps(tensors.events, out)
     if args.process_index == 0:
-        result[name]["bytes"] = dir_bytes(out)
+        result["bytes"] = dir_bytes(out)
+    return result
 
 
-def measure_full(trainer, args, work, result):
+def rss_parts() -> dict:
+    """This process's resident set by kind (bytes): anonymous memory, mapped files, shared memory (Linux)."""
+    parts = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "RssFile", "RssShmem"):
+                parts[key] = int(value.split()[0]) * 1024
+    return parts
+
+
+def optimizer_state_bytes(trainer) -> int:
+    """Bytes of the optimizer state tensors this rank holds (DeepSpeed's wrapped optimizer, or the trainer's)."""
+    import torch
+
+    optimizer = getattr(trainer.model_wrapped, "optimizer", None) or trainer.optimizer
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # ZeRO wraps the torch optimizer
+    states = getattr(optimizer, "state", {}) or {}
+    return sum(
+        t.numel() * t.element_size() for s in states.values() for t in s.values() if isinstance(t, torch.Tensor)
+    )
+
+
+def measure_full(trainer, args, work, path, result):
     import torch
     import transformers
 
-    timed(trainer, args, result, "hf_ext_save_model", trainer.save_model, work / "hf_ext")
-    gc.collect()
-    stock = lambda out: transformers.Seq2SeqTrainer.save_model(trainer, str(out))  # noqa: E731
-    timed(trainer, args, result, "stock_save_model", stock, work / "stock")
+    if path == "hf_ext":
+        save = trainer.save_model
+    else:
+        save = lambda out: transformers.Seq2SeqTrainer.save_model(trainer, str(out))  # noqa: E731
+    out = work / path
+    result.update(timed(trainer, args, save, out, cross_check=True))
+    result["rank0_optimizer_state_bytes"] = optimizer_state_bytes(trainer)
     if args.process_index == 0:
-        shards = sorted((work / "hf_ext").glob("model*.safetensors"))
-        result["largest_shard_bytes"] = max(p.stat().st_size for p in shards)
-        result["shards"] = len(shards)
+        files = sorted(out.glob("*.safetensors"))
+        result["files"] = len(files)
+        result["largest_file_bytes"] = max(p.stat().st_size for p in files)
+        result["index"] = (out / "model.safetensors.index.json").exists()
         result["parameters"] = sum(
             int(torch.tensor(getattr(p, "ds_shape", p.shape)).prod()) for p in trainer.model.parameters()
         )
@@ -130,59 +208,92 @@ def measure_lora(trainer, args, work, result):
         save(trainer.model_wrapped, None)
         return out / f"checkpoint-{step}"
 
-    timed(
-        trainer,
-        args,
-        result,
-        "hf_ext_lora_checkpoint",
-        lambda out: checkpoint(trainer._save_checkpoint, out),
-        work / "lora_hf_ext",
-    )
+    hf_ext_checkpoint = lambda out: checkpoint(trainer._save_checkpoint, out)  # noqa: E731
+    result["hf_ext_lora_checkpoint"] = timed(trainer, args, hf_ext_checkpoint, work / "lora_hf_ext")
     # the stock checkpoint, with the stock save_model inside it
     trainer.save_model = types.MethodType(transformers.Seq2SeqTrainer.save_model, trainer)
     stock = lambda out: checkpoint(lambda m, t: transformers.Trainer._save_checkpoint(trainer, m, t), out)  # noqa: E731
-    timed(trainer, args, result, "stock_lora_checkpoint", stock, work / "lora_stock")
+    result["stock_lora_checkpoint"] = timed(trainer, args, stock, work / "lora_stock")
+    result["rank0_optimizer_state_bytes"] = optimizer_state_bytes(trainer)
 
 
-def launch(model: Path, mode: str, workdir: Path, max_shard_size: str) -> dict:
-    """One 2-rank ZeRO-3 launch of this module's worker side; rank 0's measurements."""
-    result = workdir / f"{mode}.json"
+# --- the launching side -------------------------------------------------------------------------------------------
+
+
+def launch(
+    model: Path, mode: str, workdir: Path, max_shard_size: str, path: str = "", env: dict | None = None
+) -> dict:
+    """One fresh 2-rank ZeRO-3 launch of this module's worker side, with ``env`` added to its environment; rank 0's
+    measurements."""
+    name = f"{mode}_{path}" if path else mode
+    result = workdir / f"{name}.json"
+    result.unlink(missing_ok=True)
     cmd = harness.launcher_cmd("deepspeed", MODULE) + ["--worker", "--mode", mode, "--model", str(model)]
-    cmd += ["--workdir", str(workdir / mode), "--result", str(result), "--max_shard_size", max_shard_size]
-    log = workdir / f"{mode}.log"
-    if harness.run(cmd, log):
-        raise SystemExit(f"{mode} save launch failed (see {log}):\n{log.read_text()[-3000:]}")
+    cmd += ["--workdir", str(workdir / name), "--result", str(result), "--max_shard_size", max_shard_size]
+    cmd += ["--path", path] * bool(path)
+    log = workdir / f"{name}.log"
+    if harness.run(cmd, log, env):
+        raise SystemExit(f"{name} launch failed (see {log}):\n{log.read_text()[-3000:]}")
     return json.loads(result.read_text())
 
 
-def table(full: dict, lora: dict) -> str:
-    mib = 2**20
-    ours, stock = full["hf_ext_save_model"], full["stock_save_model"]
-    rows = [
-        "| save | rank-0 peak extra RSS | wall time | output |",
-        "|---|---|---|---|",
-        f"| stock `Trainer.save_model` | {stock['rank0_extra_rss_bytes'] / mib:.0f} MiB | {stock['seconds']:.1f} s "
-        f"| {stock['bytes'] / mib:.0f} MiB |",
-        f"| hf-ext streaming save | {ours['rank0_extra_rss_bytes'] / mib:.0f} MiB "
-        f"({ours['rank0_extra_rss_bytes'] / full['largest_shard_bytes']:.2f} × largest shard of "
-        f"{full['largest_shard_bytes'] / mib:.0f} MiB) | {ours['seconds']:.1f} s | {ours['bytes'] / mib:.0f} MiB in "
-        f"{full['shards']} shards |",
-        f"| stock LoRA checkpoint | | {lora['stock_lora_checkpoint']['seconds']:.1f} s "
-        f"| {lora['stock_lora_checkpoint']['bytes'] / mib:.1f} MiB |",
-        f"| hf-ext LoRA checkpoint | | {lora['hf_ext_lora_checkpoint']['seconds']:.1f} s "
-        f"| {lora['hf_ext_lora_checkpoint']['bytes'] / mib:.1f} MiB |",
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB"
+
+
+def table(report: dict) -> str:
+    full, shard = report["full"], report["largest_shard_bytes"]
+    rows = []
+    for path, label in (("stock", "stock `Trainer.save_model`"), ("hf_ext", "hf-ext streaming save")):
+        r = full[path]
+        files = "1 file" if r["files"] == 1 else f"{r['files']} shards + index"
+        tensors = _mib(r["rank0_peak_tensor_bytes"])
+        if r["rank0_peak_tensor_bytes_without_file_maps"] != r["rank0_peak_tensor_bytes"]:
+            tensors += f" ({_mib(r['rank0_peak_tensor_bytes_without_file_maps'])} without file maps)"
+        rows.append(
+            [
+                label,
+                _mib(r["rank0_extra_rss_bytes"]),
+                tensors,
+                f"{r['rank0_extra_rss_bytes'] / shard:.2f} / {r['rank0_peak_tensor_bytes'] / shard:.2f}",
+                f"{r['seconds']:.1f} s",
+                f"{files}, {_mib(r['bytes'])}",
+            ]
+        )
+    header = [
+        "save",
+        "rank-0 peak extra RSS",
+        "cross-check: peak live tensor bytes",
+        f"× largest shard ({shard / 2**20:.1f} MiB): RSS / cross-check",
+        "wall time",
+        "output",
     ]
-    return "\n".join(rows)
+    text = harness.markdown_table(header, rows)
+    lora = report.get("lora")
+    if lora:
+        rows = [
+            [label, f"{lora[key]['seconds']:.1f} s", f"{lora[key]['bytes'] / 2**20:.1f} MiB"]
+            for key, label in (("stock_lora_checkpoint", "stock"), ("hf_ext_lora_checkpoint", "hf-ext"))
+        ]
+        text += "\n\n" + harness.markdown_table(["LoRA checkpoint", "wall time", "bytes"], rows)
+    return text
 
 
 def main(argv: list[str] | None = None) -> dict | None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", default="400m", help="model shape from chat_e.models.SIZES")
+    parser.add_argument("--size", default="400m", help="model shape: a chat_e.models.SIZES name, or 1b")
     parser.add_argument("--max_shard_size", default="200MB")
+    parser.add_argument("--no_lora", action="store_true", help="skip the LoRA checkpoint launch")
+    parser.add_argument(
+        "--glibc_defaults",
+        action="store_true",
+        help="launch without harness.FREED_MEMORY_TO_OS_ENV: glibc keeps freed memory, RSS no longer tracks live bytes",
+    )
     parser.add_argument("--out", default=None, help="JSON file for the results")
-    parser.add_argument("--workdir", default=None, help="scratch directory (default: runs/bench_save)")
+    parser.add_argument("--workdir", default=None, help="scratch directory (default: runs/bench/save)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="full", help=argparse.SUPPRESS)
+    parser.add_argument("--path", default="hf_ext", choices=PATHS, help=argparse.SUPPRESS)
     parser.add_argument("--model", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
@@ -190,17 +301,20 @@ def main(argv: list[str] | None = None) -> dict | None:
     if opts.worker:
         return worker(opts)
 
-    workdir = Path(opts.workdir or harness.ROOT / "runs" / "bench_save")
+    workdir = Path(opts.workdir or harness.ROOT / "runs" / "bench" / "save")
     workdir.mkdir(parents=True, exist_ok=True)
-    model = harness.ensure_model(opts.size, workdir / f"model-{opts.size}")
-    full = launch(model, "full", workdir, opts.max_shard_size)
-    lora = launch(model, "lora", workdir, opts.max_shard_size)
+    model = ensure_size(opts.size, workdir / f"model-{opts.size}")
     report = {"command": harness.command(MODULE, argv), "size": opts.size, "world_size": 2, "zero_stage": 3}
-    report.update(max_shard_size=opts.max_shard_size, host=harness.host_info(), full=full, lora=lora)
-    print(table(full, lora))
-    if opts.out:
-        harness.write_json(opts.out, report)
-    return report
+    env = {} if opts.glibc_defaults else harness.FREED_MEMORY_TO_OS_ENV
+    report.update(max_shard_size=opts.max_shard_size, malloc_env=env)
+    report["host"] = harness.host_info()
+    report["full"] = {path: launch(model, "full", workdir, opts.max_shard_size, path, env) for path in PATHS}
+    report["parameters"] = report["full"]["hf_ext"]["parameters"]
+    report["largest_shard_bytes"] = report["full"]["hf_ext"]["largest_file_bytes"]
+    if not opts.no_lora:
+        report["lora"] = launch(model, "lora", workdir, opts.max_shard_size, env=env)
+    report["load_average_after"] = harness.load_average()
+    return harness.finish(report, table(report), opts.out)
 
 
 if __name__ == "__main__":

@@ -121,6 +121,52 @@ class PeakRSS:
         return self.peak - self.base
 
 
+#: glibc settings under which a process's RSS tracks its live heap bytes: blocks of 64 KiB or more are mmapped (and
+#: unmapped on free), the top of the heap is trimmed on every free, and at most two arenas keep small blocks. Without
+#: them glibc keeps freed pages, and a later allocation can land in pages the process already holds.
+FREED_MEMORY_TO_OS_ENV = {"MALLOC_MMAP_THRESHOLD_": 65536, "MALLOC_TRIM_THRESHOLD_": 0, "MALLOC_ARENA_MAX": 2}
+
+
+def peak_live_bytes(events) -> int:
+    """Highest running total of ``(time_ns, nbytes)`` allocation events (frees negative), taken in time order (ties
+    in the given order), above the level before the first event: the peak of the bytes allocated inside a window and
+    still live. Frees of blocks allocated before the window lower the total below 0 and never raise the peak."""
+    live = peak = 0
+    for _, nbytes in sorted(events, key=lambda event: event[0]):
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+class PeakTensorBytes:
+    """Peak live bytes of the CPU tensors this process allocates inside the block (torch.profiler's memory events):
+    a count of allocations, independent of pages and of the allocator's reuse. Bytes that are not tensor storage
+    (Python objects, library buffers) are not seen, and a storage that maps a file counts its whole size. ``events``
+    keeps the ``(time_ns, nbytes)`` events; ``enabled=False`` measures nothing (``peak`` stays None)."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled, self.peak, self.events = enabled, None, []
+
+    def __enter__(self):
+        if self.enabled:
+            from torch.profiler import ProfilerActivity, profile
+
+            self.profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self.profile.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if not self.enabled:
+            return
+        self.profile.__exit__(*exc)
+        self.events = [
+            (e.start_ns(), e.nbytes())
+            for e in self.profile.profiler.kineto_results.events()
+            if e.name() == "[memory]" and e.device_type().name == "CPU"
+        ]
+        self.peak = peak_live_bytes(self.events)
+
+
 def available_memory() -> int:
     import psutil
 
@@ -243,6 +289,14 @@ def write_json(path: str | Path, data: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, default=str) + "\n")
     return path
+
+
+def finish(report: dict, text: str, out: str | Path | None) -> dict:
+    """A bench's last step: print its Markdown ``text`` and write ``report`` as JSON to ``out`` when given."""
+    print(text)
+    if out:
+        write_json(out, report)
+    return report
 
 
 def command(module: str, argv: list[str] | None) -> str:
