@@ -125,8 +125,8 @@ def convert_to_universal(checkpoint: ZeroCheckpoint) -> tuple[Path, float]:
         lines = [line for line in (proc.stderr or proc.stdout).strip().splitlines() if line.strip()]
         raise RuntimeError(
             f"DeepSpeed's ds_to_universal could not convert {checkpoint.path / checkpoint.tag} for a resume on "
-            f"another number of ranks: {lines[-1] if lines else f'exit code {proc.returncode}'}. Resume it on "
-            f"{checkpoint.world_size} ranks instead."
+            f"another number of ranks: {lines[-1] if lines else f'exit code {proc.returncode}'}. Resume it with "
+            f"the world size that wrote it ({checkpoint.world_size})."
         )
     (tmp / LATEST_UNIVERSAL).write_text(checkpoint.tag)
     marker = {"tag": checkpoint.tag, "world_size": checkpoint.world_size, "seconds": round(seconds, 2),
@@ -134,6 +134,10 @@ def convert_to_universal(checkpoint: ZeroCheckpoint) -> tuple[Path, float]:
     (tmp / UNIVERSAL_MARKER).write_text(json.dumps(marker, indent=1) + "\n")
     replace_dir(tmp, out)
     return out, seconds
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank" if n == 1 else f"{n} ranks"
 
 
 def _filled_from_args(resolution, key: str) -> bool:
@@ -205,20 +209,27 @@ def prepare_resume(trainer, checkpoint) -> Path | None:
     if found is None or found.world_size == args.world_size:
         return None
     batch = keep_global_batch(trainer, found)
-    cached = cached_universal(found)
-    took = "converted earlier"
-    if cached is None and args.should_save:
-        _, seconds = convert_to_universal(found)
-        took = f"converted in {seconds:.1f} s"
+    took, failed = "converted earlier", None
+    if cached_universal(found) is None and args.should_save:
+        try:
+            _, seconds = convert_to_universal(found)
+            took = f"converted in {seconds:.1f} s"
+        except RuntimeError as err:  # said after the barrier, so that the other ranks do not wait for it forever
+            failed = err
     trainer.accelerator.wait_for_everyone()
+    if failed is not None:
+        raise failed
     universal = cached_universal(found)
     if universal is None:
-        raise RuntimeError(f"The universal conversion of {found.path} is missing on this process: is {found.path.parent} "
-                           "shared by every node? Convert it on each node, or resume on the same number of ranks.")  # fmt: skip
+        raise RuntimeError(
+            f"The universal conversion of {found.path} is not there for this process: it failed on the saving process, "
+            f"or {found.path.parent} is not shared by every node. Put the run directory on a filesystem every node "
+            f"sees, or resume with the world size that wrote it ({found.world_size})."
+        )
     if args.should_log:
         size = dir_bytes(universal) / 2**20
         logger.warning(
-            f"Resuming {found.path.name} (written on {found.world_size} ranks) on {args.world_size}: loaded from the "
+            f"Resuming {found.path.name} (written on {_ranks(found.world_size)}) on {args.world_size}: loaded from the "
             f"DeepSpeed universal checkpoint {universal.name} ({took}, {size:.0f} MiB); {batch}."
         )
     return universal

@@ -130,7 +130,7 @@ def test_conversion_is_said_cached_and_leaves_the_checkpoint_untouched(runs, nam
     accum = {1: "1 -> 2", 2: "2 -> 1"}[ranks]
     lines = [line for line in found["log"].splitlines() if "universal checkpoint" in line]
     assert len(lines) == 1, found["log"][-3000:]
-    assert f"(written on {written} ranks) on {ranks}" in lines[0]
+    assert f"(written on {written} rank{'s' if written > 1 else ''}) on {ranks}" in lines[0]
     assert f"gradient accumulation {accum} keeps the global batch of 4" in lines[0]
 
 
@@ -140,3 +140,24 @@ def test_a_second_resume_reuses_the_conversion(runs):
     root = runs["root"]
     first, again = torch.load(root / "two_on_one" / "trained.pt"), torch.load(root / "again" / "trained.pt")
     assert all(torch.equal(first[k], again[k]) for k in first)
+
+
+def test_a_checkpoint_the_tool_cannot_convert_stops_every_rank_with_one_line(runs, tiny_model_dir, tmp_path):
+    import shutil
+    import subprocess
+
+    from ..conftest import launch_env
+
+    broken = tmp_path / "checkpoint-4"
+    shutil.copytree(runs["root"] / "one" / "out" / "checkpoint-4", broken)
+    optim = next((broken / "global_step4").glob("*optim_states.pt"))
+    optim.write_bytes(optim.read_bytes()[:1000])  # truncated: DeepSpeed's converter cannot read it
+    cmd = [*launcher_cmd("deepspeed", SCRIPT, nproc=2), "--model", str(tiny_model_dir), "--out", str(tmp_path / "out"),
+           "--stage", str(runs["stage"]), "--no_dropout", "--epochs", "1", "--accum", "2", "--resume", str(broken)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0  # and not a hang: the other rank does not wait for a conversion that failed
+    output = proc.stdout + proc.stderr
+    assert (
+        "ds_to_universal could not convert" in output and "Resume it with the world size that wrote it (1)." in output
+    )
+    assert not (broken.parent / "checkpoint-4.universal").exists()  # nothing half-written is left to be reused
