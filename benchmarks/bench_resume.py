@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     if opts.worker:
         return worker(opts)
 
-    from hf_ext.saving.resume import UNIVERSAL_MARKER, dir_bytes, read_zero_checkpoint
+    from hf_ext.saving.resume import UNIVERSAL_MARKER, read_zero_checkpoint
+    from hf_ext.sizes import dir_bytes
 
     workdir = Path(opts.workdir or harness.ROOT / "runs" / "bench_resume")
     workdir.mkdir(parents=True, exist_ok=True)

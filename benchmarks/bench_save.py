@@ -29,6 +29,7 @@ import types
 from pathlib import Path
 
 from benchmarks import harness
+from hf_ext.sizes import dir_bytes
 
 MODULE = "benchmarks.bench_save"
 PATHS = ("stock", "hf_ext")
@@ -39,10 +40,6 @@ BENCH_SIZES = {
     # so that the two ZeRO-3 ranks and stock's full gather on rank 0 fit a 24 GiB host together
     "1b": dict(vocab=8008, d_model=2560, encoder_layers=2, decoder_layers=8, heads=32, ffn=10240),
 }
-
-
-def dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
 
 def ensure_size(size: str, model_dir: Path) -> Path:

@@ -20,6 +20,7 @@ import threading
 import time
 from pathlib import Path
 
+from hf_ext.memory.probe import peak_live_bytes  # noqa: F401  (the one rule; re-exported for the benches)
 from hf_ext.sizes import GiB, MiB  # noqa: F401  (re-exported for the benches)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,17 +126,6 @@ class PeakRSS:
 #: unmapped on free), the top of the heap is trimmed on every free, and at most two arenas keep small blocks. Without
 #: them glibc keeps freed pages, and a later allocation can land in pages the process already holds.
 FREED_MEMORY_TO_OS_ENV = {"MALLOC_MMAP_THRESHOLD_": 65536, "MALLOC_TRIM_THRESHOLD_": 0, "MALLOC_ARENA_MAX": 2}
-
-
-def peak_live_bytes(events) -> int:
-    """Highest running total of ``(time_ns, nbytes)`` allocation events (frees negative), taken in time order (ties
-    in the given order), above the level before the first event: the peak of the bytes allocated inside a window and
-    still live. Frees of blocks allocated before the window lower the total below 0 and never raise the peak."""
-    live = peak = 0
-    for _, nbytes in sorted(events, key=lambda event: event[0]):
-        live += nbytes
-        peak = max(peak, live)
-    return peak
 
 
 class PeakTensorBytes:

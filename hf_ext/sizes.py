@@ -1,8 +1,10 @@
-"""Byte sizes: the one parser of ``"5GB"`` / ``"8GiB"`` / ``"512M"`` strings and the one formatter of byte counts."""
+"""Byte sizes: the one parser of ``"5GB"`` / ``"8GiB"`` / ``"512M"`` strings, the one formatter of byte counts, and
+the size of a directory on disk."""
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 GiB = 1024**3
 MiB = 1024**2
@@ -27,3 +29,8 @@ def parse_bytes(size: str | int | float) -> int:
 def gb(n: float) -> str:
     """``n`` bytes for people: GiB from a quarter GiB up, MiB below."""
     return f"{n / GiB:.2f} GiB" if abs(n) >= GiB / 4 else f"{n / MiB:.1f} MiB"
+
+
+def dir_bytes(path: str | Path) -> int:
+    """Bytes of every file under ``path``."""
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())

@@ -39,21 +39,26 @@ def probe_inputs(model, batch: int, seq_len: int) -> dict:
     return inputs
 
 
+def peak_live_bytes(events) -> int:
+    """Highest running total of ``(time_ns, nbytes)`` allocation events (frees negative), taken in time order (ties
+    in the given order), above the level before the first event: the peak of the bytes allocated inside a window and
+    still live. Frees of blocks allocated before the window lower the total below 0 and never raise the peak."""
+    live = peak = 0
+    for _, nbytes in sorted(events, key=lambda event: event[0]):
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
 def _peak_allocated(fn) -> int:
     """Peak bytes allocated (above the level at the start) by the CPU allocator while ``fn`` runs."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    events = sorted(
-        ((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-        key=lambda x: x[0],
+    return peak_live_bytes(
+        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
     )
-    level = peak = 0
-    for _, nbytes in events:
-        level += nbytes
-        peak = max(peak, level)
-    return peak
 
 
 def _enable_checkpointing(enable):
@@ -115,10 +120,10 @@ def probe_activations(model, seq_len: int, batches=(1, 2), checkpointing: bool =
 #: a whole-model probe holds fp32 weights, their gradients and the activations: above this share of the available
 #: memory, the probe runs on 2- and 3-layer copies instead and extrapolates to the model's depth
 WHOLE_PROBE_SHARE = 0.25
-#: config fields that hold a model's depth (an encoder-decoder has two, changed together)
 #: the depths probed instead of the whole model: from the second layer on, each layer adds the same bytes to the peak
 #: (a 1-layer model peaks at another point of the backward pass, so it is not used)
 PROBED_DEPTHS = (2, 3)
+#: config fields that hold a model's depth (an encoder-decoder has two, changed together)
 DEPTH_FIELDS = (("encoder_layers", "decoder_layers"), ("num_hidden_layers",))
 
 
@@ -162,25 +167,22 @@ def measure(model, seq_len: int, checkpointing: bool) -> dict:
     with torch.device("meta"):
         facts = model_facts(random_init_model(config))
     depth = depth_fields(config)
-    if depth is None or not _too_large_to_probe_whole(facts.num_params):
-        shapes = [(config, None)]
-    else:
-        fields, layers = depth
-        shapes = []
-        for n in PROBED_DEPTHS:
-            shallow = copy.deepcopy(config)
-            for name in fields:
-                setattr(shallow, name, n)
-            shapes.append((shallow, layers))
+    shallow = depth is not None and _too_large_to_probe_whole(facts.num_params)
+    shapes = [config]
+    if shallow:
+        shapes = [copy.deepcopy(config) for _ in PROBED_DEPTHS]
+        for shape, layers in zip(shapes, PROBED_DEPTHS):
+            for name in depth[0]:
+                setattr(shape, name, layers)
     measured = []
-    for shape, _ in shapes:
+    for shape in shapes:
         probe_model = random_init_model(shape)
         measured.append(probe_activations(probe_model, seq_len, (1, 2), checkpointing).points)
         del probe_model
         gc.collect()
-    points = measured[0] if len(measured) == 1 else extrapolate_depth(measured[0], measured[1], depth[1])
+    points = extrapolate_depth(*measured, depth[1]) if shallow else measured[0]
     data = {"facts": facts.__dict__, "seq_len": seq_len, "checkpointing": checkpointing, "points": points}
-    if len(measured) > 1:
+    if shallow:
         data["probed_layers"] = list(PROBED_DEPTHS)
     return data
 

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from ..deepspeed.resolve import split_batch
 from ..peft import is_trainable_state_checkpoint
+from ..sizes import MiB, dir_bytes
 from .checkpoints import TMP_PREFIX, UNIVERSAL_SUFFIX, replace_dir
 
 logger = logging.getLogger(__name__)
@@ -88,10 +89,6 @@ def read_zero_checkpoint(path: str | Path) -> ZeroCheckpoint | None:
 def _fingerprint(folder: Path) -> dict[str, list[int]]:
     """Size and mtime of each file of the source tag: a re-written checkpoint invalidates its conversion."""
     return {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(folder.iterdir()) if p.is_file()}
-
-
-def dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 def cached_universal(checkpoint: ZeroCheckpoint) -> Path | None:
@@ -227,7 +224,7 @@ def prepare_resume(trainer, checkpoint) -> Path | None:
             f"sees, or resume with the world size that wrote it ({found.world_size})."
         )
     if args.should_log:
-        size = dir_bytes(universal) / 2**20
+        size = dir_bytes(universal) / MiB
         logger.warning(
             f"Resuming {found.path.name} (written on {_ranks(found.world_size)}) on {args.world_size}: loaded from the "
             f"DeepSpeed universal checkpoint {universal.name} ({took}, {size:.0f} MiB); {batch}."
