@@ -65,11 +65,11 @@ def load_data(args: ClassificationArguments) -> tuple[datasets.DatasetDict, list
         data = load_chatterbot_topics()
     else:
         data = datasets.load_dataset(args.dataset_name, args.dataset_config_name)
-    names = data["train"].features["label"].names
-    columns = ("sentence1", "sentence2") if "sentence2" in data["train"].column_names else ("text",)
-    if "sentence1" not in data["train"].column_names and "text" not in data["train"].column_names:
+    present = set(data["train"].column_names)
+    columns = next((c for c in (("sentence1", "sentence2"), ("text",)) if set(c) <= present), None)
+    if columns is None:
         raise SystemExit(f"{args.dataset_name}: expected a 'text' column or 'sentence1'/'sentence2' columns.")
-    return data, names, columns
+    return data, data["train"].features["label"].names, columns
 
 
 def build_offline_model(output_dir: Path, num_labels: int, seed: int) -> Path:
