@@ -1,14 +1,27 @@
-"""The one wrapper around DeepSpeed's ``GatheredParameters``: full values of ZeRO-3 partitioned parameters."""
+"""Full values of sharded parameters, whichever engine sharded them: DeepSpeed ZeRO-3 (``GatheredParameters``, the
+one wrapper around it) or FSDP2 (``DTensor.full_tensor``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from contextlib import nullcontext
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, nullcontext
 
 
 def is_partitioned(tensor) -> bool:
     """True for a ZeRO-3 partitioned parameter (its ``.shape`` is the local partition, ``ds_shape`` the full one)."""
     return hasattr(tensor, "ds_id")
+
+
+def is_dtensor(tensor) -> bool:
+    """True for an FSDP2 (DTensor) parameter: ``.shape`` is the full shape, ``to_local()`` this rank's shard."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def is_sharded(tensor) -> bool:
+    """True when ``tensor``'s full value exists on no single rank (ZeRO-3 or FSDP2)."""
+    return is_partitioned(tensor) or is_dtensor(tensor)
 
 
 def gathered(params: Iterable, modifier_rank: int | None = None):
@@ -21,3 +34,12 @@ def gathered(params: Iterable, modifier_rank: int | None = None):
     import deepspeed
 
     return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=modifier_rank)
+
+
+@contextmanager
+def full_values(tensors: list) -> Iterator[list]:
+    """The full value of each of ``tensors``, read-only, for the length of the context (collective when any is
+    sharded: call it on every rank, with the same tensors in the same order)."""
+    tensors = list(tensors)
+    with gathered(tensors):
+        yield [t.full_tensor() if is_dtensor(t) else t for t in tensors]

@@ -227,21 +227,26 @@ def prepare_run(args) -> RunSetup:
 
 
 def run_summary(trainer) -> dict:
-    """Where and how a trainer ran: launcher, world size, nodes, ranks per node, engine, ZeRO stage, threads (for logs
-    and checks)."""
+    """Where and how a trainer ran: launcher, world size, nodes, ranks per node, engine, ZeRO stage or FSDP sharding,
+    threads (for logs and checks)."""
     import torch.distributed as dist
+
+    from .fsdp import sharding_of
 
     engine = trainer.model_wrapped
     stage = getattr(engine, "zero_optimization_stage", None)
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     per_node = min(local_world_size(), world)
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None) if trainer.is_fsdp_enabled else None
+    fsdp = sharding_of(engine, getattr(plugin, "reshard_after_forward", True)) if plugin is not None else None
     return {
         "launcher": LAUNCHER,
         "world_size": world,
         "nodes": max(1, world // per_node),
         "ranks_per_node": per_node,
-        "engine": type(engine).__name__,
+        "engine": "FSDP2" if fsdp is not None else type(engine).__name__,
         "zero_stage": stage() if callable(stage) else None,
+        "fsdp": fsdp,  # sharding, sharding_factor, replicas: read from the parameters themselves
         "device": str(trainer.args.device),
         "torch_threads": torch.get_num_threads(),
         "released_freed_memory": bool(_RUN_SETUP and _RUN_SETUP.released_freed_memory),

@@ -15,7 +15,7 @@ import logging
 from transformers import Seq2SeqTrainer as _Seq2SeqTrainer
 from transformers import Trainer as _Trainer
 
-from . import peft, runtime
+from . import fsdp, peft, runtime
 from .deepspeed import callbacks as deepspeed_callbacks
 from .evaluation.bleu import BleuEvalCallback, BleuEvalConfig
 from .evaluation.zero_eval import plain_eval_without_engine
@@ -81,6 +81,10 @@ class _HfExtTrainerMixin:
         if self.model_accepts_loss_kwargs and loss_ignores_num_items(model):
             logger.info(f"{type(model).__name__} averages its own loss: not rescaling it by the global token count.")
             self.model_accepts_loss_kwargs = False
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        fsdp.enable_on_trainer(self)  # real FSDP2 on CPU ranks too, and hybrid sharding's device mesh
 
     # --- training, saving and resume (hf_ext.saving, hf_ext.peft) ---
     def train(self, resume_from_checkpoint=None, *args, **kwargs):

@@ -19,7 +19,14 @@ from transformers import TrainingArguments as _TrainingArguments
 from .deepspeed.errors import DeepSpeedConfigError, Problem
 from .deepspeed.load import accelerate_launch_config
 from .deepspeed.resolve import Resolution, explain_deepspeed_config
-from .runtime import has_accelerator, launch_world_size, launched_by_deepspeed, start_deepspeed_comm
+from .fsdp.config import FsdpResolution, resolve_fsdp
+from .runtime import (
+    has_accelerator,
+    launch_world_size,
+    launched_by_deepspeed,
+    local_world_size,
+    start_deepspeed_comm,
+)
 from .sizes import parse_bytes
 
 logger = logging.getLogger(__name__)
@@ -80,6 +87,7 @@ class HfExtArguments:
     )
     # what resolution found: declared, not passed (init=False keeps them out of to_dict and the command line)
     deepspeed_resolution: Resolution | None = field(default=None, init=False, repr=False)
+    fsdp_resolution: FsdpResolution | None = field(default=None, init=False, repr=False)
 
     @property
     def memory_plan(self):
@@ -204,7 +212,9 @@ class _HfExtArgsMixin:
             logger.info("Using the DeepSpeed config given to `accelerate launch`.")
             self.deepspeed = from_accelerate
             inline_consumed = isinstance(from_accelerate, dict)  # its inline settings are now in the config
-        if not self.deepspeed and launched_by_deepspeed():
+        if self.fsdp:
+            self._resolve_fsdp()
+        if not self.deepspeed and not self.fsdp and launched_by_deepspeed():
             logger.info(f"Launched by `deepspeed` without --deepspeed: using the {DEFAULT_LAUNCHER_PRESET!r} preset.")
             self.deepspeed = DEFAULT_LAUNCHER_PRESET
         if not self.use_cpu and not has_accelerator():
@@ -218,6 +228,22 @@ class _HfExtArgsMixin:
             raise DeepSpeedConfigError([Problem("", m.lstrip("- ")) for m in stock_mismatches], "TrainingArguments")
         if self.deepspeed:
             start_deepspeed_comm()
+
+    def _resolve_fsdp(self):
+        resolution = resolve_fsdp(
+            self.fsdp,
+            self.fsdp_config,
+            world_size=launch_world_size(),
+            local_world_size=local_world_size(),
+            deepspeed=self.deepspeed,
+            has_accelerator=has_accelerator(),
+        )
+        for change in resolution.changes:
+            logger.info(f"{change.key} = {change.value!r} ({change.source}).")
+        for warning in resolution.warnings:
+            logger.warning(warning)
+        self.fsdp, self.fsdp_config = resolution.fsdp, (resolution.fsdp_config or None)
+        self.fsdp_resolution = resolution
 
     def _resolve_deepspeed(self):
         resolution = explain_deepspeed_config(self.deepspeed, self, world_size=launch_world_size(), defer=True)

@@ -1,4 +1,4 @@
-"""The record a DeepSpeed config resolution keeps: what changed and why, what is wrong and how to fix it."""
+"""The record a config resolution (DeepSpeed, FSDP) keeps: what changed and why, what is wrong and how to fix it."""
 
 from __future__ import annotations
 
@@ -40,8 +40,10 @@ class Problem:
         return f"{where}{self.message}" + (f". Fix: {self.fix}" if self.fix else "")
 
 
-class DeepSpeedConfigError(ValueError):
-    """A DeepSpeed config that cannot be used as is. ``problems`` lists every problem found, one line each."""
+class ConfigError(ValueError):
+    """A config that cannot be used as is. ``problems`` lists every problem found, one line each."""
+
+    what = "config"
 
     def __init__(self, problems: list[Problem], origin: str = ""):
         self.problems = list(problems)
@@ -49,7 +51,19 @@ class DeepSpeedConfigError(ValueError):
         where = f" in {origin}" if origin else ""
         lines = "\n".join(f"- {p}" for p in self.problems)
         count = len(self.problems)
-        super().__init__(f"{count} problem{'s' if count != 1 else ''} with the DeepSpeed config{where}:\n{lines}")
+        super().__init__(f"{count} problem{'s' if count != 1 else ''} with the {self.what}{where}:\n{lines}")
+
+
+class DeepSpeedConfigError(ConfigError):
+    """A DeepSpeed config that cannot be used as is."""
+
+    what = "DeepSpeed config"
+
+
+class FsdpConfigError(ConfigError):
+    """FSDP settings (``fsdp`` / ``fsdp_config``) that cannot be used as they are."""
+
+    what = "FSDP settings"
 
 
 @dataclass

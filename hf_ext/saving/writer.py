@@ -1,10 +1,10 @@
-"""Streaming safetensors writer: model weights (ZeRO-3 partitioned or not) as sharded safetensors, one bounded group
-of parameters gathered at a time, tied parameters stored once, and a check after every save that refuses empty,
-``[0]``-shaped or missing tensors.
+"""Streaming safetensors writer: model weights (ZeRO-3 partitioned, FSDP2 sharded or whole) as sharded safetensors,
+one bounded group of parameters gathered at a time, tied parameters stored once, and a check after every save that
+refuses empty, ``[0]``-shaped or missing tensors.
 
-Every rank calls :func:`write_entries` under ZeRO-3 (the gathers are collective); only the main rank writes bytes,
-straight into the shard file, so the extra memory on it is one gather group and its collectives' staging (at most about
-one shard, or ``gather_bytes`` if smaller, or twice the largest tensor), never the model.
+Every rank calls :func:`write_entries` under ZeRO-3 and FSDP (the gathers are collective); only the main rank writes
+bytes, straight into the shard file, so the extra memory on it is one gather group and its collectives' staging (at
+most about one shard, or ``gather_bytes`` if smaller, or twice the largest tensor), never the model.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..gather import gathered, is_partitioned
+from ..gather import full_values, is_sharded
 from ..sizes import parse_bytes
 
 logger = logging.getLogger(__name__)
@@ -67,8 +67,8 @@ class TensorEntry:
         return numel * torch.empty((), dtype=self.dtype).element_size()
 
     @property
-    def partitioned(self) -> bool:
-        return is_partitioned(self.source)
+    def sharded(self) -> bool:
+        return is_sharded(self.source)
 
 
 def tied_target_keys(model) -> set[str]:
@@ -204,7 +204,7 @@ def write_entries(
     gather_bytes: int | str = DEFAULT_GATHER_BYTES,
     metadata: dict[str, str] | None = None,
 ) -> list[Path]:
-    """Write ``entries`` as safetensors shards (+ index when more than one). Call on every rank under ZeRO-3.
+    """Write ``entries`` as safetensors shards (+ index when more than one). Call on every rank under ZeRO-3 or FSDP.
 
     Non-main ranks only join the gathers. Returns the files written (empty on non-main ranks).
     """
@@ -230,11 +230,12 @@ def write_entries(
             if f is not None:
                 f.write(_header(shard, metadata))
             for group in plan_shards(shard, gather_limit):
-                with gathered([e.source for e in group]):
+                with full_values([e.source for e in group]) as values:
                     if f is not None:
-                        for entry in group:
-                            _write_tensor(f, entry, entry.source)
-                if any(e.partitioned for e in group):
+                        for entry, value in zip(group, values):
+                            _write_tensor(f, entry, value)
+                    del values
+                if any(e.sharded for e in group):
                     # glibc keeps the released gather in its heaps unless told otherwise, and the next group does not
                     # always reuse it, so the resident set would grow towards the model's size shard after shard
                     trim_heap()

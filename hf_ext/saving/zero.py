@@ -60,13 +60,23 @@ def gathers_16bit_weights(engine) -> bool:
     return bool(engine.zero_gather_16bit_weights_on_model_save())
 
 
+def model_class(model) -> type:
+    """The model's own class: FSDP2 makes ``FSDP<Name>`` classes deriving from ``FSDPModule`` and the model's."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = type(model)
+    if issubclass(cls, FSDPModule):
+        return next(base for base in cls.__bases__ if not issubclass(base, FSDPModule))
+    return cls
+
+
 def save_model_files(trainer, model, output_dir: str | Path, stored_dtype: torch.dtype | None = None) -> None:
     """Everything but the weights, as ``save_pretrained`` + ``Trainer._save`` write it (main process only)."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = getattr(model, "config", None)
     if config is not None:
-        config.architectures = [type(model).__name__]
+        config.architectures = [model_class(model).__name__]
         if stored_dtype is not None:
             config.dtype = str(stored_dtype).split(".")[-1]
         config.save_pretrained(out)
@@ -86,7 +96,8 @@ def _stored_dtype(entries: list[TensorEntry]) -> torch.dtype | None:
 def save_trainer_model(trainer, output_dir: str | Path, *, checkpoint: bool = False) -> None:
     """``Trainer.save_model`` for full models, on every rank: a loadable ``output_dir`` whatever the ZeRO stage.
 
-    * ZeRO-3 with 16-bit gathering on, ZeRO-1/2 and no DeepSpeed: :func:`save_streaming`.
+    * ZeRO-3 with 16-bit gathering on, ZeRO-1/2, FSDP2 and no engine: the streaming writer, a bounded group of
+      parameters gathered at a time.
     * ZeRO-3 with gathering off: the final save writes a ZeRO checkpoint and consolidates fp32 weights from it;
       a mid-run ``checkpoint`` skips the weights (the ZeRO checkpoint the Trainer writes next holds them, and
       ``hf-ext export`` consolidates them).
@@ -132,6 +143,8 @@ def handles(trainer) -> bool:
     """Whether :func:`save_trainer_model` saves this trainer's model (else the stock ``save_model`` does)."""
     from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
 
-    if is_torch_xla_available() or is_sagemaker_mp_enabled() or getattr(trainer, "is_fsdp_enabled", False):
+    if is_torch_xla_available() or is_sagemaker_mp_enabled():
         return False
+    if getattr(trainer, "is_fsdp_enabled", False) and not trainer.accelerator.is_fsdp2:
+        return False  # FSDP1's flat parameters: the stock path
     return hasattr(trainer.model, "config")  # arbitrary nn.Modules: the stock path

@@ -16,6 +16,10 @@ What is touched, and why no public hook does it:
   ``load_checkpoint`` reads; the engine was started without it so that its own config stays the user's.
 * ``Accelerator._models`` (``hf_ext.evaluation.zero_eval``): the models accelerate prepared, restored after an
   engine-free evaluation on ZeRO-1/2.
+* ``AcceleratorState.distributed_type`` / ``PartialState._shared_state`` (``hf_ext.fsdp.engine``): set to FSDP on CPU
+  ranks, where accelerate drops its FSDP plugin; accelerate writes the same shared-state key itself at the end of
+  ``AcceleratorState.__init__``. ``ParallelismConfig._validate_accelerator``: the check accelerate runs on a device
+  mesh, run again once the state is FSDP (hybrid sharding).
 """
 
 from __future__ import annotations
@@ -91,3 +95,16 @@ def test_deepspeed_reads_load_universal_from_the_engine_config():
         DeepSpeedEngine.load_universal_checkpoint
     )
     assert "self.load_universal_checkpoint()" in inspect.getsource(DeepSpeedEngine.load_checkpoint)
+
+
+def test_accelerate_drops_fsdp_on_cpu_ranks_and_shares_the_distributed_type():
+    """hf-ext switches CPU ranks to FSDP because accelerate's gate leaves MULTI_CPU out; when this fails, accelerate
+    changed that gate or where it records the type: re-read hf_ext/fsdp/engine.py."""
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.state import AcceleratorState
+
+    source = inspect.getsource(AcceleratorState.__init__)
+    gate = source[source.index("elif self.distributed_type in [") : source.index("DistributedType.FSDP\n")]
+    assert "DistributedType.MULTI_GPU" in gate and "DistributedType.MULTI_CPU" not in gate
+    assert 'PartialState._shared_state["distributed_type"] = self.distributed_type' in source
+    assert list(inspect.signature(ParallelismConfig._validate_accelerator).parameters) == ["self", "accelerator"]

@@ -21,6 +21,7 @@ import signal
 from contextlib import nullcontext
 
 import torch
+import torch.distributed.tensor
 import transformers
 from transformers import AutoConfig, AutoTokenizer, default_data_collator
 
@@ -65,6 +66,15 @@ def synthetic_dataset(n: int, vocab: int, seed: int = 0, causal: bool = False) -
 
 def gathered_state_dict(model) -> dict[str, torch.Tensor]:
     params = list(model.parameters())
+    if any(isinstance(p, torch.distributed.tensor.DTensor) for p in params):  # FSDP2: torch's own full state dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not full:  # the full values live on rank 0 only
+            return {}
+        first_name = {id(p): n for n, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
+        return {n: full[n if n in full else first_name[id(p)]].clone()
+                for n, p in model.named_parameters(remove_duplicate=False)}  # fmt: skip
     zero3 = any(hasattr(p, "ds_id") for p in params)
     if zero3:
         import deepspeed
@@ -90,6 +100,25 @@ class SampleRecordingTrainer(hf_ext.Seq2SeqTrainer):
         return super().compute_loss(model, inputs, *args, **kwargs)
 
 
+def stock_check(opts, model, data) -> None:
+    """Stock transformers with the same ``fsdp`` value, on a copy of the model: which engine wraps it."""
+    import copy
+
+    args = transformers.Seq2SeqTrainingArguments(
+        output_dir=opts.out + "-stock", fsdp=opts.fsdp, use_cpu=True, max_steps=1, report_to=[], save_strategy="no",
+        per_device_train_batch_size=opts.batch, disable_tqdm=True,
+    )  # fmt: skip
+    stock = transformers.Seq2SeqTrainer(model=copy.deepcopy(model), args=args, train_dataset=data,
+                                        data_collator=default_data_collator)  # fmt: skip
+    stock.train()
+    params = list(stock.model_wrapped.parameters())
+    if args.process_index == 0:
+        with open(opts.stock_fsdp_check, "w") as f:
+            json.dump({"engine": type(stock.model_wrapped).__name__,
+                       "dtensors": sum(isinstance(p, torch.distributed.tensor.DTensor) for p in params),
+                       "distributed_type": str(stock.accelerator.distributed_type)}, f)  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
@@ -112,6 +141,13 @@ def main() -> None:
     parser.add_argument("--modules_to_save", default=None)
     parser.add_argument("--lora_targets", default="q_proj,v_proj")
     parser.add_argument("--no_ds", action="store_true")
+    parser.add_argument("--fsdp", default=None, help="an fsdp value (full_shard, hybrid_shard...): FSDP, no DeepSpeed")
+    parser.add_argument("--fsdp_config", default=None, help="fsdp_config as JSON")
+    parser.add_argument(
+        "--stock_fsdp_check",
+        default=None,
+        help="first train 1 step with stock transformers and the same --fsdp; write its engine here",
+    )
     parser.add_argument("--local_rank", type=int, default=-1)
     opts = parser.parse_args()
 
@@ -128,7 +164,9 @@ def main() -> None:
         logging_steps=1,
         report_to=[],
         seed=0,
-        deepspeed=None if opts.no_ds else ds_config(opts.stage, opts.gather, own_scheduler=not opts.lora),
+        deepspeed=None if opts.no_ds or opts.fsdp else ds_config(opts.stage, opts.gather, own_scheduler=not opts.lora),
+        fsdp=opts.fsdp,
+        fsdp_config=json.loads(opts.fsdp_config) if opts.fsdp_config else None,
         optim="adamw_torch",
         disable_tqdm=True,
         save_max_shard_size=opts.max_shard_size,
@@ -147,6 +185,8 @@ def main() -> None:
         lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, modules_to_save=modules_to_save)
         model = get_peft_model(model, lora)
     data = synthetic_dataset(opts.n, config.vocab_size, causal=causal)
+    if opts.stock_fsdp_check:
+        stock_check(opts, model, data)
     trainer_class = hf_ext.Seq2SeqTrainer
     if opts.samples:
         data = [dict(row, sample_id=i) for i, row in enumerate(data)]
@@ -181,6 +221,10 @@ def main() -> None:
     if opts.samples:
         with open(f"{opts.samples}.rank{args.process_index}.json", "w") as f:
             json.dump(trainer.samples, f)
+    if opts.fsdp and opts.dump:  # what this rank holds of each parameter
+        local = {n: p.to_local() if isinstance(p, torch.distributed.tensor.DTensor) else p
+                 for n, p in trainer.model.named_parameters()}  # fmt: skip
+        torch.save({n: t.detach().clone() for n, t in local.items()}, f"{opts.dump}.rank{args.process_index}.pt")
     if args.process_index == 0 and opts.dump:
         torch.save(state_dict, opts.dump)
         info = {

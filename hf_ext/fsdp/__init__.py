@@ -1,0 +1,7 @@
+"""FSDP2 as hf-ext's second engine: presets and checks of the ``fsdp`` settings (:mod:`.config`), and FSDP made real
+on every host, CPU ranks included (:mod:`.engine`)."""
+
+from .config import PRESETS, FsdpResolution, resolve_fsdp
+from .engine import enable_on_trainer, sharding_of
+
+__all__ = ["PRESETS", "FsdpResolution", "enable_on_trainer", "resolve_fsdp", "sharding_of"]

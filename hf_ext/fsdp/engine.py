@@ -1,0 +1,139 @@
+"""FSDP2 on every host: what the trainer does once its ``Accelerator`` exists.
+
+accelerate turns its FSDP plugin on only for accelerator types (``MULTI_GPU``, ``MULTI_XPU``...). On a CPU-only host
+the state is ``MULTI_CPU``, the plugin is dropped without a word, and ``--fsdp full_shard`` trains plain DDP. Torch's
+FSDP2 (``fully_shard``) itself runs on CPU with gloo, so :func:`enable_on_trainer` switches the state to FSDP with the
+plugin the arguments (or ``accelerate launch``'s FSDP settings) asked for, then sets up hybrid sharding's 2-D device
+mesh (replicas × shard groups) when :mod:`hf_ext.fsdp.config` resolved one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from ..deepspeed.errors import FsdpConfigError, Problem
+
+logger = logging.getLogger(__name__)
+
+
+def _requested_plugin(trainer):
+    """The FSDP plugin the arguments or ``accelerate launch`` asked for (``None``: no FSDP)."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    state = trainer.accelerator.state
+    plugin = getattr(state, "fsdp_plugin", None)
+    if plugin is not None:
+        return plugin
+    if trainer.args.fsdp_plugin_args is not None:
+        return FullyShardedDataParallelPlugin(**trainer.args.fsdp_plugin_args)
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        return FullyShardedDataParallelPlugin()  # accelerate launch's FSDP_* variables
+    return None
+
+
+def enable_on_trainer(trainer) -> None:
+    """Make the FSDP the arguments ask for real: on CPU ranks, and with hybrid sharding's device mesh."""
+    from accelerate.utils import DistributedType
+
+    state = trainer.accelerator.state
+    if state.distributed_type == DistributedType.MULTI_CPU and (plugin := _requested_plugin(trainer)) is not None:
+        if plugin.fsdp_version != 2:
+            raise FsdpConfigError([Problem("fsdp_config.version", "FSDP1 does not run on CPU-only ranks",
+                                           "set fsdp_version 2 (FSDP2)")])  # fmt: skip
+        if state.mixed_precision != "no":
+            plugin.set_mixed_precision(state.mixed_precision)
+        from accelerate.state import PartialState
+
+        state.distributed_type = DistributedType.FSDP
+        state.fsdp_plugin = plugin
+        # as AcceleratorState.__init__ ends: the process state learns the type too (each AcceleratorState() copies it)
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        trainer.is_fsdp_enabled = True
+        logger.info("FSDP2 on CPU ranks (gloo): accelerate would have run DDP here.")
+    resolution = getattr(trainer.args, "fsdp_resolution", None)
+    if trainer.is_fsdp_enabled and resolution is not None and resolution.hybrid and state.parallelism_config is None:
+        from accelerate import ParallelismConfig
+
+        config = ParallelismConfig(dp_replicate_size=resolution.replicas, dp_shard_size=resolution.sharding_factor)
+        state.parallelism_config = config
+        state.device_mesh = config.get_device_mesh(trainer.accelerator.device.type)
+        config._validate_accelerator(trainer.accelerator)
+        logger.info(
+            f"Hybrid sharding: each parameter split over {resolution.sharding_factor} ranks, "
+            f"{resolution.replicas} replicas of each shard."
+        )
+    if trainer.is_fsdp_enabled and trainer.accelerator.is_fsdp2 and trainer.model is not None:
+        shard_tied_group(trainer.accelerator, trainer.model)
+
+
+def tied_holders(model) -> list:
+    """Modules that hold a parameter another module holds too, when accelerate's FSDP2 grouping would split them.
+
+    accelerate puts the input and output embeddings (and the final norm) in one FSDP group when their weights are tied;
+    an encoder-decoder model (BART, BlenderBot, T5) also ties its encoder's and decoder's ``embed_tokens`` to the same
+    weight, which then lands in the root group as well and torch refuses the split ("shared with a parameter already
+    managed by another FSDP group"). Empty when the embeddings are the only holders.
+    """
+    holders: dict[int, list] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            holders.setdefault(id(param), [])
+            if module not in holders[id(param)]:
+                holders[id(param)].append(module)
+    shared = [modules for modules in holders.values() if len(modules) > 1]
+    embeddings = {
+        id(getattr(model, name, lambda: None)()) for name in ("get_input_embeddings", "get_output_embeddings")
+    }
+    if all(id(m) in embeddings for modules in shared for m in modules):
+        return []
+    out: list = []
+    for modules in shared:
+        out += [m for m in modules if m not in out]
+    return out
+
+
+def shard_tied_group(accelerator, model) -> None:
+    """Put every holder of a shared parameter in one FSDP2 group before accelerate wraps the rest (see
+    :func:`tied_holders`), with the plugin's settings; kept gathered from forward to backward, as accelerate keeps
+    its own tied group."""
+    import torch
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    modules = [m for m in tied_holders(model) if not isinstance(m, FSDPModule)]
+    if not modules:
+        return
+    plugin = accelerator.state.fsdp_plugin
+    if accelerator.mixed_precision != "no":  # fp32 master weights, as accelerate upcasts before sharding
+        for module in modules:
+            for param in module.parameters(recurse=False):
+                if param.requires_grad and param.dtype != torch.float32:
+                    param.data = param.data.to(torch.float32)
+    mesh = accelerator.torch_device_mesh
+    pc = accelerator.parallelism_config
+    fully_shard(
+        modules,
+        reshard_after_forward=False,
+        offload_policy=plugin.cpu_offload,
+        mp_policy=plugin.mixed_precision_policy or MixedPrecisionPolicy(),
+        mesh=mesh[tuple(pc.fsdp_dim_names)] if mesh is not None and pc is not None else None,
+    )
+    logger.info(f"FSDP2: one group for the {len(modules)} modules that share a tied weight.")
+
+
+def sharding_of(model, reshard_after_forward: bool = True) -> dict | None:
+    """How ``model``'s parameters are really laid out, read from its DTensors (``None``: not FSDP2): the ranks one
+    parameter is split over and the copies of each shard."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    param = next((p for p in model.parameters() if isinstance(p, DTensor)), None)
+    if param is None:
+        return None
+    factor = replicas = 1
+    for size, placement in zip(param.device_mesh.shape, param.placements):
+        if isinstance(placement, Shard):
+            factor *= size
+        elif isinstance(placement, Replicate):
+            replicas *= size
+    name = "hybrid_shard" if replicas > 1 else ("full_shard" if reshard_after_forward else "shard_grad_op")
+    return {"sharding": name, "sharding_factor": factor, "replicas": replicas}

@@ -1,0 +1,116 @@
+"""FSDP2 on 2 (and 4) CPU ranks under torchrun, with the tiny BlenderBot (tied embeddings shared by the encoder, the
+decoder and the LM head, which accelerate's own FSDP2 grouping cannot wrap):
+
+* stock transformers given the same ``fsdp="full_shard"`` trains DDP here (the engine it reports), hf-ext really
+  shards: each rank holds half of every parameter, and the two halves are the full tensor;
+* the save loads with ``from_pretrained`` and equals torch's own full state dict (``get_model_state_dict``) bit for
+  bit;
+* a resume from checkpoint-4 trains steps 5-8 only and ends bit-identical to the uninterrupted run;
+* hybrid sharding on 4 ranks with a sharding factor of 2: each parameter split over 2 ranks, the shards replicated
+  across the two groups.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ..conftest import ROOT, launcher_cmd, run
+
+pytestmark = pytest.mark.distributed
+
+SCRIPT = ROOT / "tests" / "distributed" / "workers" / "train_save.py"
+
+
+def train(model_dir, out: Path, *extra: str, nproc: int = 2) -> dict:
+    out.mkdir(parents=True)
+    run([*launcher_cmd("torchrun", SCRIPT, nproc=nproc), "--model", str(model_dir), "--out", str(out / "out"),
+         "--no_dropout", "--epochs", "1", "--save_total_limit", "3", "--dump", str(out / "trained.pt"), *extra])  # fmt: skip
+    return json.loads((out / "trained.pt.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("fsdp")
+    full = train(tiny_model_dir, root / "full", "--fsdp", "full_shard", "--samples", str(root / "full" / "samples"),
+                 "--stock_fsdp_check", str(root / "stock.json"))  # fmt: skip
+    resumed = train(tiny_model_dir, root / "resumed", "--fsdp", "full_shard", "--samples",
+                    str(root / "resumed" / "samples"), "--resume", str(root / "full" / "out" / "checkpoint-4"))  # fmt: skip
+    return root, full, resumed
+
+
+def shards(run_dir: Path, rank: int) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / f"trained.pt.rank{rank}.pt")
+
+
+def test_stock_trains_ddp_where_hf_ext_shards(runs):
+    root, full, _ = runs
+    stock = json.loads((root / "stock.json").read_text())
+    assert stock == {
+        "engine": "DistributedDataParallel",
+        "dtensors": 0,
+        "distributed_type": "DistributedType.MULTI_CPU",
+    }
+    assert full["run"]["engine"] == "FSDP2"
+    assert full["run"]["fsdp"] == {"sharding": "full_shard", "sharding_factor": 2, "replicas": 1}
+    weights = torch.load(root / "full" / "trained.pt")
+    rank0, rank1 = shards(root / "full", 0), shards(root / "full", 1)
+    assert set(rank0) == set(rank1) and len(rank0) > 50
+    for name, local in rank0.items():
+        whole = weights[name]
+        assert local.shape[0] == (whole.shape[0] + 1) // 2, name  # each rank holds half of dim 0
+        assert torch.equal(torch.cat([local, rank1[name]]), whole), name
+
+
+def test_save_loads_and_equals_torch_full_state_dict(runs):
+    from transformers import AutoModelForSeq2SeqLM
+
+    root, full, _ = runs
+    weights = torch.load(root / "full" / "trained.pt")  # torch's get_model_state_dict(full_state_dict=True)
+    loaded = AutoModelForSeq2SeqLM.from_pretrained(root / "full" / "out")
+    named = dict(loaded.named_parameters(remove_duplicate=False))
+    assert set(named) == set(weights)
+    for name, value in weights.items():
+        assert torch.equal(named[name], value), name
+    config = json.loads((root / "full" / "out" / "config.json").read_text())
+    assert config["architectures"] == ["BlenderbotForConditionalGeneration"]  # not FSDP2's FSDPBlenderbot... class
+    checkpoint = root / "full" / "out" / "checkpoint-4"
+    assert (checkpoint / "pytorch_model_fsdp_0").is_dir() and (checkpoint / "optimizer_0").is_dir()  # per-rank shards
+    assert AutoModelForSeq2SeqLM.from_pretrained(checkpoint) is not None  # every checkpoint loads too
+
+
+def test_resume_is_bit_identical(runs):
+    root, full, resumed = runs
+    from safetensors.torch import load_file
+
+    a, b = torch.load(root / "full" / "trained.pt"), torch.load(root / "resumed" / "trained.pt")
+    assert set(a) == set(b)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert resumed["global_step"] == full["global_step"] == 8
+    steps = sorted({step for rank in (0, 1) for step, _ in
+                    json.loads((root / "resumed" / f"samples.rank{rank}.json").read_text())})  # fmt: skip
+    assert steps == [5, 6, 7, 8]  # the resumed run trained steps 5-8 only
+    losses = [h["loss"] for h in full["log_history"] if "loss" in h]
+    assert losses == [h["loss"] for h in resumed["log_history"] if "loss" in h]
+    at_4 = {}
+    for file in (root / "full" / "out" / "checkpoint-4").glob("model-*.safetensors"):
+        at_4.update(load_file(file))
+    assert any(not torch.equal(at_4[name], a[name]) for name in at_4)  # steps 5-8 moved the weights
+
+
+def test_hybrid_shard_on_four_ranks(tiny_model_dir, tmp_path):
+    run_info = train(tiny_model_dir, tmp_path / "hybrid", "--fsdp", "hybrid_shard", "--fsdp_config",
+                     '{"sharding_factor": 2}', "--save_steps", "100", nproc=4)  # fmt: skip
+    assert run_info["run"]["fsdp"] == {"sharding": "hybrid_shard", "sharding_factor": 2, "replicas": 2}
+    weights = torch.load(tmp_path / "hybrid" / "trained.pt")
+    local = [shards(tmp_path / "hybrid", rank) for rank in range(4)]
+    for name, whole in weights.items():
+        if name not in local[0]:
+            continue
+        assert local[0][name].shape[0] == (whole.shape[0] + 1) // 2, name  # split over a group of 2 ranks
+        assert torch.equal(local[0][name], local[2][name]) and torch.equal(local[1][name], local[3][name]), name
+        assert torch.equal(torch.cat([local[0][name], local[1][name]]), whole), name
