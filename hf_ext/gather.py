@@ -43,3 +43,21 @@ def full_values(tensors: list) -> Iterator[list]:
     tensors = list(tensors)
     with gathered(tensors):
         yield [t.full_tensor() if is_dtensor(t) else t for t in tensors]
+
+
+def sharding_of(model, reshard_after_forward: bool = True) -> dict | None:
+    """How ``model``'s parameters are really laid out, read from its DTensors (``None``: not FSDP2): the ranks one
+    parameter is split over and the copies of each shard."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    param = next((p for p in model.parameters() if isinstance(p, DTensor)), None)
+    if param is None:
+        return None
+    factor = replicas = 1
+    for size, placement in zip(param.device_mesh.shape, param.placements):
+        if isinstance(placement, Shard):
+            factor *= size
+        elif isinstance(placement, Replicate):
+            replicas *= size
+    name = "hybrid_shard" if replicas > 1 else ("full_shard" if reshard_after_forward else "shard_grad_op")
+    return {"sharding": name, "sharding_factor": factor, "replicas": replicas}

@@ -231,7 +231,7 @@ def run_summary(trainer) -> dict:
     threads (for logs and checks)."""
     import torch.distributed as dist
 
-    from .fsdp import sharding_of
+    from .gather import sharding_of
 
     engine = trainer.model_wrapped
     stage = getattr(engine, "zero_optimization_stage", None)

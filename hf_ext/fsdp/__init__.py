@@ -2,6 +2,6 @@
 on every host, CPU ranks included (:mod:`.engine`)."""
 
 from .config import PRESETS, FsdpResolution, resolve_fsdp
-from .engine import enable_on_trainer, sharding_of
+from .engine import enable_on_trainer
 
-__all__ = ["PRESETS", "FsdpResolution", "enable_on_trainer", "resolve_fsdp", "sharding_of"]
+__all__ = ["PRESETS", "FsdpResolution", "enable_on_trainer", "resolve_fsdp"]

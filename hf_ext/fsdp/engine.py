@@ -119,21 +119,3 @@ def shard_tied_group(accelerator, model) -> None:
         mesh=mesh[tuple(pc.fsdp_dim_names)] if mesh is not None and pc is not None else None,
     )
     logger.info(f"FSDP2: one group for the {len(modules)} modules that share a tied weight.")
-
-
-def sharding_of(model, reshard_after_forward: bool = True) -> dict | None:
-    """How ``model``'s parameters are really laid out, read from its DTensors (``None``: not FSDP2): the ranks one
-    parameter is split over and the copies of each shard."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    param = next((p for p in model.parameters() if isinstance(p, DTensor)), None)
-    if param is None:
-        return None
-    factor = replicas = 1
-    for size, placement in zip(param.device_mesh.shape, param.placements):
-        if isinstance(placement, Shard):
-            factor *= size
-        elif isinstance(placement, Replicate):
-            replicas *= size
-    name = "hybrid_shard" if replicas > 1 else ("full_shard" if reshard_after_forward else "shard_grad_op")
-    return {"sharding": name, "sharding_factor": factor, "replicas": replicas}
