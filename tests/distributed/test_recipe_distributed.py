@@ -1,5 +1,5 @@
-"""The recipe under every launcher: a real DeepSpeed ZeRO engine on 2 CPU ranks, training that learns, output that
-loads, ranks that see different data, and the same result whichever 2-rank launcher started it."""
+"""The recipe under every launcher: a real DeepSpeed ZeRO engine (or FSDP2) on 2 CPU ranks, training that learns,
+output that loads, ranks that see different data, and the same result whichever 2-rank launcher started it."""
 
 from __future__ import annotations
 
@@ -19,11 +19,13 @@ pytestmark = pytest.mark.distributed
 
 STEPS = 30
 RUNS = {
-    # name: (launcher, extra flags, expected world size, expected ZeRO stage)
+    # name: (launcher, extra flags, expected world size, expected ZeRO stage or "fsdp")
     "deepspeed-zero2": ("deepspeed", [], 2, 2),  # no --deepspeed: the launcher implies hf-ext's zero2 preset
     "deepspeed-zero3": ("deepspeed", ["--deepspeed", "zero3"], 2, 3),
     "torchrun-zero2": ("torchrun", ["--deepspeed", "zero2"], 2, 2),
     "accelerate-zero2": (f"accelerate:{ROOT / 'recipes/accelerate/zero2.yaml'}", [], 2, 2),
+    "torchrun-fsdp": ("torchrun", ["--fsdp", "full_shard"], 2, "fsdp"),  # stock's flag
+    "accelerate-fsdp": (f"accelerate:{ROOT / 'recipes/accelerate/fsdp.yaml'}", [], 2, "fsdp"),
     "python": ("python", [], 1, None),
 }
 
@@ -65,6 +67,9 @@ def test_recipe_trains_saves_and_reloads(name, recipe_runs, tiny_model_dir):
     assert run_info["world_size"] == world_size
     if stage is None:
         assert run_info["engine"] != "DeepSpeedEngine"
+    elif stage == "fsdp":  # read from the parameters: each rank holds half of each
+        assert run_info["engine"] == "FSDP2"
+        assert run_info["fsdp"] == {"sharding": "full_shard", "sharding_factor": 2, "replicas": 1}
     else:
         assert run_info["engine"] == "DeepSpeedEngine" and run_info["zero_stage"] == stage
         # hf-ext resolved the config under every launcher (accelerate's own YAML included): no "auto" reached DeepSpeed
@@ -95,6 +100,12 @@ def test_two_rank_launchers_give_the_same_loss(recipe_runs):
     zero2 = {name: load_results(recipe_runs(name))["train_loss"] for name in RUNS if name.endswith("zero2")}
     assert len(zero2) == 3
     assert max(zero2.values()) - min(zero2.values()) < 1e-5, zero2
+
+
+def test_fsdp_under_torchrun_and_accelerate_gives_the_same_loss(recipe_runs):
+    losses = {name: load_results(recipe_runs(name))["train_loss"] for name in RUNS if name.endswith("fsdp")}
+    assert len(losses) == 2
+    assert max(losses.values()) - min(losses.values()) < 1e-5, losses
 
 
 @pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
