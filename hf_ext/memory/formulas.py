@@ -3,10 +3,11 @@ sharded configuration that fits.
 
 Per-rank peak = **model states** + **DeepSpeed buffers** + **activations** (forward + backward) + the
 **optimizer-step transient**, plus a measured **runtime overhead** (trainer, engine, communication) on CPU. All in
-bytes. Activations are freed before the optimizer step, so for DDP and ZeRO-1/2 the larger of activations and step
+bytes. Activations are freed before the optimizer step, so for DDP and ZeRO-1/2/3 the larger of activations and step
 transient counts, not their sum; for DDP (without gradient accumulation) the Trainer also frees the gradients before
 each forward, so activations take turns with gradients + step transient. ZeRO-3's gathers and releases run inside
-forward and backward: there the two add up.
+forward and backward: the gathered parameters are a buffer, beside the activations. ZeRO-0 flattens the gradients
+while backward runs: there activations and step transient add up.
 
 Model states, Adam, Ψ parameters (Ψ_t trainable), N ranks, partitions of ``ceil(Ψ/N)`` elements:
 
@@ -22,8 +23,10 @@ stage                  params            grads            optimizer states
 p = 4 bytes in fp32 (CPU), 2 with fp16/bf16; o = 8 (Adam m, v) in fp32, 12 (fp32 master + m + v) with fp16/bf16 —
 so 16Ψ for DDP in both, 4Ψ + 12Ψ/N for ZeRO-1 in mixed precision, 2Ψ + 14Ψ/N for ZeRO-2, 16Ψ/N for ZeRO-3.
 ``offload_optimizer`` moves the optimizer states to the host, and with them the fp32 gradient partition the
-optimizer reads (4·⌈Ψ_t/N⌉; at stage ≥ 2 the device then keeps no gradient partition); ``offload_param`` (stage 3)
-moves the parameter partition. On a CPU-only host, device and host are the same RAM: offload saves nothing.
+optimizer reads (4·⌈Ψ_t/N⌉; at stage ≥ 2 the device then keeps no gradient partition); at stage 3 DeepSpeed also keeps
+its gradient-accumulation partition (``grad_partitions_flat_buffer``, in the model's dtype, p·⌈Ψ_t/N⌉) on the host,
+beside that fp32 copy. ``offload_param`` (stage 3) moves the parameter partition. On a CPU-only host, device and host
+are the same RAM: offload saves nothing, and at stage 3 it costs the second gradient partition.
 
 Buffers (what DeepSpeed allocates beyond those formulas, read from ``stage_1_and_2.py`` / ``stage3.py``): the fp32
 master copy of the partition when training in fp32 (``.clone()`` of a tensor already fp32: 4·⌈Ψ_t/N⌉), the
@@ -155,6 +158,8 @@ def model_state_bytes(
         host_grads = FP32 * t_part
         if stage >= 2:
             grads = 0
+        if stage == 3:  # the gradient-accumulation partition stays too, on the host (stage3.py, self.device = cpu)
+            host_grads += p * t_part
     if offload_param:
         host_params, params = params, 0
     return ModelStates(params, grads, optimizer, host_params, host_grads, host_optimizer)
@@ -242,23 +247,42 @@ def buffer_bytes(candidate: Candidate, facts: ModelFacts, world_size: int, preci
     return out
 
 
+def largest_sub_group(facts: ModelFacts, world_size: int, sub_group_size: int = 10**9) -> int:
+    """Elements of the largest sub-group ZeRO-3 steps the optimizer on: DeepSpeed fills a sub-group with parameter
+    partitions until it holds ``sub_group_size`` elements or more (``_create_fp16_sub_groups``), so one holds at most
+    ``sub_group_size - 1`` elements plus the largest parameter partition — and never more than the rank's partition."""
+    n = max(1, world_size)
+    partition = math.ceil(facts.trainable / n)
+    return min(partition, max(1, sub_group_size) - 1 + math.ceil(facts.largest_param / n))
+
+
 def step_transient_bytes(
     candidate: Candidate, facts: ModelFacts, world_size: int, device: str = "cpu", sub_group_size: int = 10**9
 ) -> int:
     """Temporaries after the backward pass: the optimizer's ``sqrt(v)`` (torch AdamW runs per tensor on CPU, on a
     whole tensor list on GPUs) and DeepSpeed's flattened fp32 gradients — of the rank's partition (ZeRO 1-3) or of
-    all gradients for the all-reduce (ZeRO-0)."""
+    all gradients for the all-reduce (ZeRO-0).
+
+    ZeRO-3 steps one sub-group at a time (:func:`largest_sub_group`): torch AdamW's ``exp_avg_sq.sqrt()`` and its
+    quotient, 2 x 4 bytes of the sub-group. With ``offload_optimizer`` that step runs on the host (hf-ext's presets
+    use torch AdamW, ``torch_adam``), so it counts where the host is the device's RAM (CPU-only host) and is 0 on
+    accelerators. The offloaded path's other temporary, the fp64 norm of each gradient partition at the accumulation
+    boundary (``_constant_buffered_norm2``: 8 bytes x the largest parameter partition), is never larger: a sub-group
+    holds at least that partition. Measured at GPT-2 124M on 2 CPU ranks: 147 MiB for both (the embedding's
+    19.3M-element partition, in a sub-group of its own)."""
+    n = max(1, world_size)
     if candidate.offload_optimizer:
-        return 0
+        if device != "cpu" or candidate.stage != 3:
+            return 0
+        return 2 * FP32 * largest_sub_group(facts, n, sub_group_size)
     per_tensor = FP32 * (facts.largest_param if device == "cpu" else facts.trainable)
     if candidate.ddp:
         return per_tensor
     if candidate.stage == 0:
         return FP32 * facts.trainable + per_tensor
-    partition = math.ceil(facts.trainable / max(1, world_size))
+    partition = math.ceil(facts.trainable / n)
     if candidate.stage == 3:  # ZeRO-3 steps the optimizer one sub-group of the partition at a time
-        partition = min(partition, max(sub_group_size, facts.largest_param))
-        return 2 * FP32 * partition
+        return 2 * FP32 * largest_sub_group(facts, n, sub_group_size)
     # ZeRO-1/2: the flattened fp32 gradient of the partition, plus torch Adam's sqrt(v) and its quotient on CPU
     # (measured 3 x 4 bytes x partition at the 400M shape); fused optimizers on accelerators keep one temporary
     return (3 if device == "cpu" else 2) * FP32 * partition
@@ -293,13 +317,15 @@ class Plan:
             # room the gradients take in backward: measured flat up to activations ≈ gradients (400M shape, CPU)
             rest = max(self.activations, self.states.grads + self.step_transient)
             return self.states.params + self.states.optimizer + buffers + rest
-        if self.candidate.ddp or self.candidate.stage in (1, 2):
+        if self.candidate.ddp or self.candidate.stage in (1, 2, 3):
             # DDP with gradient accumulation (the next forward runs beside the gradients); ZeRO-1/2 reduce into
             # their gradient partition during backward and flatten it for the optimizer only after the activations
-            # are freed (400M shape, CPU: peak flat up to activations ≈ the step's temporaries, then growing with them)
+            # are freed (400M shape, CPU: peak flat up to activations ≈ the step's temporaries, then growing with them);
+            # ZeRO-3 steps its sub-groups after backward's epilogue (GPT-2 124M, CPU: the step's peak 147 MiB above
+            # the states, the backward peak 492 MiB above them and free of it, with and without offload)
             return self.states.device + buffers + max(self.activations, self.step_transient)
-        # ZeRO-0/3: DeepSpeed's flattened gradients / sub-group temporaries were measured on top of the activation
-        # peak (its hooks reduce, and ZeRO-3 gathers, while backward still runs)
+        # ZeRO-0: DeepSpeed's flattened gradients were measured on top of the activation peak (its hooks reduce
+        # while backward still runs)
         return self.states.device + buffers + self.activations + self.step_transient
 
     @property

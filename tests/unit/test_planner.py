@@ -65,8 +65,10 @@ def test_model_state_partitions_round_up():
         # the host; at stage >= 2 the device then keeps no gradient partition
         (1, False, (2_000_000, 2_000_000, 0), (0, 2_000_000, 6_000_000)),
         (2, False, (2_000_000, 0, 0), (0, 2_000_000, 6_000_000)),
-        (3, False, (1_000_000, 0, 0), (0, 2_000_000, 6_000_000)),
-        (3, True, (0, 0, 0), (1_000_000, 2_000_000, 6_000_000)),  # and the bf16 parameter partition too
+        # stage 3 also keeps DeepSpeed's gradient-accumulation partition (grad_partitions_flat_buffer, bf16 = the
+        # model's dtype, 2 x Ψ/2) on the host beside the fp32 copy: 2 MB + 1 MB
+        (3, False, (1_000_000, 0, 0), (0, 3_000_000, 6_000_000)),
+        (3, True, (0, 0, 0), (1_000_000, 3_000_000, 6_000_000)),  # and the bf16 parameter partition too
     ],
 )
 def test_offloaded_states_move_to_the_host(stage, offload_param, device, host):
@@ -100,8 +102,10 @@ def test_parse_bytes():
 
 
 def test_activations_take_turns_with_gradients_and_step_temporaries():
-    """DDP (no accumulation) and ZeRO-1/2 peak at the larger of activations and what the step holds; with gradient
-    accumulation, and under ZeRO-3, activations add on top (the 400M sweep in docs/benchmarks.md measured this)."""
+    """DDP (no accumulation) and ZeRO-1/2/3 peak at the larger of activations and what the step holds; with gradient
+    accumulation, and under ZeRO-0, activations add on top (the 400M sweep in docs/benchmarks.md measured DDP and
+    ZeRO-1/2; GPT-2 124M on 2 CPU ranks ZeRO-3: the sub-group step runs after backward, its 147 MiB not on top of
+    backward's peak)."""
     psi = 10_000_000
     facts = planner.ModelFacts(num_params=psi, trainable=psi, hidden_size=1000, persistent_params=0, largest_param=psi // 10)  # fmt: skip
     per_sample = 2 * 2**20
@@ -117,7 +121,11 @@ def test_activations_take_turns_with_gradients_and_step_temporaries():
     assert small < medium < large  # the gradients stay while the next micro-batch runs forward
     small, medium, large = totals(planner.Candidate(2))
     assert small == medium < large  # 3 x 4 bytes x Ψ/2 of step temporaries on CPU
+    # ZeRO-3 with DeepSpeed's default sub_group_size (1e9): one sub-group = the partition, 2 x 4 bytes x Ψ/2 = 40 MB of
+    # AdamW temporaries, more than 2 samples' activations (4 MiB) and less than 100 (200 MiB)
     small, medium, large = totals(planner.Candidate(3))
+    assert small == medium < large and large - medium == 100 * per_sample - 40_000_000
+    small, medium, large = totals(planner.Candidate(0))
     assert medium - small == per_sample and large - medium == 98 * per_sample
 
 
