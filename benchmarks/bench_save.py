@@ -2,9 +2,11 @@
 
     python -m benchmarks.bench_save --size 400m --max_shard_size 200MB --out runs/bench/save_400m.json
     python -m benchmarks.bench_save --size 1b --max_shard_size 200MB --no_lora --out runs/bench/save_1b.json
+    python -m benchmarks.bench_save --engine fsdp --size 400m --max_shard_size 200MB --no_lora --out runs/bench/save_fsdp_400m.json
 
 Builds a random-init BlenderBot of the given shape (chat_e.models; ``1b``: :data:`BENCH_SIZES`), then
-runs 2-rank ZeRO-3 jobs under ``deepspeed --num_gpus 2``:
+runs 2-rank ZeRO-3 jobs under ``deepspeed --num_gpus 2`` (``--engine fsdp``: FSDP2 full shard under ``torchrun``,
+stock's own default ``FULL_STATE_DICT`` for its save):
 
 * full model, one fresh launch per save path (stock ``transformers.Trainer.save_model``, hf-ext's ``save_model``),
   each from the same checkpoint, measured as soon as the DeepSpeed engine exists. glibc runs with
@@ -66,13 +68,16 @@ def worker(opts) -> None:
 
     config = load_deepspeed_config("zero3")
     config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    fsdp = opts.engine == "fsdp"
+    engine = dict(fsdp="full_shard", fsdp_config={"state_dict_type": "FULL_STATE_DICT"}) if fsdp else {}
     args = hf_ext.Seq2SeqTrainingArguments(
+        **engine,
         output_dir=opts.workdir,
         per_device_train_batch_size=1,
         max_steps=1,
         save_strategy="no",
         report_to=[],
-        deepspeed=config,
+        deepspeed=None if fsdp else config,
         disable_tqdm=True,
         save_max_shard_size=opts.max_shard_size,
     )
@@ -218,14 +223,22 @@ def measure_lora(trainer, args, work, result):
 
 
 def launch(
-    model: Path, mode: str, workdir: Path, max_shard_size: str, path: str = "", env: dict | None = None
+    model: Path,
+    mode: str,
+    workdir: Path,
+    max_shard_size: str,
+    path: str = "",
+    env: dict | None = None,
+    engine: str = "zero3",
 ) -> dict:
-    """One fresh 2-rank ZeRO-3 launch of this module's worker side, with ``env`` added to its environment; rank 0's
-    measurements."""
-    name = f"{mode}_{path}" if path else mode
+    """One fresh 2-rank launch (ZeRO-3 or FSDP2) of this module's worker side, with ``env`` added to its environment;
+    rank 0's measurements."""
+    name = f"{engine}_{mode}_{path}" if path else f"{engine}_{mode}"
     result = workdir / f"{name}.json"
     result.unlink(missing_ok=True)
-    cmd = harness.launcher_cmd("deepspeed", MODULE) + ["--worker", "--mode", mode, "--model", str(model)]
+    launcher = "torchrun" if engine == "fsdp" else "deepspeed"
+    cmd = harness.launcher_cmd(launcher, MODULE) + ["--worker", "--mode", mode, "--model", str(model)]
+    cmd += ["--engine", engine]
     cmd += ["--workdir", str(workdir / name), "--result", str(result), "--max_shard_size", max_shard_size]
     cmd += ["--path", path] * bool(path)
     log = workdir / f"{name}.log"
@@ -281,6 +294,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser.add_argument("--size", default="400m", help="model shape: a chat_e.models.SIZES name, or 1b")
     parser.add_argument("--max_shard_size", default="200MB")
     parser.add_argument("--no_lora", action="store_true", help="skip the LoRA checkpoint launch")
+    parser.add_argument("--engine", default="zero3", choices=["zero3", "fsdp"], help="what shards the model")
     parser.add_argument(
         "--glibc_defaults",
         action="store_true",
@@ -301,15 +315,15 @@ def main(argv: list[str] | None = None) -> dict | None:
     workdir = Path(opts.workdir or harness.ROOT / "runs" / "bench" / "save")
     workdir.mkdir(parents=True, exist_ok=True)
     model = ensure_size(opts.size, workdir / f"model-{opts.size}")
-    report = {"command": harness.command(MODULE, argv), "size": opts.size, "world_size": 2, "zero_stage": 3}
+    report = {"command": harness.command(MODULE, argv), "size": opts.size, "world_size": 2, "engine": opts.engine}
     env = {} if opts.glibc_defaults else harness.FREED_MEMORY_TO_OS_ENV
     report.update(max_shard_size=opts.max_shard_size, malloc_env=env)
     report["host"] = harness.host_info()
-    report["full"] = {path: launch(model, "full", workdir, opts.max_shard_size, path, env) for path in PATHS}
+    report["full"] = {path: launch(model, "full", workdir, opts.max_shard_size, path, env, opts.engine) for path in PATHS}
     report["parameters"] = report["full"]["hf_ext"]["parameters"]
     report["largest_shard_bytes"] = report["full"]["hf_ext"]["largest_file_bytes"]
     if not opts.no_lora:
-        report["lora"] = launch(model, "lora", workdir, opts.max_shard_size, env=env)
+        report["lora"] = launch(model, "lora", workdir, opts.max_shard_size, env=env, engine=opts.engine)
     report["load_average_after"] = harness.load_average()
     return harness.finish(report, table(report), opts.out)
 

@@ -8,12 +8,15 @@ import sys
 
 from .ds import ds_command_parser
 from .export import export_command_parser
+from .fsdp import fsdp_command_parser
 
-COMMANDS = (ds_command_parser, export_command_parser)
+COMMANDS = (ds_command_parser, fsdp_command_parser, export_command_parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser("hf-ext", description="hf-ext: DeepSpeed fine-tuning helpers for the HF Trainer.")
+    parser = argparse.ArgumentParser(
+        "hf-ext", description="hf-ext: DeepSpeed and FSDP fine-tuning helpers for the HF Trainer."
+    )
     subparsers = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND")
     for add_parser in COMMANDS:
         add_parser(subparsers)

@@ -37,7 +37,7 @@ STOCK_KEYS = frozenset(
 )  # fmt: skip
 HF_EXT_KEYS = frozenset({"sharding_factor"})
 STATE_DICT_TYPES = ("FULL_STATE_DICT", "SHARDED_STATE_DICT")
-#: checkpoints: each rank writes its own shards (torch.distributed.checkpoint), readable on any number of ranks;
+#: checkpoints: each rank writes its own shards (torch.distributed.checkpoint);
 #: FULL_STATE_DICT would gather the whole model and optimizer state on rank 0 at every checkpoint
 DEFAULT_STATE_DICT_TYPE = "SHARDED_STATE_DICT"
 
@@ -170,7 +170,7 @@ def resolve_fsdp(
     if state_dict_type == "auto":
         config["state_dict_type"] = DEFAULT_STATE_DICT_TYPE
         changes.append(Change("fsdp_config.state_dict_type", DEFAULT_STATE_DICT_TYPE,
-                              "auto: checkpoint shards per rank, resumable on any number of ranks"))  # fmt: skip
+                              "auto: each rank writes its own checkpoint shards"))  # fmt: skip
     elif str(state_dict_type).upper() not in STATE_DICT_TYPES:
         problems.append(
             Problem(

@@ -48,3 +48,24 @@ def test_console_script_says_one_line_for_each_unreadable_file(tmp_path):
         output = (proc.stdout + proc.stderr).strip().splitlines()
         output = [line for line in output if "real_accelerator.py" not in line]  # DeepSpeed's import-time notice
         assert proc.returncode == 1 and len(output) == 1 and output[0].startswith("error: "), (name, output)
+
+
+def test_fsdp_doctor_one_line_per_problem_then_the_fix_resolves(tmp_path):
+    script = Path(sys.executable).parent / "hf-ext"
+
+    def doctor(*args):
+        return subprocess.run([str(script), "fsdp", "doctor", *args], capture_output=True, text=True,
+                              env=launch_env(), timeout=300)  # fmt: skip
+
+    broken = doctor("hybrid_shard", "--fsdp_config", '{"sharding_factor": 3, "verison": 2}', "--world_size", "4")
+    assert broken.returncode == 1 and "Traceback" not in broken.stdout + broken.stderr
+    assert broken.stdout.splitlines() == [
+        "error: fsdp_config.verison: unknown key. Fix: did you mean 'version'?",
+        "error: fsdp_config.sharding_factor: 3 does not divide the 4 ranks into equal groups. Fix: set it to one of "
+        '1, 2, 4 (or "auto": the ranks of one node)',
+    ]
+    fixed = doctor("hybrid_shard", "--fsdp_config", '{"sharding_factor": 2, "version": 2}', "--world_size", "4")
+    assert fixed.returncode == 0
+    assert fixed.stdout.splitlines()[0] == (
+        "ok: hybrid_shard on 4 ranks runs FSDP2: each parameter split over 2 rank(s), 2 replica(s) of each shard"
+    )
