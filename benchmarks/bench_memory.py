@@ -27,8 +27,9 @@ from benchmarks import harness
 from benchmarks.harness import GiB
 
 MODULE = "benchmarks.bench_memory"
-CONFIGS = ("ddp", "zero1", "zero2", "zero3", "zero3_offload")
-LABELS = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "zero3_offload": "ZeRO-3 + offload"}
+CONFIGS = ("ddp", "zero1", "zero2", "zero3", "zero3_offload", "fsdp")
+LABELS = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "zero3_offload": "ZeRO-3 + offload",
+          "fsdp": "FSDP full shard"}  # fmt: skip
 RELEASE = ("--release_freed_memory", "on")  # hf-ext as run for a memory budget
 
 
@@ -39,18 +40,21 @@ def planner_inputs(model_dir: Path, seq_len: int, checkpointing: bool = False):
     return from_measurement(measure(str(model_dir), seq_len, checkpointing))
 
 
-def planned_setup(config: str, model_dir: Path, batch: int = 1):
+def planned_setup(config: str, model_dir: Path, batch: int = 1, bf16: bool = False):
     """``(candidate, zero section, precision)`` the hf-ext path runs ``config`` with on this host: the preset as
     hf-ext resolves it (bucket sizes, CPU ZeRO-3 granularity, precision), read back as the planner's candidate."""
     from hf_ext.memory import formulas
 
-    if config == "ddp":  # no DeepSpeed config: the worker's TrainingArguments ask for no half precision
-        return formulas.Candidate(0, ddp=True), None, "fp32"
+    precision = "bf16" if bf16 else "fp32"
+    if config == "ddp":  # no DeepSpeed config
+        return formulas.Candidate(0, ddp=True), None, precision
+    if config == "fsdp":
+        return formulas.FSDP_FULL_SHARD, None, precision
     import hf_ext
     from hf_ext.memory.auto import candidate_of
 
     args = hf_ext.TrainingArguments(output_dir=str(harness.ROOT / "runs" / "bench" / "resolve"), report_to=[],
-                                    per_device_train_batch_size=batch, max_steps=10)  # fmt: skip
+                                    per_device_train_batch_size=batch, max_steps=10, bf16=bf16)  # fmt: skip
     resolved = hf_ext.resolve_deepspeed_config(config, args, model=model_dir, world_size=2)
     precision = next((p for p in ("bf16", "fp16") if resolved.get(p, {}).get("enabled") is True), "fp32")
     return candidate_of(resolved), resolved["zero_optimization"], precision
@@ -65,7 +69,7 @@ def predictions(model_dir: Path, opts) -> dict:
     device = Hardware.detect().device
     plans = {}
     for name in opts.configs:
-        candidate, zero, precision = planned_setup(name, model_dir, opts.batch)
+        candidate, zero, precision = planned_setup(name, model_dir, opts.batch, opts.bf16)
         plans[name] = formulas.plan(candidate, facts, profile, 2, opts.batch, precision, zero=zero, device=device)
     return {"num_params": facts.num_params, "plans": plans}
 
@@ -112,13 +116,14 @@ def markdown(result: dict) -> str:
         "minus the RSS before the model existed; planner = predicted increment (± band: 15% + 64 MiB).",
         "",
     ]
-    header = ["config", "stock peak GiB", "hf-ext peak GiB", "stock incr. GiB", "hf-ext incr. GiB",
-              "planner incr. GiB", "planner ÷ measured (hf-ext)"]  # fmt: skip
+    header = ["config", "engine: stock / hf-ext", "stock peak GiB", "hf-ext peak GiB", "stock incr. GiB",
+              "hf-ext incr. GiB", "planner incr. GiB", "planner ÷ measured (hf-ext)"]  # fmt: skip
     by = {(r["config"], r["path"]): r for r in result["rows"]}
     rows = []
     for name in dict.fromkeys(r["config"] for r in result["rows"]):
         cells = [LABELS[name]]
         s, h = by.get((name, "stock")), by.get((name, "hf-ext"))
+        cells.append(" / ".join(str((r or {}).get("engine") or "—") for r in (s, h)))
         for r in (s, h):
             cells.append("skipped" if r is None or r.get("skipped") else f"{r['peak_bytes'] / GiB:.2f}")
         for r in (s, h):
@@ -175,6 +180,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--paths", nargs="+", default=["stock", "hf-ext"], choices=["stock", "hf-ext"])
     parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (fp32 master weights)")
     parser.add_argument("--seq_len", type=int, default=32)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--margin_gib", type=float, default=1.0, help="free RAM kept beyond the two ranks' needs")
@@ -202,14 +208,15 @@ def main(argv=None) -> dict:
                 continue
             started = time.time()
             args = ["--model", str(model), "--config", name, "--path", path, "--batch", str(opts.batch)]
-            args += ["--seq_len", str(opts.seq_len), "--steps", str(opts.steps), *RELEASE]
-            launcher = "torchrun" if name == "ddp" else "deepspeed"
+            args += ["--seq_len", str(opts.seq_len), "--steps", str(opts.steps), *RELEASE, *["--bf16"] * opts.bf16]
+            launcher = "torchrun" if name in ("ddp", "fsdp") else "deepspeed"
             result = harness.launch_worker(args, Path(f"{work}_{name}_{path}"), launcher=launcher)
             if isinstance(result, str):
                 row["skipped"] = result
             else:
                 worst = max(result, key=lambda r: r["peak_bytes"])
-                row.update({k: worst[k] for k in ("peak_bytes", "baseline_bytes", "increment_bytes", "zero_stage")})
+                keys = ("peak_bytes", "baseline_bytes", "increment_bytes", "zero_stage", "engine")
+                row.update({k: worst.get(k) for k in keys})
                 row["ranks"] = [{k: r[k] for k in ("peak_bytes", "baseline_bytes", "increment_bytes")} for r in result]
             row["seconds"] = round(time.time() - started, 1)
             print(json.dumps({k: v for k, v in row.items() if k != "ranks"}), flush=True)

@@ -6,7 +6,8 @@ seed and DeepSpeed config.
     OMP_NUM_THREADS=1 deepspeed --num_gpus 2 --module benchmarks.worker --model DIR --config ds.json \\
         --segments 4 --steps 5 --trace --out OUT
 
-``--config`` is ``ddp`` (plain DistributedDataParallel under torchrun, no DeepSpeed) or anything hf-ext's
+``--config`` is ``ddp`` (plain DistributedDataParallel under torchrun, no DeepSpeed), ``fsdp`` (``fsdp="full_shard"``,
+under torchrun) or anything hf-ext's
 ``deepspeed=`` accepts (a preset name, ``auto``, a JSON path). The stock path gets the same config loaded as is (its
 "auto"s left to transformers), the hf-ext path resolves it.
 
@@ -205,8 +206,11 @@ def build_arguments(opts, path: str, output_dir: str):
         seed=0,
         disable_tqdm=True,
         activation_checkpointing=opts.activation_checkpointing,
+        bf16=opts.bf16,
     )
-    deepspeed = None if opts.config == "ddp" else opts.config
+    if opts.config == "fsdp":  # stock's own flag on both paths: on CPU ranks stock runs DDP with it, hf-ext FSDP2
+        common["fsdp"] = "full_shard"
+    deepspeed = None if opts.config in ("ddp", "fsdp") else opts.config
     started = time.perf_counter()
     if path == "stock":
         if deepspeed is not None:
@@ -305,6 +309,9 @@ def measured_run(opts) -> None:
         "phases": [(name, hwm - baseline, rss - baseline) for name, hwm, rss in phases.phases],
         "zero_stage": zero.get("stage"),
         "offload_optimizer": zero.get("offload_optimizer"),
+        "engine": summary["engine"],
+        "fsdp": summary["fsdp"],
+        "bf16": opts.bf16,
         "plan": plan.to_dict() if plan is not None else None,
         "released_freed_memory": summary["released_freed_memory"],
         "torch_threads": summary["torch_threads"],
@@ -401,6 +408,7 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--trace", action="store_true", help="count the Python calls of each step (slows steps)")
     parser.add_argument("--activation_checkpointing", action="store_true")
+    parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (fp32 master weights)")
     parser.add_argument("--lora", action="store_true", help="train LoRA adapters (r=16, all-linear), as --use_peft")
     parser.add_argument("--from_config", action="store_true", help="random-init model from --model's config only")
     parser.add_argument("--memory_per_device", default=None)

@@ -34,6 +34,10 @@ gradient-reduction buckets (``reduce_bucket_size`` elements, twice with ``overla
 parameters gathered for compute (persistent small ones, and live gathered ones up to
 ``stage3_max_live_parameters``); DDP's gradient buckets (one more copy of the gradients).
 
+FSDP2 full shard (:data:`FSDP_FULL_SHARD`) keeps 16Ψ/N in fp32 and under mixed precision alike (the sharded
+parameters are fp32 and serve as master weights, the compute copy exists only while a block is gathered), plus the
+gathered blocks and their whole gradients (:func:`buffer_bytes`); no separate master copy, unlike DeepSpeed in fp32.
+
 Activations come from a probe: one forward + backward of the real model at micro-batch 1 and 2 and the planned
 sequence length (with activation checkpointing on or off), the peak allocated bytes of that pass recorded by the
 torch profiler; linear in the micro-batch between and beyond. Measured in fp32 and halved for fp16/bf16.
@@ -65,33 +69,41 @@ FP32 = 4
 #: per-rank runtime overhead above the process baseline with a near-empty model (Trainer, accelerate, the engine,
 #: communication, data loading), calibrated on CPU with 2 gloo ranks; the planner's error band is checked against
 #: measured peaks in tests/distributed and docs/benchmarks.md, "Memory".
-RUNTIME_OVERHEAD = {"ddp": 85 * MiB, 0: 20 * MiB, 1: 95 * MiB, 2: 95 * MiB, 3: 40 * MiB}
+RUNTIME_OVERHEAD = {"ddp": 85 * MiB, 0: 20 * MiB, 1: 95 * MiB, 2: 95 * MiB, 3: 40 * MiB, "fsdp": 85 * MiB}
 GPU_RESERVE = 1 * GiB  # CUDA context + allocator fragmentation
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """One way to train: ZeRO ``stage`` (0-3; ``ddp`` True for plain DistributedDataParallel) and offloads."""
+    """One way to train: ZeRO ``stage`` (0-3; ``ddp`` True for plain DistributedDataParallel, ``fsdp`` True for
+    FSDP2 full shard) and offloads."""
 
     stage: int
     offload_optimizer: bool = False
     offload_param: bool = False
     ddp: bool = False
+    fsdp: bool = False
 
     @property
     def name(self) -> str:
         if self.ddp:
             return "DDP"
+        if self.fsdp:
+            return "FSDP full shard"
         name = f"ZeRO-{self.stage}"
         offloads = [n for n, on in (("optimizer", self.offload_optimizer), ("param", self.offload_param)) if on]
         return name + (f" + offload {'+'.join(offloads)}" if offloads else "")
 
     def sharding_rank(self) -> tuple:
         """Orders candidates from least to most sharded (the planner prefers the first that fits)."""
-        return (self.stage, self.offload_optimizer, self.offload_param)
+        return (self.stage, self.offload_optimizer, self.offload_param, self.fsdp)
 
 
-#: the candidates ``"auto"`` chooses among, least sharded first
+#: FSDP2 with every parameter, gradient and optimizer state split over the ranks (``fsdp="full_shard"``); its
+#: ``no_shard`` is DDP
+FSDP_FULL_SHARD = Candidate(3, fsdp=True)
+
+#: the candidates ``"auto"`` chooses among (DeepSpeed configs), least sharded first
 CANDIDATES = (
     Candidate(0),
     Candidate(1),
@@ -201,6 +213,8 @@ class ModelFacts:
     persistent_params: int  # elements in parameters below ZeRO-3's persistence threshold (10 x hidden)
     largest_param: int
     checkpoint_bytes: int = 0  # bytes of the weight files (read, memory-mapped, by from_pretrained)
+    largest_block: int = 0  # parameters of the largest ``_no_split_modules`` block (FSDP's wrapping unit); 0: unknown
+    block_params: int = 0  # parameters inside all those blocks (the rest is FSDP's root group)
 
 
 def zero_settings(zero: dict | None, hidden: int | None) -> dict:
@@ -231,6 +245,15 @@ def buffer_bytes(candidate: Candidate, facts: ModelFacts, world_size: int, preci
     out: dict[str, int] = {}
     if candidate.ddp:
         out["ddp_gradient_buckets"] = p * facts.trainable
+        return out
+    if candidate.fsdp:
+        # FSDP2 all-gathers one block at a time in the compute dtype (plus the next one, prefetched), and the root
+        # group (embeddings, final norm, LM head: what no block holds) for the whole forward and backward; a block's
+        # gradients exist whole, in fp32, until they are reduce-scattered
+        block = facts.largest_block or facts.largest_param
+        root = facts.num_params - facts.block_params if facts.block_params else facts.largest_param
+        out["gathered_blocks"] = p * (root + 2 * block)
+        out["unsharded_gradients"] = FP32 * (root + block)
         return out
     s = zero_settings(zero, facts.hidden_size)
     if candidate.stage >= 1 and precision == "fp32":
@@ -271,6 +294,8 @@ def step_transient_bytes(
     holds at least that partition. Measured at GPT-2 124M on 2 CPU ranks: 147 MiB for both (the embedding's
     19.3M-element partition, in a sub-group of its own)."""
     n = max(1, world_size)
+    if candidate.fsdp:  # torch AdamW steps each local shard on its own: sqrt(v) and the quotient of the largest
+        return 2 * FP32 * math.ceil(facts.largest_param / n)
     if candidate.offload_optimizer:
         if device != "cpu" or candidate.stage != 3:
             return 0
@@ -344,8 +369,8 @@ class Plan:
     def gathered_eval_bytes(self) -> int:
         """The extra peak per rank of a generation eval with the weights gathered once (hf_ext.evaluation.gathered):
         a full copy of the parameters and room for generation beside it. 0 below ZeRO-3 (the weights are whole)."""
-        if self.candidate.ddp or self.candidate.stage < 3:
-            return 0
+        if self.candidate.ddp or self.candidate.fsdp or self.candidate.stage < 3:
+            return 0  # FSDP generates on the sharded model (hf_ext.evaluation.gathered is ZeRO-3's)
         full = (self.states.params + self.states.host_params) * self.world_size
         return int(full * (1 + GATHERED_EVAL_HEADROOM))
 
@@ -434,10 +459,13 @@ def plan(
     accumulation_steps: int = 1,
 ) -> Plan:
     """The predicted per-rank peak of ``candidate`` at ``micro_batch`` (see the module docstring)."""
-    states = model_state_bytes(
-        facts.num_params, candidate.stage, world_size, precision, candidate.offload_optimizer,
-        candidate.offload_param, facts.trainable,
-    )  # fmt: skip
+    if candidate.fsdp:  # sharded fp32 parameters (the master weights under mixed precision), gradients, Adam m + v
+        states = model_state_bytes(facts.num_params, 3, world_size, "fp32", trainable=facts.trainable)
+    else:
+        states = model_state_bytes(
+            facts.num_params, candidate.stage, world_size, precision, candidate.offload_optimizer,
+            candidate.offload_param, facts.trainable,
+        )  # fmt: skip
     notes = []
     if device == "cpu" and (candidate.offload_optimizer or candidate.offload_param):
         notes.append("on a CPU-only host offloaded states stay in the same RAM")
@@ -454,13 +482,17 @@ def plan(
         step_transient=step_transient_bytes(
             candidate, facts, world_size, device, zero_settings(zero, facts.hidden_size)["sub_group_size"]
         ),
-        overhead=RUNTIME_OVERHEAD["ddp" if candidate.ddp else candidate.stage] if device == "cpu" else 0,
+        overhead=RUNTIME_OVERHEAD[overhead_key(candidate)] if device == "cpu" else 0,
         offload_counts=device == "cpu",
         budget=budget,
         baseline=baseline,
         notes=notes,
         accumulation_steps=max(1, int(accumulation_steps)),
     )
+
+
+def overhead_key(candidate: Candidate):
+    return "ddp" if candidate.ddp else "fsdp" if candidate.fsdp else candidate.stage
 
 
 def max_micro_batch(candidate, facts, activations, world_size, budget, limit: int = 4096, **kwargs) -> int:

@@ -1,0 +1,45 @@
+"""The planner's FSDP2 full-shard row, by hand: 16 bytes per parameter ÷ N in fp32 and under bf16 alike (no separate
+master copy), plus a gathered block in the compute dtype and its fp32 gradients."""
+
+from __future__ import annotations
+
+from hf_ext.memory import formulas as planner
+from hf_ext.memory.probe import block_sizes
+
+PSI = 100_000_000
+# 10 blocks of 8M parameters, 20M outside them (embeddings, norms), the largest parameter 10M (the embedding)
+FACTS = planner.ModelFacts(num_params=PSI, trainable=PSI, hidden_size=1000, persistent_params=0,
+                           largest_param=10_000_000, largest_block=8_000_000, block_params=80_000_000)  # fmt: skip
+PROFILE = planner.ActivationProfile(128, False, [(1, 2**20), (2, 2 * 2**20)])
+
+
+def fsdp(precision: str, world: int = 2) -> planner.Plan:
+    return planner.plan(planner.FSDP_FULL_SHARD, FACTS, PROFILE, world, 1, precision)
+
+
+def test_model_states_are_16_bytes_per_parameter_over_the_ranks_in_any_precision():
+    for precision in ("fp32", "bf16"):
+        states = fsdp(precision, world=4).states
+        assert (states.params, states.grads, states.optimizer) == (100_000_000, 100_000_000, 200_000_000)
+    zero3 = planner.plan(planner.Candidate(3), FACTS, PROFILE, 4, 1, "fp32")
+    assert zero3.buffers["fp32_master_copy"] == 100_000_000  # DeepSpeed in fp32 keeps a master copy; FSDP does not
+
+
+def test_gathered_blocks_and_their_gradients():
+    # root 20M + two blocks (the current one and the prefetched one) in the compute dtype; root + one block of fp32
+    # gradients before the reduce-scatter
+    assert fsdp("fp32").buffers == {"gathered_blocks": 4 * 36_000_000, "unsharded_gradients": 4 * 28_000_000}
+    assert fsdp("bf16").buffers == {"gathered_blocks": 2 * 36_000_000, "unsharded_gradients": 4 * 28_000_000}
+    # the optimizer steps each local shard on its own: sqrt(v) and the quotient of the largest one, 2 x 4 x 10M / 2
+    assert fsdp("fp32").step_transient == 40_000_000
+    assert fsdp("fp32").gathered_eval_bytes == 0  # generation runs on the sharded model
+    assert planner.FSDP_FULL_SHARD.name == "FSDP full shard"
+    assert planner.FSDP_FULL_SHARD not in planner.CANDIDATES  # DeepSpeed's "auto" does not choose FSDP
+
+
+def test_block_sizes_are_the_outermost_no_split_modules():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=3, n_head=2, vocab_size=100, n_positions=16))
+    block = sum(p.numel() for p in model.transformer.h[0].parameters())
+    assert block_sizes(model) == [block] * 3
