@@ -15,11 +15,12 @@ from .probe import from_measurement, measure
 
 def run_plan(model, world_size: int, memory_per_device=None, seq_len: int = 128, micro_batch: int | None = None,
              checkpointing: bool = False, precision: str | None = None, nproc_per_node: int | None = None,
-             device: str | None = None) -> dict:  # fmt: skip
+             device: str | None = None, zero: dict | None = None) -> dict:  # fmt: skip
     """The plans of every candidate and the recommendation, as a dict (what ``--json`` prints).
 
     ``device`` plans for another kind of host than this one (``cuda`` from a CPU machine, say): its budget must then
-    be given, and the precision defaults to fp32 unless given.
+    be given, and the precision defaults to fp32 unless given. ``zero``: the ``zero_optimization`` sizes to plan with
+    (DeepSpeed's defaults, with the hidden-size based bucket sizes of an "auto" config, where not given).
     """
     hardware = Hardware.detect()
     if device is not None and device != hardware.device:
@@ -35,7 +36,7 @@ def run_plan(model, world_size: int, memory_per_device=None, seq_len: int = 128,
     local_ranks = nproc_per_node or world_size  # ranks sharing this node's memory (default: one node)
     budget = parse_bytes(memory_per_device) if memory_per_device else detect_budget(device, local_ranks)
     facts, profile = from_measurement(measure(model, seq_len, checkpointing))
-    zero: dict = {}  # DeepSpeed's defaults, with the hidden-size based bucket sizes of an "auto" config
+    zero = dict(zero or {})
     common = dict(precision=precision, device=device, baseline=baseline)
     rows = []
     candidates = [formulas.Candidate(0, ddp=True), *formulas.CANDIDATES]
