@@ -29,14 +29,16 @@ from benchmarks.bench_memory import LABELS, RELEASE, planned_setup, planner_inpu
 from benchmarks.harness import GiB
 
 MODULE = "benchmarks.bench_max_batch"
-CONFIGS = ("ddp", "zero2", "zero3")
+CONFIGS = ("ddp", "zero2", "zero3", "fsdp")
 BASELINE_GUESS = int(0.45 * GiB)  # a rank's RSS before its model exists (the workers' baseline_bytes)
 
 
-def predict(name: str, model: Path, facts, profile, budget: int, baseline: int) -> tuple[int, object]:
+def predict(
+    name: str, model: Path, facts, profile, budget: int, baseline: int, bf16: bool = False
+) -> tuple[int, object]:
     from hf_ext.memory import formulas
 
-    candidate, zero, precision = planned_setup(name, model)
+    candidate, zero, precision = planned_setup(name, model, bf16=bf16)
     common = dict(precision=precision, zero=zero, baseline=baseline)
     batch = formulas.max_micro_batch(candidate, facts, profile, 2, budget, **common)
     return batch, formulas.plan(candidate, facts, profile, 2, max(1, batch), budget=budget, **common)
@@ -52,7 +54,7 @@ def search(name: str, ckpt: bool, start: int, budget: int, model: Path, opts, wo
             runs.append({"batch": batch, "skipped": f"{free / GiB:.1f} GiB available, {need / GiB:.1f} needed"})
             nofit = batch if nofit is None else min(nofit, batch)
         else:
-            out = Path(f"{work}_{name}_ckpt{int(ckpt)}_b{batch}")
+            out = Path(f"{work}_{name}{'_bf16' * opts.bf16}_ckpt{int(ckpt)}_b{batch}")
             done = [Path(f"{out}.rank{r}.json") for r in (0, 1)]
             started = time.time()
             if opts.reuse and all(p.exists() for p in done):  # a launch of an earlier, interrupted run
@@ -60,8 +62,9 @@ def search(name: str, ckpt: bool, start: int, budget: int, model: Path, opts, wo
             else:
                 args = ["--model", str(model), "--config", name, "--path", "hf-ext", "--batch", str(batch)]
                 args += ["--seq_len", str(opts.seq_len), "--steps", str(opts.steps), *RELEASE]
-                args += ["--activation_checkpointing"] * ckpt
-                result = harness.launch_worker(args, out, launcher="torchrun" if name == "ddp" else "deepspeed")
+                args += ["--activation_checkpointing"] * ckpt + ["--bf16"] * opts.bf16
+                launcher = "torchrun" if name in ("ddp", "fsdp") else "deepspeed"
+                result = harness.launch_worker(args, out, launcher=launcher)
             run = {"batch": batch, "seconds": round(time.time() - started, 1)}
             if isinstance(result, str):
                 run.update(error=result, fits=False)
@@ -134,6 +137,7 @@ def main(argv=None) -> dict:
     )  # fmt: skip
     parser.add_argument("--budget_gib", type=float, default=9.0, help="per-rank budget (peak RSS), GiB")
     parser.add_argument("--seq_len", type=int, default=32)
+    parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (fp32 master weights)")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--resolution", type=float, default=0.125, help="relative gap between fit and no fit")
     parser.add_argument("--max_launches", type=int, default=5, help="launches per configuration at most")
@@ -175,7 +179,7 @@ def main(argv=None) -> dict:
             if row["checkpointing"] not in inputs:
                 inputs[row["checkpointing"]] = planner_inputs(model, opts.seq_len, row["checkpointing"])
             facts, profile = inputs[row["checkpointing"]]
-            predicted, plan = predict(row["config"], model, facts, profile, budget, BASELINE_GUESS)
+            predicted, plan = predict(row["config"], model, facts, profile, budget, BASELINE_GUESS, opts.bf16)
             row.update(predicted_max=predicted, plan=plan.to_dict())
         old["replanned"] = result["date"]
         result = old
@@ -183,7 +187,7 @@ def main(argv=None) -> dict:
     for ckpt in ckpts:
         facts, profile = inputs[ckpt]
         for name in opts.configs:
-            predicted, plan = predict(name, model, facts, profile, budget, BASELINE_GUESS)
+            predicted, plan = predict(name, model, facts, profile, budget, BASELINE_GUESS, opts.bf16)
             row = {"config": name, "checkpointing": ckpt, "predicted_max": predicted, "plan": plan.to_dict()}
             if ("on" if ckpt else "off") in opts.predict_only:
                 row.update(measured_max=None, first_not_fitting=None, runs=[])

@@ -461,6 +461,8 @@ def plan(
     """The predicted per-rank peak of ``candidate`` at ``micro_batch`` (see the module docstring)."""
     if candidate.fsdp:  # sharded fp32 parameters (the master weights under mixed precision), gradients, Adam m + v
         states = model_state_bytes(facts.num_params, 3, world_size, "fp32", trainable=facts.trainable)
+    elif candidate.ddp:  # mixed precision without DeepSpeed is autocast: parameters, gradients and buckets stay fp32
+        states = model_state_bytes(facts.num_params, 0, world_size, "fp32", trainable=facts.trainable)
     else:
         states = model_state_bytes(
             facts.num_params, candidate.stage, world_size, precision, candidate.offload_optimizer,
@@ -477,7 +479,7 @@ def plan(
         precision=precision,
         checkpointing=activations.checkpointing,
         states=states,
-        buffers=buffer_bytes(candidate, facts, world_size, precision, zero),
+        buffers=buffer_bytes(candidate, facts, world_size, "fp32" if candidate.ddp else precision, zero),
         activations=activations.at(micro_batch, precision),
         step_transient=step_transient_bytes(
             candidate, facts, world_size, device, zero_settings(zero, facts.hidden_size)["sub_group_size"]

@@ -1,5 +1,6 @@
-"""The planner's FSDP2 full-shard row, by hand: 16 bytes per parameter ÷ N in fp32 and under bf16 alike (no separate
-master copy), plus a gathered block in the compute dtype and its fp32 gradients."""
+"""The planner's FSDP2 full-shard row and DDP under mixed precision, by hand: FSDP keeps 16 bytes per parameter ÷ N
+in fp32 and under bf16 alike (no separate master copy), plus a gathered block in the compute dtype and its fp32
+gradients; DDP's bf16 is autocast, its states stay fp32."""
 
 from __future__ import annotations
 
@@ -43,3 +44,14 @@ def test_block_sizes_are_the_outermost_no_split_modules():
     model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=3, n_head=2, vocab_size=100, n_positions=16))
     block = sum(p.numel() for p in model.transformer.h[0].parameters())
     assert block_sizes(model) == [block] * 3
+
+
+def test_ddp_under_mixed_precision_keeps_fp32_states():
+    """Without DeepSpeed or FSDP, bf16 is autocast: the parameters, gradients, DDP's buckets and Adam stay fp32
+    (16 bytes per parameter + 4 of buckets); only the activations shrink."""
+    ddp = planner.Candidate(0, ddp=True)
+    fp32 = planner.plan(ddp, FACTS, PROFILE, 2, 1, "fp32")
+    bf16 = planner.plan(ddp, FACTS, PROFILE, 2, 1, "bf16")
+    assert (bf16.states.params, bf16.states.grads, bf16.states.optimizer) == (4 * PSI, 4 * PSI, 8 * PSI)
+    assert bf16.buffers == fp32.buffers == {"ddp_gradient_buckets": 4 * PSI}
+    assert bf16.activations == fp32.activations // 2
