@@ -74,14 +74,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--workdir", default=None, help="scratch directory (default: runs/bench_gpt2)")
     opts = parser.parse_args(argv)
 
-    from hf_ext.deepspeed.resolve import CPU_ZERO3_GRANULARITY, CPU_ZERO3_KEYS
     from hf_ext.memory.report import jsonable, run_plan
 
     workdir = Path(opts.workdir or harness.ROOT / "runs" / "bench_gpt2")
     model = write_config(workdir / f"gpt2-{opts.n_embd}x{opts.n_layer}", opts.n_embd, opts.n_layer, opts.n_head,
                          opts.seq_len)  # fmt: skip
-    zero = {key: CPU_ZERO3_GRANULARITY for key in CPU_ZERO3_KEYS}  # what the presets run with on this CPU host
-    plan = jsonable(run_plan(str(model), 2, seq_len=opts.seq_len, micro_batch=1, precision="fp32", zero=zero))
+    # on this CPU host the plan uses the ZeRO-3 sizes the presets run with
+    plan = jsonable(run_plan(str(model), 2, seq_len=opts.seq_len, micro_batch=1, precision="fp32"))
     report = {"command": harness.command(MODULE, argv), "parameters": plan["num_params"], "plan": plan,
               "host": harness.host_info()}  # fmt: skip
     args = ["--model", str(model), "--from_config", "--config", opts.config, "--path", "hf-ext", "--batch", "1",

@@ -103,6 +103,19 @@ class Candidate:
 #: ``no_shard`` is DDP
 FSDP_FULL_SHARD = Candidate(3, fsdp=True)
 
+#: the engines ``hf-ext ds plan`` chooses among for a micro-batch (README, "Which engine?"), least sharded first:
+#: DDP, ZeRO-1, ZeRO-2, ZeRO-3, FSDP full shard, then the offloads (GPU hosts)
+ENGINES = (
+    Candidate(0, ddp=True),
+    Candidate(1),
+    Candidate(2),
+    Candidate(3),
+    FSDP_FULL_SHARD,
+    Candidate(2, offload_optimizer=True),
+    Candidate(3, offload_optimizer=True),
+    Candidate(3, offload_optimizer=True, offload_param=True),
+)
+
 #: the candidates ``"auto"`` chooses among (DeepSpeed configs), least sharded first
 CANDIDATES = (
     Candidate(0),

@@ -20,7 +20,8 @@ def run_plan(model, world_size: int, memory_per_device=None, seq_len: int = 128,
 
     ``device`` plans for another kind of host than this one (``cuda`` from a CPU machine, say): its budget must then
     be given, and the precision defaults to fp32 unless given. ``zero``: the ``zero_optimization`` sizes to plan with
-    (DeepSpeed's defaults, with the hidden-size based bucket sizes of an "auto" config, where not given).
+    (DeepSpeed's defaults, with the hidden-size based bucket sizes of an "auto" config, where not given; on a CPU-only
+    host, the ZeRO-3 sizes hf-ext's presets use there).
     """
     hardware = Hardware.detect()
     if device is not None and device != hardware.device:
@@ -36,10 +37,14 @@ def run_plan(model, world_size: int, memory_per_device=None, seq_len: int = 128,
     local_ranks = nproc_per_node or world_size  # ranks sharing this node's memory (default: one node)
     budget = parse_bytes(memory_per_device) if memory_per_device else detect_budget(device, local_ranks)
     facts, profile = from_measurement(measure(model, seq_len, checkpointing))
+    if zero is None and device == "cpu":  # what hf-ext's ZeRO-3 presets run with on a CPU-only host
+        from ..deepspeed.resolve import CPU_ZERO3_GRANULARITY, CPU_ZERO3_KEYS
+
+        zero = {key: CPU_ZERO3_GRANULARITY for key in CPU_ZERO3_KEYS}
     zero = dict(zero or {})
     common = dict(precision=precision, device=device, baseline=baseline)
     rows = []
-    candidates = [formulas.Candidate(0, ddp=True), *formulas.CANDIDATES]
+    candidates = [formulas.Candidate(0, ddp=True), *formulas.CANDIDATES, formulas.FSDP_FULL_SHARD]
     for c in candidates:
         best = formulas.max_micro_batch(c, facts, profile, world_size, budget, zero=zero, **common)
         at = best or micro_batch or 1
@@ -51,6 +56,9 @@ def run_plan(model, world_size: int, memory_per_device=None, seq_len: int = 128,
             )
         rows.append(row)
     chosen, _ = formulas.choose(facts, profile, world_size, budget, micro_batch, zero=zero, **common)
+    # the engine for the micro-batch asked for (1 when none): the least sharded that fits it
+    engine, _ = formulas.choose(facts, profile, world_size, budget, micro_batch or 1, formulas.ENGINES, zero=zero,
+                                **common)  # fmt: skip
     return {
         "model": str(model),
         "num_params": facts.num_params,
@@ -65,6 +73,8 @@ def run_plan(model, world_size: int, memory_per_device=None, seq_len: int = 128,
         "activations": {"points": profile.points, "per_sample": profile.per_sample, "fixed": profile.fixed},
         "recommended": chosen.candidate.name if chosen else None,
         "recommended_micro_batch": chosen.micro_batch if chosen else None,
+        "engine": engine.candidate.name if engine else None,
+        "engine_micro_batch": micro_batch or 1,
         "rows": rows,
     }
 
@@ -111,6 +121,8 @@ def format_table(result: dict) -> str:
         if result["recommended"]
         else "* nothing fits: lower --seq_len, add --gradient_checkpointing or ranks, or raise --memory_per_device"
     )
+    footer += (f"\nengine for micro-batch {result['engine_micro_batch']}: {result['engine'] or 'none fits'} (the least "
+               "sharded that fits it; README, \"Which engine?\")")  # fmt: skip
     footer += f"\nstated error band: ±{band['relative']:.0%} + {gb(band['absolute_bytes'])} of the prediction"
     footer += ("\ngathered eval: the extra peak of a ZeRO-3 generation eval that gathers the weights once "
                "(generation_gather_weights); (no): it falls back to per-token gathers")  # fmt: skip

@@ -55,3 +55,29 @@ def test_ddp_under_mixed_precision_keeps_fp32_states():
     assert (bf16.states.params, bf16.states.grads, bf16.states.optimizer) == (4 * PSI, 4 * PSI, 8 * PSI)
     assert bf16.buffers == fp32.buffers == {"ddp_gradient_buckets": 4 * PSI}
     assert bf16.activations == fp32.activations // 2
+
+
+def test_engine_for_a_micro_batch_is_the_least_sharded_that_fits():
+    """README "Which engine?": DDP while the whole model, its gradients and Adam fit; then ZeRO-1, ZeRO-2, ZeRO-3,
+    FSDP full shard; offloads last (and never on a CPU-only host, where they save nothing)."""
+
+    def need(name: str, device: str = "cpu") -> int:
+        candidate = next(c for c in planner.ENGINES if c.name == name)
+        return planner.plan(candidate, FACTS, PROFILE, 2, 1, device=device).total_bytes
+
+    def engine(budget: int, device: str = "cpu") -> str | None:
+        chosen, _ = planner.choose(FACTS, PROFILE, 2, budget, 1, planner.ENGINES, device=device)
+        return chosen.candidate.name if chosen else None
+
+    order = ["DDP", "ZeRO-2", "ZeRO-3", "FSDP full shard"]
+    needs = [need(name) for name in order]
+    # each needs less than the one before: DDP 20 bytes/parameter (16 + its fp32 buckets), ..., FSDP 8 (16 / 2)
+    assert needs == sorted(needs, reverse=True) and needs[0] > 20 * PSI > needs[-1] > 8 * PSI
+    # in fp32 on 2 ranks ZeRO-1 needs more than DDP (DeepSpeed's fp32 master and gradient copies, the step's
+    # temporaries: measured at the 400M shape, docs/benchmarks.md "Memory"), so it is never the answer here
+    assert need("ZeRO-1") > needs[0]
+    for name, budget in zip(order, needs):
+        assert engine(budget) == name  # at exactly its need; every less sharded row needs more
+    assert engine(needs[-1] - 1) is None  # the CPU planner never offers an offload
+    offload = need("ZeRO-3 + offload optimizer", "cuda")
+    assert offload < need("FSDP full shard", "cuda") and engine(offload, "cuda") == "ZeRO-3 + offload optimizer"
