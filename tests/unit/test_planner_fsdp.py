@@ -79,5 +79,6 @@ def test_engine_for_a_micro_batch_is_the_least_sharded_that_fits():
     for name, budget in zip(order, needs):
         assert engine(budget) == name  # at exactly its need; every less sharded row needs more
     assert engine(needs[-1] - 1) is None  # the CPU planner never offers an offload
-    offload = need("ZeRO-3 + offload optimizer", "cuda")
-    assert offload < need("FSDP full shard", "cuda") and engine(offload, "cuda") == "ZeRO-3 + offload optimizer"
+    # on a GPU host, below what every unoffloaded row needs, an offload is the answer
+    below = min(need(name, "cuda") for name in order) - 1
+    assert engine(below, "cuda") in ("ZeRO-2 + offload optimizer", "ZeRO-3 + offload optimizer")
