@@ -61,3 +61,38 @@ def random_init_model(model_or_config, seed: int = 0):
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         return cls.from_config(config) if cls is __import__("transformers").AutoModel else cls._from_config(config)
+
+
+def layer_classes(model) -> list[str]:
+    """Names of the classes of a model's repeated layers (what FSDP shards one at a time): its ``_no_split_modules``
+    when it declares them, else the element class of every ``nn.ModuleList`` holding two or more modules of one class
+    with parameters (BlenderBot's and DeBERTa-v2's layers: their models declare none, and accelerate then wraps the
+    whole model as one unit, gathered whole for every forward and backward)."""
+    import torch
+
+    declared = list(getattr(model, "_no_split_modules", None) or ())
+    if declared:
+        return declared
+    found: list[str] = []
+    for module in model.modules():
+        if not isinstance(module, torch.nn.ModuleList) or len(module) < 2:
+            continue
+        kinds = {type(child) for child in module}
+        if len(kinds) == 1 and any(True for _ in module[0].parameters()):
+            name = type(module[0]).__name__
+            if name not in found:
+                found.append(name)
+    return found
+
+
+def layer_sizes(model) -> list[int]:
+    """Parameters of each outermost layer of :func:`layer_classes` (FSDP's wrapping units)."""
+    names = set(layer_classes(model))
+    sizes, inside = [], None
+    for prefix, module in model.named_modules():
+        if inside is not None and prefix.startswith(inside):
+            continue
+        if type(module).__name__ in names:
+            inside = prefix + "."
+            sizes.append(sum(p.numel() for p in module.parameters()))
+    return sizes

@@ -64,7 +64,27 @@ def enable_on_trainer(trainer) -> None:
             f"{resolution.replicas} replicas of each shard."
         )
     if trainer.is_fsdp_enabled and trainer.accelerator.is_fsdp2 and trainer.model is not None:
+        wrap_repeated_layers(state.fsdp_plugin, trainer.model)
         shard_tied_group(trainer.accelerator, trainer.model)
+
+
+def wrap_repeated_layers(plugin, model) -> None:
+    """Shard the model's repeated layers one by one when it declares no ``_no_split_modules`` (BlenderBot,
+    DeBERTa-v2): accelerate's transformer-based wrapping then wraps nothing, and the whole model is one unit, gathered
+    whole for every forward and backward (FSDP then saves nothing during compute)."""
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    from ..model_info import layer_classes
+
+    policy = getattr(plugin.auto_wrap_policy, "func", plugin.auto_wrap_policy)
+    transformer_based = policy is transformer_auto_wrap_policy or str(policy).upper() == "TRANSFORMER_BASED_WRAP"
+    if not transformer_based or plugin.transformer_cls_names_to_wrap or getattr(model, "_no_split_modules", None):
+        return
+    names = layer_classes(model)
+    if names:
+        plugin.transformer_cls_names_to_wrap = names
+        logger.info(f"FSDP2: {type(model).__name__} declares no _no_split_modules; sharding its layers one by one: "
+                    f"{', '.join(names)}.")  # fmt: skip
 
 
 def tied_holders(model) -> list:

@@ -226,7 +226,7 @@ class ModelFacts:
     persistent_params: int  # elements in parameters below ZeRO-3's persistence threshold (10 x hidden)
     largest_param: int
     checkpoint_bytes: int = 0  # bytes of the weight files (read, memory-mapped, by from_pretrained)
-    largest_block: int = 0  # parameters of the largest ``_no_split_modules`` block (FSDP's wrapping unit); 0: unknown
+    largest_block: int = 0  # parameters of the largest repeated layer (FSDP's wrapping unit); 0: unknown
     block_params: int = 0  # parameters inside all those blocks (the rest is FSDP's root group)
 
 

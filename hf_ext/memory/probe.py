@@ -3,28 +3,15 @@ random-init copy of the model at micro-batch 1 and 2, peak allocated bytes from 
 
 from __future__ import annotations
 
-from ..model_info import hidden_size_buckets, hidden_size_of, random_init_model
+from ..model_info import hidden_size_buckets, hidden_size_of, layer_sizes, random_init_model
 from .formulas import ActivationProfile, ModelFacts
-
-
-def block_sizes(model) -> list[int]:
-    """Parameters of each outermost ``_no_split_modules`` block (the transformer layers FSDP wraps one by one)."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    sizes, inside = [], None
-    for prefix, module in model.named_modules():
-        if inside is not None and prefix.startswith(inside):
-            continue
-        if type(module).__name__ in names:
-            inside = prefix + "."
-            sizes.append(sum(p.numel() for p in module.parameters()))
-    return sizes
 
 
 def model_facts(model, checkpoint_bytes: int = 0) -> ModelFacts:
     params = list(model.parameters())
     hidden = hidden_size_of(model)
     threshold = hidden_size_buckets(hidden)["stage3_param_persistence_threshold"][0] if hidden else 0
-    blocks = block_sizes(model)
+    blocks = layer_sizes(model)
     return ModelFacts(
         num_params=sum(p.numel() for p in params),
         trainable=sum(p.numel() for p in params if p.requires_grad),

@@ -5,7 +5,7 @@ gradients; DDP's bf16 is autocast, its states stay fp32."""
 from __future__ import annotations
 
 from hf_ext.memory import formulas as planner
-from hf_ext.memory.probe import block_sizes
+from hf_ext.model_info import layer_classes, layer_sizes
 
 PSI = 100_000_000
 # 10 blocks of 8M parameters, 20M outside them (embeddings, norms), the largest parameter 10M (the embedding)
@@ -38,12 +38,21 @@ def test_gathered_blocks_and_their_gradients():
     assert planner.FSDP_FULL_SHARD not in planner.CANDIDATES  # DeepSpeed's "auto" does not choose FSDP
 
 
-def test_block_sizes_are_the_outermost_no_split_modules():
-    from transformers import GPT2Config, GPT2LMHeadModel
+def test_layers_are_the_declared_no_split_modules_else_the_repeated_ones():
+    from transformers import BlenderbotConfig, BlenderbotForConditionalGeneration, GPT2Config, GPT2LMHeadModel
 
-    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=3, n_head=2, vocab_size=100, n_positions=16))
-    block = sum(p.numel() for p in model.transformer.h[0].parameters())
-    assert block_sizes(model) == [block] * 3
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=3, n_head=2, vocab_size=100, n_positions=16))
+    assert layer_classes(gpt2) == ["GPT2Block"]  # declared by the model
+    assert layer_sizes(gpt2) == [sum(p.numel() for p in gpt2.transformer.h[0].parameters())] * 3
+    # BlenderBot declares none: its encoder and decoder layers, found in their ModuleLists
+    config = BlenderbotConfig(vocab_size=100, d_model=16, encoder_layers=2, decoder_layers=3, encoder_attention_heads=2,
+                              decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32)  # fmt: skip
+    blenderbot = BlenderbotForConditionalGeneration(config)
+    assert not blenderbot._no_split_modules
+    assert layer_classes(blenderbot) == ["BlenderbotEncoderLayer", "BlenderbotDecoderLayer"]
+    encoder = sum(p.numel() for p in blenderbot.model.encoder.layers[0].parameters())
+    decoder = sum(p.numel() for p in blenderbot.model.decoder.layers[0].parameters())
+    assert layer_sizes(blenderbot) == [encoder] * 2 + [decoder] * 3
 
 
 def test_ddp_under_mixed_precision_keeps_fp32_states():
