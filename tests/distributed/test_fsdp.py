@@ -2,7 +2,8 @@
 decoder and the LM head, which accelerate's own FSDP2 grouping cannot wrap):
 
 * stock transformers given the same ``fsdp="full_shard"`` trains DDP here (the engine it reports), hf-ext really
-  shards: each rank holds half of every parameter, and the two halves are the full tensor;
+  shards: each rank holds half of every parameter, the two halves are the full tensor, and each layer is its own
+  FSDP unit although BlenderBot declares no ``_no_split_modules``;
 * the save loads with ``from_pretrained`` and equals torch's own full state dict (``get_model_state_dict``) bit for
   bit;
 * a resume from checkpoint-4 trains steps 5-8 only and ends bit-identical to the uninterrupted run;
@@ -56,6 +57,11 @@ def test_stock_trains_ddp_where_hf_ext_shards(runs):
     }
     assert full["run"]["engine"] == "FSDP2"
     assert full["run"]["fsdp"] == {"sharding": "full_shard", "sharding_factor": 2, "replicas": 1}
+    # BlenderBot declares no _no_split_modules: each encoder and decoder layer is still its own unit (gathered alone)
+    config = json.loads((root / "full" / "out" / "config.json").read_text())
+    layers = [f"model.encoder.layers.{i}" for i in range(config["encoder_layers"])]
+    layers += [f"model.decoder.layers.{i}" for i in range(config["decoder_layers"])]
+    assert set(layers) <= set(full["fsdp_units"]) and "" in full["fsdp_units"]
     weights = torch.load(root / "full" / "trained.pt")
     rank0, rank1 = shards(root / "full", 0), shards(root / "full", 1)
     assert set(rank0) == set(rank1) and len(rank0) > 50

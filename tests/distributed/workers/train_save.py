@@ -21,6 +21,7 @@ import signal
 from contextlib import nullcontext
 
 import torch
+import torch.distributed.fsdp
 import torch.distributed.tensor
 import transformers
 from transformers import AutoConfig, AutoTokenizer, default_data_collator
@@ -232,6 +233,9 @@ def main() -> None:
             "gather_16bit": bool(getattr(engine, "zero_gather_16bit_weights_on_model_save", lambda: None)()),
             "global_step": trainer.state.global_step,
             "run": run_summary(trainer),
+            "fsdp_units": [
+                n for n, m in trainer.model.named_modules() if isinstance(m, torch.distributed.fsdp.FSDPModule)
+            ],  # fmt: skip
             "log_history": trainer.state.log_history,
         }
         with open(opts.dump + ".json", "w") as f:
