@@ -181,6 +181,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--paths", nargs="+", default=["stock", "hf-ext"], choices=["stock", "hf-ext"])
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (fp32 master weights)")
+    parser.add_argument("--from_config", action="store_true",
+                        help="--model holds a config only: each run pre-trains a random-init model (GPT-2 from scratch)")  # fmt: skip
     parser.add_argument("--seq_len", type=int, default=32)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--margin_gib", type=float, default=1.0, help="free RAM kept beyond the two ranks' needs")
@@ -209,6 +211,7 @@ def main(argv=None) -> dict:
             started = time.time()
             args = ["--model", str(model), "--config", name, "--path", path, "--batch", str(opts.batch)]
             args += ["--seq_len", str(opts.seq_len), "--steps", str(opts.steps), *RELEASE, *["--bf16"] * opts.bf16]
+            args += ["--from_config"] * opts.from_config
             launcher = "torchrun" if name in ("ddp", "fsdp") else "deepspeed"
             result = harness.launch_worker(args, Path(f"{work}_{name}_{path}"), launcher=launcher)
             if isinstance(result, str):
