@@ -104,25 +104,27 @@ class Candidate:
 FSDP_FULL_SHARD = Candidate(3, fsdp=True)
 
 #: the engines ``hf-ext ds plan`` chooses among for a micro-batch (README, "Which engine?"), least sharded first:
-#: DDP, ZeRO-1, ZeRO-2, ZeRO-3, FSDP full shard, then the offloads (GPU hosts)
+#: DDP, ZeRO-1, ZeRO-2 (+ offload on GPU hosts), ZeRO-3, FSDP full shard, ZeRO-3 + offloads
 ENGINES = (
     Candidate(0, ddp=True),
     Candidate(1),
     Candidate(2),
+    Candidate(2, offload_optimizer=True),
     Candidate(3),
     FSDP_FULL_SHARD,
-    Candidate(2, offload_optimizer=True),
     Candidate(3, offload_optimizer=True),
     Candidate(3, offload_optimizer=True, offload_param=True),
 )
 
-#: the candidates ``"auto"`` chooses among (DeepSpeed configs), least sharded first
+#: the candidates ``"auto"`` chooses among (DeepSpeed configs), least sharded first, in the order of
+#: :meth:`Candidate.sharding_rank` (transformers' DeepSpeed guide ranks them so by speed: 0, 1, 2, 2 + offload, 3, 3 +
+#: offload)
 CANDIDATES = (
     Candidate(0),
     Candidate(1),
     Candidate(2),
-    Candidate(3),
     Candidate(2, offload_optimizer=True),
+    Candidate(3),
     Candidate(3, offload_optimizer=True),
     Candidate(3, offload_optimizer=True, offload_param=True),
 )
@@ -272,8 +274,11 @@ def buffer_bytes(candidate: Candidate, facts: ModelFacts, world_size: int, preci
     s = zero_settings(zero, facts.hidden_size)
     if candidate.stage >= 1 and precision == "fp32":
         out["fp32_master_copy"] = FP32 * t_part
-    if candidate.stage in (1, 2) and precision == "fp32":
-        out["fp32_gradient_partition_copy"] = FP32 * t_part  # measured on CPU: the reduced partition kept twice
+    if candidate.stage in (1, 2) and (precision == "fp32" or not candidate.offload_optimizer):
+        # the reduced gradient partition, flattened and cast to fp32 for the fp32 master partition's optimizer (kept
+        # twice in fp32 runs; with offload under mixed precision it is the host's fp32 gradients, counted there):
+        # measured on CPU at the 400M shape in fp32 and in bf16
+        out["fp32_gradient_partition_copy"] = FP32 * t_part
     if candidate.stage in (1, 2) and s["contiguous_gradients"]:
         out["reduce_buckets"] = min(s["reduce_bucket_size"], facts.trainable) * p * (2 if s["overlap_comm"] else 1)
     if candidate.stage == 3:
