@@ -157,6 +157,7 @@ def report(model, pred, rows, opts, argv) -> dict:
             "batch": opts.batch,
             "seq_len": opts.seq_len,
             "steps": opts.steps,
+            "bf16": opts.bf16,
             "command": harness.command(MODULE, argv),
         },
         "host": harness.host_info(),
@@ -170,6 +171,25 @@ def report(model, pred, rows, opts, argv) -> dict:
     harness.write_json(opts.out, result)
     chart(rows, Path(opts.png))
     harness.write_section(Path(opts.docs), opts.section, markdown(result))
+    return result
+
+
+def replan(model: Path, opts) -> dict:
+    """The planner's column of an existing ``--out`` redone with the current planner, on the run's own settings."""
+    result = json.loads(Path(opts.out).read_text())
+    settings = result["settings"]
+    bf16 = settings.get("bf16", "bf16" in result["precision"].values())
+    configs = list(dict.fromkeys(r["config"] for r in result["rows"]))
+    run = argparse.Namespace(configs=configs, batch=settings["batch"], seq_len=settings["seq_len"], bf16=bf16)
+    pred = predictions(model, run)
+    result["predictions"] = {name: p.total_bytes for name, p in pred["plans"].items()}
+    result["plans"] = {name: p.to_dict() for name, p in pred["plans"].items()}
+    for row in result["rows"]:
+        row["predicted_increment_bytes"] = pred["plans"][row["config"]].total_bytes
+    result["replanned"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    harness.write_json(opts.out, result)
+    print(markdown(result))
+    print(f"replanned {opts.out}")
     return result
 
 
@@ -190,9 +210,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--docs", default=str(harness.DOCS), help="markdown file whose marked section is rewritten")
     parser.add_argument("--section", default="bench_memory", help="the section's marker name in --docs")
     parser.add_argument("--png", default="docs/memory.png")
+    parser.add_argument("--replan", action="store_true",
+                        help="only redo the planner's column of an existing --out (the measured rows stay)")  # fmt: skip
     opts = parser.parse_args(argv)
 
     model = harness.ensure_model(opts.size, opts.model)
+    if opts.replan:
+        return replan(model, opts)
     pred = predictions(model, opts)
     work = Path(opts.out).with_suffix("")
     work.parent.mkdir(parents=True, exist_ok=True)
