@@ -319,7 +319,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     env = {} if opts.glibc_defaults else harness.FREED_MEMORY_TO_OS_ENV
     report.update(max_shard_size=opts.max_shard_size, malloc_env=env)
     report["host"] = harness.host_info()
-    report["full"] = {path: launch(model, "full", workdir, opts.max_shard_size, path, env, opts.engine) for path in PATHS}
+    report["full"] = {
+        path: launch(model, "full", workdir, opts.max_shard_size, path, env, opts.engine) for path in PATHS
+    }
     report["parameters"] = report["full"]["hf_ext"]["parameters"]
     report["largest_shard_bytes"] = report["full"]["hf_ext"]["largest_file_bytes"]
     if not opts.no_lora:
