@@ -69,9 +69,9 @@ FP32 = 4
 #: per-rank runtime overhead above the process baseline with a near-empty model (Trainer, accelerate, the engine,
 #: communication, data loading), calibrated on CPU with 2 gloo ranks; the planner's error band is checked against
 #: measured peaks in tests/distributed and docs/benchmarks.md, "Memory". ZeRO-3's was 40 MiB: with its step's
-#: temporaries no longer added to the activations, every ZeRO-3 row measured since (17M, 124M, 400M fp32/bf16/offload,
-#: 617M) sat 40-120 MiB above the plan.
-RUNTIME_OVERHEAD = {"ddp": 85 * MiB, 0: 20 * MiB, 1: 95 * MiB, 2: 95 * MiB, 3: 85 * MiB, "fsdp": 85 * MiB}
+#: temporaries no longer added to the activations, every ZeRO-3 row measured since sat above the plan, by up to 170 MiB
+#: at 17M parameters (its first backward peaked at 454-505 MiB across runs, 332 planned) and by 40-90 MiB at 124M-617M.
+RUNTIME_OVERHEAD = {"ddp": 85 * MiB, 0: 20 * MiB, 1: 95 * MiB, 2: 95 * MiB, 3: 120 * MiB, "fsdp": 85 * MiB}
 GPU_RESERVE = 1 * GiB  # CUDA context + allocator fragmentation
 
 
