@@ -40,6 +40,12 @@ STATE_DICT_TYPES = ("FULL_STATE_DICT", "SHARDED_STATE_DICT")
 #: checkpoints: each rank writes its own shards (torch.distributed.checkpoint);
 #: FULL_STATE_DICT would gather the whole model and optimizer state on rank 0 at every checkpoint
 DEFAULT_STATE_DICT_TYPE = "SHARDED_STATE_DICT"
+#: refused wherever FSDP settings arrive (the arguments here, accelerate launch's in hf_ext.fsdp.engine)
+FSDP1_ON_CPU = Problem(
+    "fsdp_config.version",
+    "FSDP1 does not run on CPU-only ranks (and is deprecated)",
+    "remove `version` (FSDP2 is the default), or set it to 2",
+)
 
 
 @dataclass
@@ -150,13 +156,7 @@ def resolve_fsdp(
     if str(version) not in ("1", "2"):
         problems.append(Problem("fsdp_config.version", f"{version!r} is not an FSDP version", "set it to 2"))
     elif int(version) == 1 and not has_accelerator:
-        problems.append(
-            Problem(
-                "fsdp_config.version",
-                "FSDP1 does not run on CPU-only ranks (and is deprecated)",
-                "remove `version` (FSDP2 is the default), or set it to 2",
-            )  # fmt: skip
-        )
+        problems.append(FSDP1_ON_CPU)
     if deepspeed:
         problems.append(
             Problem(
@@ -180,9 +180,9 @@ def resolve_fsdp(
             )  # fmt: skip
         )
     if config.get("transformer_layer_cls_to_wrap") == "auto":
-        del config["transformer_layer_cls_to_wrap"]  # accelerate wraps the model's `_no_split_modules` by default
+        del config["transformer_layer_cls_to_wrap"]  # hf_ext.fsdp.engine.wrap_repeated_layers picks them
         changes.append(Change("fsdp_config.transformer_layer_cls_to_wrap", "auto",
-                              "the model's _no_split_modules, at wrap time", "deferred"))  # fmt: skip
+                              "the model's repeated layers, at wrap time", "deferred"))  # fmt: skip
     if str(config.get("cpu_offload", False)).lower() == "true" or "offload" in words:
         if not has_accelerator:
             warnings.append("FSDP cpu_offload on a CPU-only host: the parameters already live in RAM; it only adds "

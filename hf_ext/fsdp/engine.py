@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import os
 
-from ..deepspeed.errors import FsdpConfigError, Problem
+from ..deepspeed.errors import FsdpConfigError
+from .config import FSDP1_ON_CPU
 
 logger = logging.getLogger(__name__)
 
@@ -34,17 +35,15 @@ def _requested_plugin(trainer):
 
 def enable_on_trainer(trainer) -> None:
     """Make the FSDP the arguments ask for real: on CPU ranks, and with hybrid sharding's device mesh."""
+    from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
     state = trainer.accelerator.state
     if state.distributed_type == DistributedType.MULTI_CPU and (plugin := _requested_plugin(trainer)) is not None:
         if plugin.fsdp_version != 2:
-            raise FsdpConfigError([Problem("fsdp_config.version", "FSDP1 does not run on CPU-only ranks",
-                                           "set fsdp_version 2 (FSDP2)")])  # fmt: skip
+            raise FsdpConfigError([FSDP1_ON_CPU])
         if state.mixed_precision != "no":
             plugin.set_mixed_precision(state.mixed_precision)
-        from accelerate.state import PartialState
-
         state.distributed_type = DistributedType.FSDP
         state.fsdp_plugin = plugin
         # as AcceleratorState.__init__ ends: the process state learns the type too (each AcceleratorState() copies it)
