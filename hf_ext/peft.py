@@ -1,13 +1,13 @@
 """PEFT-aware saving and checkpoints that resume on any number of ranks, with or without DeepSpeed.
 
 * :func:`save_adapter` gathers the trainable parameters (adapters and ``modules_to_save``, full shapes even under
-  ZeRO-3 — PEFT alone can save ``[0]``-shaped tensors there, peft #2450) and writes them with
+  ZeRO-3 and FSDP2 — PEFT alone can save ``[0]``-shaped tensors there, peft #2450) and writes them with
   ``PeftModel.save_pretrained``.
 * :func:`save_trainable_state` writes, per trainable parameter *name*, its fp32 value and its full (un-partitioned)
   optimizer state, plus the optimizer step and the scheduler state: a world-size-independent file whose size follows
-  the adapter, not the base model. DeepSpeed's own ``safe_get_full_*`` utilities read the partitioned state.
-* :func:`load_trainable_state` puts it back into a fresh trainer after its optimizer exists (any ZeRO stage, any
-  world size, or no DeepSpeed).
+  the adapter, not the base model. DeepSpeed's own ``safe_get_full_*`` utilities read the partitioned state, ``DTensor.full_tensor`` FSDP2's.
+* :func:`load_trainable_state` puts it back into a fresh trainer after its optimizer exists (any ZeRO stage, FSDP2,
+  any world size, or no DeepSpeed).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .gather import gathered, is_partitioned
+from .gather import full_values, gathered, is_dtensor, is_partitioned
 from .schedule import inner_scheduler
 
 logger = logging.getLogger(__name__)
@@ -41,10 +41,10 @@ def trainable_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
 
 
 def gathered_trainable_state_dict(model) -> dict[str, torch.Tensor]:
-    """Full-shape CPU copies of the trainable parameters (call on every rank under ZeRO-3)."""
+    """Full-shape CPU copies of the trainable parameters (call on every rank under ZeRO-3 and FSDP2)."""
     named = trainable_parameters(model)
-    with gathered([p for _, p in named]):
-        return {name: p.detach().to("cpu", copy=True) for name, p in named}
+    with full_values([p for _, p in named]) as values:
+        return {name: value.detach().to("cpu", copy=True) for (name, _), value in zip(named, values)}
 
 
 def save_adapter(trainer, output_dir: str | Path) -> None:
@@ -115,6 +115,8 @@ def _full_state(optimizer, param, key: str) -> torch.Tensor | None:
         value = safe_get_full_optimizer_state(param, key)
     else:
         value = _inner_optimizer(optimizer).state.get(param, {}).get(key)
+        if value is not None and is_dtensor(value):  # FSDP2: the state is sharded as its parameter (collective)
+            value = value.full_tensor()
     return None if value is None else value.detach().to("cpu", copy=True)
 
 
@@ -125,8 +127,8 @@ def _full_fp32(param) -> torch.Tensor:
         value = safe_get_full_fp32_param(param)
         if value is not None:
             return value.detach().to("cpu", dtype=torch.float32, copy=True)
-    with gathered([param]):
-        return param.detach().to("cpu", dtype=torch.float32, copy=True)
+    with full_values([param]) as (value,):
+        return value.detach().to("cpu", dtype=torch.float32, copy=True)
 
 
 def save_trainable_state(trainer, output_dir: str | Path) -> None:
@@ -173,7 +175,20 @@ def _ensure_optimizer_state(optimizer, step: int) -> None:
             state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
+def _copy_full(target: torch.Tensor, value: torch.Tensor) -> None:
+    """``target`` (a plain tensor, or an FSDP2 DTensor: each rank keeps its own shard of ``value``) = ``value``."""
+    value = value.to(target.dtype).reshape(target.shape)
+    if is_dtensor(target):
+        from torch.distributed.tensor import distribute_tensor
+
+        value = distribute_tensor(value.to(target.device), target.device_mesh, target.placements)
+    with torch.no_grad():
+        target.copy_(value)
+
+
 def _set_param(param, value: torch.Tensor) -> None:
+    if is_dtensor(param):
+        return _copy_full(param.data, value)
     with gathered([param], modifier_rank=0):
         with torch.no_grad():
             param.data.copy_(value.to(param.dtype).reshape(param.shape))
@@ -189,7 +204,7 @@ def _set_state(optimizer, param, key: str, value: torch.Tensor) -> None:
 
         safe_set_full_optimizer_state(param, value, key)
     else:
-        _inner_optimizer(optimizer).state[param][key].copy_(value.reshape(param.shape))
+        _copy_full(_inner_optimizer(optimizer).state[param][key], value)
 
 
 def load_trainable_state(trainer, checkpoint: str | Path) -> None:

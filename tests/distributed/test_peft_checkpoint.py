@@ -1,5 +1,6 @@
-"""PEFT (LoRA on q/v + a ``modules_to_save``) under 2-rank ZeRO-3 and on 1 rank without DeepSpeed: adapter saves with
-full shapes, adapter-sized checkpoints, and resumes across world sizes (2→1, 1→2) that match uninterrupted runs."""
+"""PEFT (LoRA on q/v + a ``modules_to_save``) under 2-rank ZeRO-3, 2-rank FSDP2 and on 1 rank without DeepSpeed:
+adapter saves with full shapes, adapter-sized checkpoints, and resumes across world sizes (2→1, 1→2) and engines that
+match uninterrupted runs."""
 
 from __future__ import annotations
 
@@ -22,8 +23,12 @@ LORA = ("--lora", "--modules_to_save", "decoder.layer_norm", "--epochs", "1", "-
 TOLERANCE = 1e-6
 
 
+# the same global batch, 4, on each: ZeRO-3 on 2 ranks, FSDP2 on 2 ranks (torchrun), 1 process without either
+RANKS = {"deepspeed": ("--stage", "3"), "torchrun": ("--fsdp", "full_shard"), "python": ("--no_ds", "--batch", "4")}
+
+
 def train(launcher: str, tiny_model_dir, out: Path, dump: Path, *extra: str) -> subprocess.CompletedProcess:
-    ranks = ("--stage", "3") if launcher == "deepspeed" else ("--no_ds", "--batch", "4")  # same global batch: 4
+    ranks = RANKS[launcher]
     cmd = [*launcher_cmd(launcher, SCRIPT), "--model", str(tiny_model_dir), "--out", str(out), "--dump", str(dump)]
     return run([*cmd, *ranks, *LORA, *extra])
 
@@ -126,6 +131,31 @@ def test_resume_one_rank_to_two(lora_single, tiny_model_dir, tmp_path):
     assert_close(trainable(torch.load(lora_single / "trained.pt")), trainable(torch.load(tmp_path / "final.pt")))
 
 
+@pytest.fixture(scope="module")
+def lora_fsdp(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_fsdp")
+    train("torchrun", tiny_model_dir, root / "out", root / "trained.pt")
+    return root
+
+
+def test_lora_under_fsdp_trains_as_zero3_and_resumes_on_one_rank(lora_fsdp, lora_zero3, tiny_model_dir, tmp_path):
+    info = json.loads((lora_fsdp / "trained.pt.json").read_text())
+    assert info["run"]["engine"] == "FSDP2" and info["run"]["fsdp"]["sharding_factor"] == 2
+    # DeepSpeed ZeRO-3 trained the same adapter on the same data: FSDP2 must land on the same weights
+    fsdp_trained = trainable(torch.load(lora_fsdp / "trained.pt"))
+    assert_close(trainable(torch.load(lora_zero3 / "trained.pt")), fsdp_trained)
+    checkpoint = lora_fsdp / "out" / "checkpoint-4"
+    assert not list(checkpoint.glob("pytorch_model_fsdp*")) and not list(checkpoint.glob("model*.safetensors"))
+    shapes = peft_checkpoint.verify_adapter(checkpoint)
+    assert all(shapes[k] == (32,) for k in shapes if "decoder.layer_norm" in k)  # full shapes, not a rank's shard
+    state = torch.load(checkpoint / peft_checkpoint.TRAINABLE_STATE_NAME, weights_only=False)
+    assert state["world_size"] == 2 and state["optimizer_step"] == 4
+    first = next(iter(state["params"].values()))
+    assert first["exp_avg"].shape == first["param"].shape  # the whole optimizer state, gathered from the shards
+    train("python", tiny_model_dir, tmp_path / "out", tmp_path / "final.pt", "--resume", str(checkpoint))
+    assert_close(fsdp_trained, trainable(torch.load(tmp_path / "final.pt")))
+
+
 def check_merged_export(trained, src: Path, out: Path, model_cls, **generate_kwargs) -> None:
     """``hf-ext export --merge`` of ``src``: no LoRA weight left, and greedy generations equal ``trained``'s."""
     from hf_ext.saving.export import export
@@ -154,7 +184,7 @@ CHAT_LORA = ("--lora", "--lora_targets", "all-linear", "--epochs", "1", "--save_
 
 
 def chat_train(launcher: str, model_dir, out: Path, dump: Path, *extra: str) -> subprocess.CompletedProcess:
-    ranks = ("--stage", "3") if launcher == "deepspeed" else ("--no_ds", "--batch", "4")
+    ranks = RANKS[launcher]
     cmd = [*launcher_cmd(launcher, SCRIPT), "--model", str(model_dir), "--out", str(out), "--dump", str(dump)]
     return run([*cmd, *ranks, *CHAT_LORA, *extra])
 
