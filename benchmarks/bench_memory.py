@@ -195,7 +195,8 @@ def replan(model: Path, opts) -> dict:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", default="400m", help="chat_e.models size to build when --model is not given")
+    parser.add_argument("--size", default="400m",
+                        help="model to build when --model is not given: a chat_e.models size or a harness.CLASSIFIERS name")  # fmt: skip
     parser.add_argument("--model", default=None, help="model directory (default: runs/models/<size>)")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--paths", nargs="+", default=["stock", "hf-ext"], choices=["stock", "hf-ext"])
@@ -215,6 +216,7 @@ def main(argv=None) -> dict:
     opts = parser.parse_args(argv)
 
     model = harness.ensure_model(opts.size, opts.model)
+    opts.from_config = opts.from_config or not harness.has_weights(model)  # a config-only model (CLASSIFIERS)
     if opts.replan:
         return replan(model, opts)
     pred = predictions(model, opts)

@@ -166,15 +166,45 @@ def available_memory() -> int:
 # --- models and data ----------------------------------------------------------------------------------------------
 
 
-def ensure_model(size: str, model_dir: str | Path | None = None) -> Path:
-    """``model_dir`` (default ``runs/models/<size>``), built by chat_e's model builders if it holds no model
-    (``size``: a :data:`chat_e.models.BUILDERS` name, e.g. ``tiny``, ``400m``, ``chat-tiny`` or ``smollm2``)."""
-    model = Path(model_dir) if model_dir else ROOT / "runs" / "models" / size
-    if not (model / "config.json").exists():
-        from chat_e.models import build_model
+# The blog's classification models, as their Hub configs give them (microsoft/deberta-v3-large and
+# microsoft/deberta-v2-xlarge, config.json), with a 2-label head (MRPC): config only, each run initializes at random
+# (``--from_config``), nothing downloaded.
+_DEBERTA = dict(
+    vocab_size=128100, max_position_embeddings=512, type_vocab_size=0, relative_attention=True, position_buckets=256,
+    max_relative_positions=-1, norm_rel_ebd="layer_norm", share_att_key=True, pos_att_type=["p2c", "c2p"],
+    position_biased_input=False, layer_norm_eps=1e-7, hidden_act="gelu", num_labels=2,
+)  # fmt: skip
+CLASSIFIERS = {
+    "deberta-v3-large": dict(_DEBERTA, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                             intermediate_size=4096),
+    "deberta-v2-xlarge": dict(_DEBERTA, hidden_size=1536, num_hidden_layers=24, num_attention_heads=24,
+                              intermediate_size=6144, conv_kernel_size=3, conv_act="gelu"),
+}  # fmt: skip
 
-        build_model(model, size, seed=0)
+
+def ensure_model(size: str, model_dir: str | Path | None = None) -> Path:
+    """``model_dir`` (default ``runs/models/<size>``), built if it holds no model: a :data:`CLASSIFIERS` name writes
+    that DeBERTa sequence classifier's config only (train it ``--from_config``); any other ``size`` is a
+    :data:`chat_e.models.BUILDERS` name (e.g. ``tiny``, ``400m``, ``chat-tiny`` or ``smollm2``)."""
+    model = Path(model_dir) if model_dir else ROOT / "runs" / "models" / size
+    if (model / "config.json").exists():
+        return model
+    if size in CLASSIFIERS:
+        from transformers import DebertaV2Config
+
+        config = DebertaV2Config(**CLASSIFIERS[size])
+        config.architectures = ["DebertaV2ForSequenceClassification"]
+        config.save_pretrained(model)
+        return model
+    from chat_e.models import build_model
+
+    build_model(model, size, seed=0)
     return model
+
+
+def has_weights(model_dir: str | Path) -> bool:
+    """Whether ``model_dir`` holds weights (else only a config: a run must start ``--from_config``)."""
+    return any(f for pattern in ("*.safetensors", "*.bin") for f in Path(model_dir).glob(pattern))
 
 
 def parameter_count(model_dir: str | Path) -> int:
@@ -190,21 +220,23 @@ def parameter_count(model_dir: str | Path) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def synthetic_dataset(n: int, vocab: int, seq_len: int, seed: int = 0) -> list[dict]:
+def synthetic_dataset(n: int, vocab: int, seq_len: int, seed: int = 0, num_labels: int | None = None) -> list[dict]:
     """``n`` rows of random token ids (ids 0-3 are special tokens), inputs and labels both ``seq_len`` long (a
     seq2seq target, or a decoder-only model's shifted labels): every row costs the same, so throughput and memory do
-    not depend on which rows a step gets."""
+    not depend on which rows a step gets. With ``num_labels`` (a sequence classifier) each row's label is one class
+    id below it."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    return [
-        {
-            "input_ids": torch.randint(4, vocab, (seq_len,), generator=g).tolist(),
-            "attention_mask": [1] * seq_len,
-            "labels": torch.randint(4, vocab, (seq_len,), generator=g).tolist(),
-        }
-        for _ in range(n)
-    ]
+    rows = []
+    for _ in range(n):
+        ids = torch.randint(4, vocab, (seq_len,), generator=g).tolist()
+        if num_labels:
+            labels = int(torch.randint(0, num_labels, (), generator=g))
+        else:
+            labels = torch.randint(4, vocab, (seq_len,), generator=g).tolist()
+        rows.append({"input_ids": ids, "attention_mask": [1] * seq_len, "labels": labels})
+    return rows
 
 
 # --- host ---------------------------------------------------------------------------------------------------------

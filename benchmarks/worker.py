@@ -51,7 +51,7 @@ import hf_ext
 from benchmarks.harness import synthetic_dataset
 from hf_ext.deepspeed.resolve import load_deepspeed_config
 from hf_ext.memory.measure import MemoryPlanCallback, current_rss, peak_rss, reset_peak_rss
-from hf_ext.model_info import model_class, random_init_model
+from hf_ext.model_info import is_sequence_classifier, model_class, random_init_model
 from hf_ext.runtime import place_cpu_threads, run_summary, start_deepspeed_comm
 
 ORDER = ("stock", "hf-ext", "hf-ext", "stock")
@@ -245,10 +245,11 @@ def build_trainer(opts, args, trainer_class, *callbacks):
     after_load = peak_rss()
     # enough rows that every step gets full micro-batches on every rank
     rows = max(64, int(args.per_device_train_batch_size) * args.world_size * opts.steps)
+    num_labels = model.config.num_labels if is_sequence_classifier(model) else None
     trainer = trainer_class(
         model=model,
         args=args,
-        train_dataset=synthetic_dataset(rows, model.config.vocab_size, opts.seq_len),
+        train_dataset=synthetic_dataset(rows, model.config.vocab_size, opts.seq_len, num_labels=num_labels),
         data_collator=default_data_collator,
     )
     for callback in callbacks:

@@ -46,6 +46,11 @@ def model_class(config):
     return transformers.AutoModel
 
 
+def is_sequence_classifier(model) -> bool:
+    """Whether ``model`` (a transformers ``...ForSequenceClassification``) takes one class id per example as labels."""
+    return "ForSequenceClassification" in type(model).__name__
+
+
 def random_init_model(model_or_config, seed: int = 0):
     """A random-init model of the architecture ``model_or_config`` names (a config, a path or a hub id; only the
     config is read)."""

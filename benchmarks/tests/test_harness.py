@@ -63,3 +63,21 @@ def test_synthetic_dataset_is_seeded_and_avoids_special_tokens():
     rows = harness.synthetic_dataset(3, vocab=50, seq_len=8, seed=1)
     assert rows == harness.synthetic_dataset(3, vocab=50, seq_len=8, seed=1)
     assert all(len(r["input_ids"]) == len(r["labels"]) == 8 and min(r["input_ids"] + r["labels"]) >= 4 for r in rows)
+
+
+def test_synthetic_dataset_gives_a_classifier_one_class_id_per_row():
+    rows = harness.synthetic_dataset(50, vocab=50, seq_len=8, seed=1, num_labels=3)
+    assert all(isinstance(r["labels"], int) for r in rows)
+    assert {r["labels"] for r in rows} == {0, 1, 2}
+    # the inputs do not depend on whether the labels are class ids: the same rows as a seq2seq run's first draw
+    assert rows[0]["input_ids"] == harness.synthetic_dataset(1, vocab=50, seq_len=8, seed=1)[0]["input_ids"]
+
+
+def test_classifier_shapes_match_the_hub_model_cards(tmp_path):
+    # microsoft/deberta-v3-large's model card: "304M backbone parameters with a vocabulary of 128K tokens which
+    # introduces 131M parameters in the Embedding layer"
+    model = harness.ensure_model("deberta-v3-large", tmp_path / "v3")
+    assert not harness.has_weights(model)
+    total = harness.parameter_count(model)
+    embedding = 128100 * 1024
+    assert abs(embedding - 131e6) < 1e6 and abs((total - embedding) - 304e6) < 0.01 * 304e6, total

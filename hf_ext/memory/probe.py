@@ -3,7 +3,13 @@ random-init copy of the model at micro-batch 1 and 2, peak allocated bytes from 
 
 from __future__ import annotations
 
-from ..model_info import hidden_size_buckets, hidden_size_of, layer_sizes, random_init_model
+from ..model_info import (
+    hidden_size_buckets,
+    hidden_size_of,
+    is_sequence_classifier,
+    layer_sizes,
+    random_init_model,
+)
 from .formulas import ActivationProfile, ModelFacts
 
 
@@ -35,7 +41,7 @@ def probe_inputs(model, batch: int, seq_len: int) -> dict:
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     if getattr(config, "is_encoder_decoder", False):
         inputs["labels"] = torch.randint(min(4, vocab - 1), vocab, (batch, seq_len), generator=g)
-    elif "ForSequenceClassification" in type(model).__name__:
+    elif is_sequence_classifier(model):
         inputs["labels"] = torch.zeros(batch, dtype=torch.long)
     elif "ForCausalLM" in type(model).__name__ or "LMHead" in type(model).__name__:
         inputs["labels"] = ids.clone()
