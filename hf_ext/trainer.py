@@ -93,9 +93,14 @@ class _HfExtTrainerMixin:
         if self.deepspeed is not None and self.optimizer is None:  # an engine from evaluate(): inference only
             self._drop_inference_engine()
         deepspeed_callbacks.reopen_step_keys(self)  # an evaluate() before train() may have filled them for inference
+        fsdp.reshard(self.model)  # FSDP2 after an evaluation: the optimizer must see the sharded parameters
         universal = resume.prepare_resume(self, resume_from_checkpoint)  # written on another number of ranks
         with resume.deepspeed_resume(self, resume_from_checkpoint, universal):
             return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def evaluation_loop(self, *args, **kwargs):
+        fsdp.shard_for_evaluation(self)  # FSDP2 before any training: stock would refuse to prepare the model alone
+        return super().evaluation_loop(*args, **kwargs)
 
     def _drop_inference_engine(self) -> None:
         """Forget the engine a stock ``evaluate()`` started before ``train()`` under ZeRO-3.

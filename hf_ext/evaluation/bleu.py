@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
+from ..fsdp.engine import root_unsharded
 from ..runtime import local_world_size
 from ..training_args import GenerationEvalArguments
 from .gathered import GenerationPath, choose_generation_path, gathered_copy, is_partitioned_model
@@ -331,7 +332,8 @@ class BleuEvalCallback(TrainerCallback):
                 self.gather_seconds = time.time() - start
                 yield plain, path
         else:
-            yield model, path
+            with root_unsharded(model):  # FSDP2: generate() enters the model below its root unit
+                yield model, path
 
     @contextmanager
     def gathered_for_evaluation(self, args, model):

@@ -2,6 +2,6 @@
 on every host, CPU ranks included (:mod:`.engine`)."""
 
 from .config import PRESETS, FsdpResolution, resolve_fsdp
-from .engine import enable_on_trainer
+from .engine import enable_on_trainer, reshard, shard_for_evaluation
 
-__all__ = ["PRESETS", "FsdpResolution", "enable_on_trainer", "resolve_fsdp"]
+__all__ = ["PRESETS", "FsdpResolution", "enable_on_trainer", "reshard", "resolve_fsdp", "shard_for_evaluation"]

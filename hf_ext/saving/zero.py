@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from ..fsdp.engine import save_dtype as fsdp_save_dtype
 from ..peft import is_peft_model, save_adapter
 from .writer import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -97,7 +98,7 @@ def save_trainer_model(trainer, output_dir: str | Path, *, checkpoint: bool = Fa
     """``Trainer.save_model`` for full models, on every rank: a loadable ``output_dir`` whatever the ZeRO stage.
 
     * ZeRO-3 with 16-bit gathering on, ZeRO-1/2, FSDP2 and no engine: the streaming writer, a bounded group of
-      parameters gathered at a time.
+      parameters gathered at a time (FSDP2 under bf16/fp16 mixed precision writes that 16-bit dtype).
     * ZeRO-3 with gathering off: the final save writes a ZeRO checkpoint and consolidates fp32 weights from it;
       a mid-run ``checkpoint`` skips the weights (the ZeRO checkpoint the Trainer writes next holds them, and
       ``hf-ext export`` consolidates them).
@@ -131,7 +132,7 @@ def save_trainer_model(trainer, output_dir: str | Path, *, checkpoint: bool = Fa
             save_model_files(trainer, model, output_dir, torch.float32)
         _barrier(trainer)
         return
-    entries = model_entries(model)
+    entries = model_entries(model, fsdp_save_dtype(trainer))
     write_entries(entries, output_dir, is_main=is_main, max_shard_size=max_shard_size, gather_bytes=gather_bytes)
     if is_main:
         verify_saved_weights(output_dir, model)

@@ -8,7 +8,10 @@ decoder and the LM head, which accelerate's own FSDP2 grouping cannot wrap):
   bit;
 * a resume from checkpoint-4 trains steps 5-8 only and ends bit-identical to the uninterrupted run;
 * hybrid sharding on 4 ranks with a sharding factor of 2: each parameter split over 2 ranks, the shards replicated
-  across the two groups.
+  across the two groups;
+* an evaluation before any training (stock refuses to prepare an FSDP2 model without its optimizer) gives the plain
+  model's loss, and the training after it is bit-identical to one without it;
+* under bf16 mixed precision the save is 16-bit: torch's full state dict (the fp32 master weights) cast to bf16.
 """
 
 from __future__ import annotations
@@ -120,3 +123,53 @@ def test_hybrid_shard_on_four_ranks(tiny_model_dir, tmp_path):
         assert local[0][name].shape[0] == (whole.shape[0] + 1) // 2, name  # split over a group of 2 ranks
         assert torch.equal(local[0][name], local[2][name]) and torch.equal(local[1][name], local[3][name]), name
         assert torch.equal(torch.cat([local[0][name], local[1][name]]), whole), name
+
+
+def worker_rows(n: int, vocab: int) -> list[dict]:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_save_worker", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.synthetic_dataset(n, vocab)
+
+
+def test_evaluation_before_training(runs, tiny_model_dir, tmp_path):
+    from transformers import AutoModelForSeq2SeqLM
+
+    root, full, _ = runs
+    first = train(tiny_model_dir, tmp_path / "eval_first", "--fsdp", "full_shard", "--eval_first")
+    # the oracle: one plain forward of the untrained model over the same 32 rows (no Trainer, no FSDP); every row has
+    # 9 label tokens, so the mean over eval batches is the mean over all tokens
+    model = AutoModelForSeq2SeqLM.from_pretrained(tiny_model_dir, dropout=0.0, attention_dropout=0.0).eval()
+    rows = worker_rows(32, model.config.vocab_size)
+    batch = {key: torch.tensor([row[key] for row in rows]) for key in rows[0]}
+    with torch.no_grad():
+        expected = model(**batch).loss.item()
+    assert abs(first["first_eval"]["eval_loss"] - expected) < 1e-5, (first["first_eval"], expected)
+    assert "eval_bleu" in first["first_eval"]  # the generation eval ran too, on the sharded model
+    assert first["run"]["engine"] == "FSDP2"
+    a, b = torch.load(root / "full" / "trained.pt"), torch.load(tmp_path / "eval_first" / "trained.pt")
+    assert set(a) == set(b) and all(torch.equal(a[name], b[name]) for name in a)  # training as if never evaluated
+
+
+def test_bf16_save_is_16_bit_master_weights(tiny_model_dir, tmp_path):
+    from safetensors import safe_open
+    from transformers import AutoModelForSeq2SeqLM
+
+    train(tiny_model_dir, tmp_path / "bf16", "--fsdp", "full_shard", "--bf16", "--save_steps", "100")
+    masters = torch.load(tmp_path / "bf16" / "trained.pt")  # torch's full state dict: the fp32 sharded parameters
+    assert all(t.dtype == torch.float32 for t in masters.values())
+    out = tmp_path / "bf16" / "out"
+    stored = {}
+    for file in out.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            stored.update({k: f.get_tensor(k) for k in f.keys()})
+    assert stored and {t.dtype for t in stored.values() if t.is_floating_point()} == {torch.bfloat16}
+    params = [name for name in stored if name in masters]  # the rest are buffers (final_logits_bias)
+    assert len(params) > 50 and len(stored) - len(params) <= 1
+    for name in params:
+        assert torch.equal(stored[name], masters[name].to(torch.bfloat16)), name
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    loaded = AutoModelForSeq2SeqLM.from_pretrained(out)
+    assert loaded.dtype == torch.bfloat16

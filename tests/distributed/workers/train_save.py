@@ -3,6 +3,7 @@ and leave artifacts to check.
 
     deepspeed --num_gpus 2 tests/distributed/workers/train_save.py --model DIR --out DIR --stage 3 [--gather on|off|misnamed]
         [--resume true|PATH] [--dump FILE] [--stock_save DIR] [--max_shard_size 20KB] [--accum N] [--samples FILE]
+        [--eval_first] [--bf16]
 
 With --lora, LoRA (r=4) on --lora_targets (default q_proj,v_proj; "all-linear" for every projection) (+
 --modules_to_save NAME); dropout is off so that runs on different
@@ -144,6 +145,8 @@ def main() -> None:
     parser.add_argument("--no_ds", action="store_true")
     parser.add_argument("--fsdp", default=None, help="an fsdp value (full_shard, hybrid_shard...): FSDP, no DeepSpeed")
     parser.add_argument("--fsdp_config", default=None, help="fsdp_config as JSON")
+    parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision")
+    parser.add_argument("--eval_first", action="store_true", help="evaluate (loss + BLEU) on the rows before training")
     parser.add_argument(
         "--stock_fsdp_check",
         default=None,
@@ -171,6 +174,8 @@ def main() -> None:
         optim="adamw_torch",
         disable_tqdm=True,
         save_max_shard_size=opts.max_shard_size,
+        bf16=opts.bf16,
+        per_device_eval_batch_size=4,
     )
     transformers.set_seed(0)
     config = AutoConfig.from_pretrained(opts.model)
@@ -212,6 +217,7 @@ def main() -> None:
 
         trainer._save_rng_state = save_rng_state_or_die
 
+    first_eval = trainer.evaluate(data) if opts.eval_first else None
     resume = {"true": True, None: None}.get(opts.resume, opts.resume)
     trainer.train(resume_from_checkpoint=resume)
     trainer.save_model()
@@ -237,6 +243,7 @@ def main() -> None:
                 n for n, m in trainer.model.named_modules() if isinstance(m, torch.distributed.fsdp.FSDPModule)
             ],  # fmt: skip
             "log_history": trainer.state.log_history,
+            "first_eval": first_eval,
         }
         with open(opts.dump + ".json", "w") as f:
             json.dump(info, f, indent=1)
