@@ -219,3 +219,74 @@ def resolve_fsdp(
     if sharding == "hybrid_shard":
         return FsdpResolution("hybrid_shard", True, config, factor, world_size // factor, changes, warnings)
     return FsdpResolution(sharding, True, config, world_size, 1, changes, warnings)
+
+
+# --- accelerate config files (``accelerate launch --config_file``) -------------------------------------------------
+
+#: accelerate's names for what ``fsdp_config`` of ``TrainingArguments`` calls otherwise
+ACCELERATE_RENAMES = {"offload_params": "cpu_offload"}
+#: accelerate keys with no ``TrainingArguments`` counterpart (passed to accelerate's plugin, not checked further)
+ACCELERATE_ONLY = frozenset({"sharding_strategy", "activation_checkpointing_offload", "ignored_modules"})
+
+
+def accelerate_fsdp_keys() -> frozenset[str]:
+    """The ``fsdp_config`` keys ``accelerate launch`` turns into settings (its own ``--fsdp_*`` options, prefix
+    dropped); any other key in a config file is ignored by accelerate without a word."""
+    from accelerate.commands.launch import launch_command_parser
+
+    return frozenset(a.dest[5:] for a in launch_command_parser()._actions if a.dest.startswith("fsdp_"))
+
+
+def _accelerate_key(key: str) -> str:
+    """A problem's key as the config file spells it (``fsdp_config.version`` -> ``fsdp_config.fsdp_version``)."""
+    if not key.startswith("fsdp_config."):
+        return key
+    name = key.split(".", 1)[1]
+    return "fsdp_config.fsdp_" + {v: k for k, v in ACCELERATE_RENAMES.items()}.get(name, name)
+
+
+def resolve_accelerate_config(path: str | Path, *, has_accelerator: bool = False) -> tuple[FsdpResolution, int]:
+    """Check the FSDP section of an accelerate config file as :func:`resolve_fsdp` checks ``TrainingArguments``:
+    unknown keys (which accelerate ignores), FSDP1 where it cannot run (accelerate's default version when the file
+    names none), FSDP1-only keys under FSDP2, and everything :func:`resolve_fsdp` checks. Returns the resolution and
+    the number of ranks; raises :class:`FsdpConfigError` with every problem, keys spelled as in the file."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    try:
+        config = load_config_from_file(str(path))
+    except (FileNotFoundError, TypeError, ValueError) as err:  # a missing file, or keys accelerate does not take
+        raise FsdpConfigError([Problem("config_file", str(err).rstrip("."), "pass an accelerate config file (accelerate config)")],
+                              str(path)) from err  # fmt: skip
+    problems: list[Problem] = []
+    if str(config.distributed_type).split(".")[-1] != "FSDP":
+        problems.append(
+            Problem("distributed_type", f"{config.distributed_type} is not FSDP", "set distributed_type: FSDP")
+        )
+    known = accelerate_fsdp_keys()
+    raw = {(k[5:] if k.startswith("fsdp_") else k): v for k, v in (config.fsdp_config or {}).items()}
+    for key in sorted(set(raw) - known):
+        close = difflib.get_close_matches(key, sorted(known), n=1)
+        fix = f"did you mean 'fsdp_{close[0]}'?" if close else "remove it"
+        problems.append(Problem(f"fsdp_config.fsdp_{key}", "unknown key: accelerate launch ignores it", fix))
+    version = raw.get("version", 1)  # accelerate launch's own default
+    if str(version) == "2" and "sharding_strategy" in raw:
+        problems.append(Problem("fsdp_config.fsdp_sharding_strategy", "an FSDP1 setting, which FSDP2 ignores",
+                                "use fsdp_reshard_after_forward: true (full shard) or false (shard_grad_op)"))  # fmt: skip
+    reshard = str(raw.get("reshard_after_forward", True)).lower() == "true"
+    settings = {ACCELERATE_RENAMES.get(k, k): v for k, v in raw.items() if k in known and k not in ACCELERATE_ONLY}
+    settings["version"] = version
+    world_size = int(config.num_processes or 1)
+    per_node = max(1, world_size // max(1, int(config.num_machines or 1)))
+    resolution = None
+    try:
+        resolution = resolve_fsdp("full_shard" if reshard else "shard_grad_op", settings, world_size=world_size,
+                                  local_world_size=per_node, has_accelerator=has_accelerator)  # fmt: skip
+    except FsdpConfigError as err:
+        for problem in err.problems:
+            if problem == FSDP1_ON_CPU:  # removing the key would not help here: accelerate launch defaults to 1
+                fix = "set fsdp_version: 2 (accelerate launch runs FSDP1 when the file names no version)"
+                problem = Problem(problem.key, problem.message, fix)
+            problems.append(Problem(_accelerate_key(problem.key), problem.message, problem.fix))
+    if problems:
+        raise FsdpConfigError(problems, str(path))
+    return resolution, world_size

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import launch_env
+from ..conftest import ROOT, launch_env
 
 pytestmark = pytest.mark.slow
 BROKEN = {
@@ -69,3 +69,14 @@ def test_fsdp_doctor_one_line_per_problem_then_the_fix_resolves(tmp_path):
     assert fixed.stdout.splitlines()[0] == (
         "ok: hybrid_shard on 4 ranks runs FSDP2: each parameter split over 2 rank(s), 2 replica(s) of each shard"
     )
+    # an accelerate launch config file: accelerate itself would run it with the typo ignored
+    yaml_file = tmp_path / "fsdp.yaml"
+    yaml_file.write_text((ROOT / "recipes" / "accelerate" / "fsdp.yaml").read_text().replace(
+        "fsdp_state_dict_type", "fsdp_state_dict_typ"))  # fmt: skip
+    broken = doctor("--accelerate_config", str(yaml_file))
+    assert broken.returncode == 1 and broken.stdout.splitlines() == [
+        "error: fsdp_config.fsdp_state_dict_typ: unknown key: accelerate launch ignores it. "
+        "Fix: did you mean 'fsdp_state_dict_type'?"
+    ]
+    recipe = doctor("--accelerate_config", str(ROOT / "recipes" / "accelerate" / "fsdp.yaml"))
+    assert recipe.returncode == 0 and recipe.stdout.startswith("ok: full_shard on 2 ranks runs FSDP2")

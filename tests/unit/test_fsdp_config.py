@@ -7,6 +7,8 @@ import pytest
 from hf_ext.deepspeed.errors import FsdpConfigError
 from hf_ext.fsdp.config import resolve_fsdp
 
+from ..conftest import ROOT
+
 
 def problems(**kwargs) -> list[str]:
     with pytest.raises(FsdpConfigError) as err:
@@ -95,3 +97,55 @@ def test_training_arguments_resolve_and_refuse(tmp_path):
         hf_ext.TrainingArguments(output_dir=str(tmp_path), fsdp="full_shard", fsdp_config={"min_num_param": 1})
     ddp = hf_ext.TrainingArguments(output_dir=str(tmp_path), fsdp="no_shard", report_to=[])
     assert not ddp.fsdp and ddp.fsdp_plugin_args is None
+
+
+# --- accelerate config files: what accelerate launch would ignore or refuse -----------------------------------------
+
+
+def accelerate_file(tmp_path, **fsdp_config) -> str:
+    import yaml
+
+    path = tmp_path / "fsdp.yaml"
+    config = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP", "machine_rank": 0,
+              "num_machines": 1, "num_processes": 2, "fsdp_config": fsdp_config}  # fmt: skip
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def accelerate_problems(path) -> list[str]:
+    from hf_ext.fsdp.config import resolve_accelerate_config
+
+    with pytest.raises(FsdpConfigError) as err:
+        resolve_accelerate_config(path)
+    return [str(p) for p in err.value.problems]
+
+
+def test_the_recipe_accelerate_file_passes():
+    from hf_ext.fsdp.config import resolve_accelerate_config
+
+    resolution, world_size = resolve_accelerate_config(ROOT / "recipes" / "accelerate" / "fsdp.yaml")
+    assert (resolution.sharding, resolution.sharding_factor, world_size) == ("full_shard", 2, 2)
+
+
+def test_accelerate_file_typo_and_missing_version_and_the_fixes_work(tmp_path):
+    from hf_ext.fsdp.config import resolve_accelerate_config
+
+    # accelerate launch takes this file without a word: the typo is ignored and FSDP1 (its default) is asked for
+    found = accelerate_problems(accelerate_file(tmp_path, fsdp_reshard_after_forwrd=False))
+    assert found == [
+        "fsdp_config.fsdp_reshard_after_forwrd: unknown key: accelerate launch ignores it. "
+        "Fix: did you mean 'fsdp_reshard_after_forward'?",
+        "fsdp_config.fsdp_version: FSDP1 does not run on CPU-only ranks (and is deprecated). "
+        "Fix: set fsdp_version: 2 (accelerate launch runs FSDP1 when the file names no version)",
+    ]
+    fixed = accelerate_file(tmp_path, fsdp_reshard_after_forward=False, fsdp_version=2)
+    resolution, _ = resolve_accelerate_config(fixed)
+    assert resolution.sharding == "shard_grad_op" and resolution.fsdp_config["reshard_after_forward"] is False
+
+
+def test_accelerate_file_fsdp1_key_under_fsdp2(tmp_path):
+    found = accelerate_problems(accelerate_file(tmp_path, fsdp_version=2, fsdp_sharding_strategy="FULL_SHARD"))
+    assert found == [
+        "fsdp_config.fsdp_sharding_strategy: an FSDP1 setting, which FSDP2 ignores. Fix: use "
+        "fsdp_reshard_after_forward: true (full shard) or false (shard_grad_op)"
+    ]
