@@ -163,7 +163,8 @@ def save_checkpoint_atomically(trainer, model, trial=None) -> str:
 
     trainer.accelerator.wait_for_everyone()  # every rank has written its part
     if args.should_save:
-        write_marker(tmp, global_step=state.global_step, world_size=args.world_size)
+        write_marker(tmp, global_step=state.global_step, world_size=args.world_size,
+                     micro_batch=args.per_device_train_batch_size, accumulation=args.gradient_accumulation_steps)  # fmt: skip
         replace_dir(tmp, final)
     trainer.accelerator.wait_for_everyone()  # nobody reads the old name again
     if args.push_to_hub:

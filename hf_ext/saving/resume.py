@@ -13,6 +13,8 @@ optimizer state whole, and ``load_universal`` re-partitions it for the ranks tha
 * loads the converted checkpoint into the engine transformers started, and says all of it in one log line.
 
 hf-ext's PEFT checkpoints hold the trainable state by parameter name (:mod:`hf_ext.peft`) and need none of this.
+FSDP checkpoints (``SHARDED_STATE_DICT``) are resharded by torch.distributed.checkpoint as they load; there only the
+global batch is kept, from the world size and batch hf-ext's checkpoint marker records.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from pathlib import Path
 from ..deepspeed.resolve import split_batch
 from ..peft import is_trainable_state_checkpoint
 from ..sizes import MiB, dir_bytes
-from .checkpoints import TMP_PREFIX, UNIVERSAL_SUFFIX, replace_dir
+from .checkpoints import CHECKPOINT_MARKER, TMP_PREFIX, UNIVERSAL_SUFFIX, replace_dir
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +43,11 @@ LATEST_UNIVERSAL = "latest_universal"  # the tag file DeepSpeed's load_universal
 
 @dataclass(frozen=True)
 class ZeroCheckpoint:
-    """What a DeepSpeed checkpoint directory says about the run that wrote it."""
+    """What a checkpoint directory says about the run that wrote it: DeepSpeed's partitioned state, or (FSDP) the
+    marker hf-ext writes into every complete checkpoint."""
 
     path: Path  # checkpoint-N
-    tag: str  # global_stepN
+    tag: str  # global_stepN (DeepSpeed), "" (FSDP)
     world_size: int  # data-parallel ranks that wrote the partitioned state
     train_batch_size: int | None
     micro_batch: int | None
@@ -191,13 +194,43 @@ def _set_accumulation(trainer, accumulation: int, total: int) -> None:
     args.gradient_accumulation_steps = accumulation
 
 
+def read_marked_checkpoint(path: str | Path) -> ZeroCheckpoint | None:
+    """The world size and batch a complete hf-ext checkpoint was written with (its marker), or ``None`` for a
+    checkpoint without them (another writer, or an older hf-ext)."""
+    try:
+        info = json.loads((Path(path) / CHECKPOINT_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    world, micro, accum = (info.get(k) for k in ("world_size", "micro_batch", "accumulation"))
+    if not all(isinstance(v, int) for v in (world, micro, accum)):
+        return None
+    return ZeroCheckpoint(Path(path), "", world, world * micro * accum, micro, accum)
+
+
+def prepare_fsdp_resume(trainer, checkpoint) -> None:
+    """An FSDP checkpoint on another number of ranks: torch.distributed.checkpoint reshards the model and optimizer
+    state as it loads them (accelerate's loaders use it), so only the global batch is kept here."""
+    found = read_marked_checkpoint(checkpoint)
+    args = trainer.args
+    if found is None or found.world_size == args.world_size:
+        return
+    batch = keep_global_batch(trainer, found)
+    if args.should_save:
+        logger.info(f"Resuming {found.path.name} (written on {found.world_size} ranks) on {args.world_size}: the FSDP "
+                    f"shards are resharded as they load; {batch}.")  # fmt: skip
+
+
 def prepare_resume(trainer, checkpoint) -> Path | None:
     """Before ``train`` starts the engine: when ``checkpoint`` was written on another number of ranks, keep the global
     batch, convert it (once, on the process that saves) and return the converted directory; else ``None``.
 
     Call on every rank: the others wait for the conversion.
     """
-    if not getattr(trainer, "is_deepspeed_enabled", False) or checkpoint is None or isinstance(checkpoint, bool):
+    if checkpoint is None or isinstance(checkpoint, bool):
+        return None
+    if getattr(trainer, "is_fsdp_enabled", False) and not is_trainable_state_checkpoint(checkpoint):
+        return prepare_fsdp_resume(trainer, checkpoint)
+    if not getattr(trainer, "is_deepspeed_enabled", False):
         return None
     if is_trainable_state_checkpoint(checkpoint):
         return None
