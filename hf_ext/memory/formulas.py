@@ -229,7 +229,7 @@ class ModelFacts:
     hidden_size: int | None
     persistent_params: int  # elements in parameters below ZeRO-3's persistence threshold (10 x hidden)
     largest_param: int
-    checkpoint_bytes: int = 0  # bytes of the weight files (read, memory-mapped, by from_pretrained)
+    checkpoint_bytes: int = 0  # bytes of the weight files from_pretrained maps (0: trained from scratch)
     largest_block: int = 0  # parameters of the largest repeated layer (FSDP's wrapping unit); 0: unknown
     block_params: int = 0  # parameters inside all those blocks (the rest is FSDP's root group)
 
@@ -329,9 +329,28 @@ def step_transient_bytes(
     partition = math.ceil(facts.trainable / n)
     if candidate.stage == 3:  # ZeRO-3 steps the optimizer one sub-group of the partition at a time
         return 2 * FP32 * largest_sub_group(facts, n, sub_group_size)
-    # ZeRO-1/2: the flattened fp32 gradient of the partition, plus torch Adam's sqrt(v) and its quotient on CPU
-    # (measured 3 x 4 bytes x partition at the 400M shape); fused optimizers on accelerators keep one temporary
-    return (3 if device == "cpu" else 2) * FP32 * partition
+    # ZeRO-1/2: torch AdamW's sqrt(v) of the one flat partition on CPU (measured 1 x 4 bytes x partition at the
+    # DeBERTa-v3-large shape trained from scratch; with from_pretrained the file's pages come on top, see
+    # checkpoint_pages_bytes); on accelerators also the flattened gradient beside it
+    return (1 if device == "cpu" else 2) * FP32 * partition
+
+
+def checkpoint_pages_bytes(candidate: Candidate, facts: ModelFacts, world_size: int, device: str = "cpu") -> int:
+    """Pages of the weight files that stay in the process's resident set on a CPU host.
+
+    ``from_pretrained`` memory-maps the safetensors files and the parameters start as views of them. DeepSpeed
+    ZeRO-1/2 copies every parameter into its flat buffer (reading all pages), FSDP2 copies each rank's shard of every
+    parameter (1/N of the pages), and the mapping stays: measured at the BlenderBot-400M shape as 1.45 GiB of
+    file-backed RSS beside the 1.36 GiB flat copy (``RssFile`` after the copy). Those pages are clean page cache the
+    kernel takes back under pressure: they count in the resident set at the optimizer step's peak (small
+    micro-batches: the 400M shape's ZeRO-1/2 rows), not beside large activations (its micro-batches 12-18, measured
+    at the states plus the activations), so the plan puts them beside the step's temporaries. DDP trains on the
+    mapped pages themselves (its parameters); ZeRO-3 partitions while loading."""
+    if device != "cpu" or not facts.checkpoint_bytes or candidate.ddp or candidate.offload_param:
+        return 0
+    if candidate.fsdp:
+        return math.ceil(facts.checkpoint_bytes / max(1, world_size))
+    return facts.checkpoint_bytes if candidate.stage in (1, 2) else 0
 
 
 @dataclass
@@ -354,6 +373,7 @@ class Plan:
     baseline: int = 0  # the process's own memory before the model exists (RSS on CPU, a reserve on GPUs)
     notes: list[str] = field(default_factory=list)
     accumulation_steps: int = 1
+    checkpoint_pages: int = 0  # see checkpoint_pages_bytes: resident beside the step's temporaries
 
     @property
     def device_bytes(self) -> int:
@@ -361,7 +381,7 @@ class Plan:
         if self.candidate.ddp and self.accumulation_steps == 1:
             # the Trainer frees the gradients (set_to_none) before each forward, so the activations grow into the
             # room the gradients take in backward: measured flat up to activations ≈ gradients (400M shape, CPU)
-            rest = max(self.activations, self.states.grads + self.step_transient)
+            rest = max(self.activations, self.states.grads + self.step_transient + self.checkpoint_pages)
             return self.states.params + self.states.optimizer + buffers + rest
         if self.candidate.ddp or self.candidate.stage in (1, 2, 3):
             # DDP with gradient accumulation (the next forward runs beside the gradients); ZeRO-1/2 reduce into
@@ -369,10 +389,10 @@ class Plan:
             # are freed (400M shape, CPU: peak flat up to activations ≈ the step's temporaries, then growing with them);
             # ZeRO-3 steps its sub-groups after backward's epilogue (GPT-2 124M, CPU: the step's peak 147 MiB above
             # the states, the backward peak 492 MiB above them and free of it, with and without offload)
-            return self.states.device + buffers + max(self.activations, self.step_transient)
+            return self.states.device + buffers + max(self.activations, self.step_transient + self.checkpoint_pages)
         # ZeRO-0: DeepSpeed's flattened gradients were measured on top of the activation peak (its hooks reduce
         # while backward still runs)
-        return self.states.device + buffers + self.activations + self.step_transient
+        return self.states.device + buffers + self.activations + self.step_transient + self.checkpoint_pages
 
     @property
     def total_bytes(self) -> int:
@@ -418,6 +438,8 @@ class Plan:
             "activations": self.activations,
             "step_transient": self.step_transient,
         }
+        if self.checkpoint_pages:
+            parts["checkpoint_pages"] = self.checkpoint_pages
         parts.update({f"buffer:{k}": v for k, v in self.buffers.items()})
         if self.states.host:
             parts.update(
@@ -511,6 +533,7 @@ def plan(
         baseline=baseline,
         notes=notes,
         accumulation_steps=max(1, int(accumulation_steps)),
+        checkpoint_pages=checkpoint_pages_bytes(candidate, facts, world_size, device),
     )
 
 

@@ -30,6 +30,16 @@ def model_facts(model, checkpoint_bytes: int = 0) -> ModelFacts:
     )
 
 
+def weight_file_bytes(model) -> int:
+    """Bytes of the safetensors weight files in ``model`` when it is a local directory (0 otherwise: a config, a hub
+    id, or a directory holding only a config, trained from scratch)."""
+    from pathlib import Path
+
+    if not isinstance(model, (str, Path)) or not Path(model).is_dir():
+        return 0
+    return sum(f.stat().st_size for f in Path(model).glob("*.safetensors"))
+
+
 def probe_inputs(model, batch: int, seq_len: int) -> dict:
     """Random inputs of ``batch`` x ``seq_len`` tokens that make any HF LM / seq2seq / classifier compute a loss."""
     import torch
@@ -174,7 +184,7 @@ def measure(model, seq_len: int, checkpointing: bool) -> dict:
         return {"facts": facts.__dict__, "seq_len": seq_len, "checkpointing": checkpointing, "points": profile.points}
     config = model if isinstance(model, PretrainedConfig) else AutoConfig.from_pretrained(str(model))
     with torch.device("meta"):
-        facts = model_facts(random_init_model(config))
+        facts = model_facts(random_init_model(config), weight_file_bytes(model))
     depth = depth_fields(config)
     shallow = depth is not None and _too_large_to_probe_whole(facts.num_params)
     shapes = [config]

@@ -4,6 +4,8 @@ gradients; DDP's bf16 is autocast, its states stay fp32."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from hf_ext.memory import formulas as planner
 from hf_ext.model_info import layer_classes, layer_sizes
 
@@ -70,12 +72,16 @@ def test_engine_for_a_micro_batch_is_the_least_sharded_that_fits():
     """README "Which engine?": DDP while the whole model, its gradients and Adam fit; then ZeRO-1, ZeRO-2, ZeRO-3,
     FSDP full shard; offloads last (and never on a CPU-only host, where they save nothing)."""
 
+    # fine-tuning from a checkpoint (fp32 safetensors, 4 bytes per parameter): on a CPU host ZeRO-1/2 keep the file's
+    # pages beside their copy, FSDP its shard's share of them (planner.checkpoint_pages_bytes)
+    facts = dataclasses.replace(FACTS, checkpoint_bytes=4 * PSI)
+
     def need(name: str, device: str = "cpu") -> int:
         candidate = next(c for c in planner.ENGINES if c.name == name)
-        return planner.plan(candidate, FACTS, PROFILE, 2, 1, device=device).total_bytes
+        return planner.plan(candidate, facts, PROFILE, 2, 1, device=device).total_bytes
 
     def engine(budget: int, device: str = "cpu") -> str | None:
-        chosen, _ = planner.choose(FACTS, PROFILE, 2, budget, 1, planner.ENGINES, device=device)
+        chosen, _ = planner.choose(facts, PROFILE, 2, budget, 1, planner.ENGINES, device=device)
         return chosen.candidate.name if chosen else None
 
     order = ["DDP", "ZeRO-2", "ZeRO-3", "FSDP full shard"]
@@ -91,3 +97,22 @@ def test_engine_for_a_micro_batch_is_the_least_sharded_that_fits():
     # on a GPU host, below what every unoffloaded row needs, an offload is the answer
     below = min(need(name, "cuda") for name in order) - 1
     assert engine(below, "cuda") in ("ZeRO-2 + offload optimizer", "ZeRO-3 + offload optimizer")
+
+
+def test_checkpoint_pages_count_where_the_engine_copies_the_mapped_weights():
+    """from_pretrained maps the weight files; ZeRO-1/2 copy every parameter out of them (all pages read), FSDP each
+    rank's shard (1/N), DDP trains on them in place, ZeRO-3 partitions while loading; a GPU's memory holds none."""
+    fine_tuned = dataclasses.replace(FACTS, checkpoint_bytes=4 * PSI)
+    pages = {c.name: planner.checkpoint_pages_bytes(c, fine_tuned, 2) for c in planner.ENGINES}
+    assert pages["ZeRO-1"] == pages["ZeRO-2"] == 4 * PSI and pages["FSDP full shard"] == 2 * PSI
+    assert pages["DDP"] == pages["ZeRO-3"] == 0
+    assert planner.checkpoint_pages_bytes(planner.Candidate(2), fine_tuned, 2, device="cuda") == 0
+    assert planner.checkpoint_pages_bytes(planner.Candidate(2), FACTS, 2) == 0  # from scratch: no file
+    zero2 = planner.plan(planner.Candidate(2), fine_tuned, PROFILE, 2, 1)
+    assert zero2.checkpoint_pages == zero2.components()["checkpoint_pages"] == 4 * PSI
+    # beside the step's temporaries (the activations are small here)...
+    assert zero2.total_bytes - planner.plan(planner.Candidate(2), FACTS, PROFILE, 2, 1).total_bytes == 4 * PSI
+    # ...not beside activations larger than both: the kernel takes clean pages back when memory is pressed
+    big = planner.ActivationProfile(128, False, [(1, 10 * PSI), (2, 20 * PSI)])
+    assert planner.plan(planner.Candidate(2), fine_tuned, big, 2, 1).total_bytes == planner.plan(
+        planner.Candidate(2), FACTS, big, 2, 1).total_bytes  # fmt: skip
