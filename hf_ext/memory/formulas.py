@@ -340,8 +340,8 @@ def checkpoint_pages_bytes(candidate: Candidate, facts: ModelFacts, world_size: 
 
     ``from_pretrained`` memory-maps the safetensors files and the parameters start as views of them. DeepSpeed
     ZeRO-1/2 copies every parameter into its flat buffer (reading all pages), FSDP2 copies each rank's shard of every
-    parameter (1/N of the pages), and the mapping stays: measured at the BlenderBot-400M shape as 1.45 GiB of
-    file-backed RSS beside the 1.36 GiB flat copy (``RssFile`` after the copy). Those pages are clean page cache the
+    parameter (1/N of the pages), and the mapping stays (``benchmarks.bench_mapped_pages``: the whole file's pages stay
+    resident beside the copy; docs/benchmarks.md, "Engines × precision"). Those pages are clean page cache the
     kernel takes back under pressure: they count in the resident set at the optimizer step's peak (small
     micro-batches: the 400M shape's ZeRO-1/2 rows), not beside large activations (its micro-batches 12-18, measured
     at the states plus the activations), so the plan puts them beside the step's temporaries. DDP trains on the

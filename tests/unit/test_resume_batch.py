@@ -69,3 +69,28 @@ def test_an_accumulation_fixed_by_the_config_is_named_with_its_fix(tmp_path):
     fixed = trainer_with(tmp_path, micro=2, accum=1)  # the fix: "auto"
     keep_global_batch(fixed, checkpoint)
     assert fixed.args.hf_deepspeed_config.config["gradient_accumulation_steps"] == 2
+
+
+# --- FSDP: the checkpoint marker records the batch (torch.distributed.checkpoint reshards the state itself) ----------
+
+
+def test_fsdp_checkpoint_marker_keeps_the_global_batch_or_refuses(tmp_path):
+    from hf_ext.saving import checkpoints
+    from hf_ext.saving.resume import prepare_fsdp_resume, read_marked_checkpoint
+
+    checkpoint = tmp_path / "checkpoint-4"
+    checkpoint.mkdir()
+    checkpoints.write_marker(checkpoint, global_step=4, world_size=2, micro_batch=2, accumulation=1)
+    assert read_marked_checkpoint(checkpoint).batch_arithmetic() == "2 ranks x micro-batch 2 x accumulation 1 = 4"
+
+    def fsdp_trainer(micro: int):
+        args = hf_ext.TrainingArguments(str(tmp_path / "out"), per_device_train_batch_size=micro, report_to=[])
+        return SimpleNamespace(args=args, accelerator=SimpleNamespace(state=None))
+
+    trainer = fsdp_trainer(micro=2)  # the 2-rank command line, now on this process's 1 rank
+    prepare_fsdp_resume(trainer, checkpoint)
+    assert trainer.args.gradient_accumulation_steps == 2  # 1 x 2 x 2 = 4
+    with pytest.raises(ValueError, match=r"Fix: pass --per_device_train_batch_size 2 --gradient_accumulation_steps 2"):
+        prepare_fsdp_resume(fsdp_trainer(micro=3), checkpoint)
+    (checkpoint / checkpoints.CHECKPOINT_MARKER).write_text('{"complete": true, "global_step": 4}')  # older marker
+    assert read_marked_checkpoint(checkpoint) is None
