@@ -63,6 +63,7 @@ def search(name: str, ckpt: bool, start: int, budget: int, model: Path, opts, wo
                 args = ["--model", str(model), "--config", name, "--path", "hf-ext", "--batch", str(batch)]
                 args += ["--seq_len", str(opts.seq_len), "--steps", str(opts.steps), *RELEASE]
                 args += ["--activation_checkpointing"] * ckpt + ["--bf16"] * opts.bf16
+                args += ["--from_config"] * (not harness.has_weights(model))  # a config-only model (CLASSIFIERS)
                 launcher = "torchrun" if name in ("ddp", "fsdp") else "deepspeed"
                 result = harness.launch_worker(args, out, launcher=launcher)
             run = {"batch": batch, "seconds": round(time.time() - started, 1)}
@@ -127,7 +128,7 @@ def markdown(result: dict) -> str:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", default="400m", help="chat_e.models size to build when --model is not given")
+    parser.add_argument("--size", default="400m", help=harness.SIZE_HELP)
     parser.add_argument("--model", default=None, help="model directory (default: runs/models/<size>)")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--checkpointing", nargs="+", default=["off", "on"], choices=["off", "on"])

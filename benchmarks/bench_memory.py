@@ -195,8 +195,7 @@ def replan(model: Path, opts) -> dict:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", default="400m",
-                        help="model to build when --model is not given: a chat_e.models size or a harness.CLASSIFIERS name")  # fmt: skip
+    parser.add_argument("--size", default="400m", help=harness.SIZE_HELP)
     parser.add_argument("--model", default=None, help="model directory (default: runs/models/<size>)")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--paths", nargs="+", default=["stock", "hf-ext"], choices=["stock", "hf-ext"])

@@ -182,6 +182,9 @@ CLASSIFIERS = {
 }  # fmt: skip
 
 
+SIZE_HELP = "model to build when --model is not given: a chat_e.models size or a harness.CLASSIFIERS name"
+
+
 def ensure_model(size: str, model_dir: str | Path | None = None) -> Path:
     """``model_dir`` (default ``runs/models/<size>``), built if it holds no model: a :data:`CLASSIFIERS` name writes
     that DeBERTa sequence classifier's config only (train it ``--from_config``); any other ``size`` is a
