@@ -266,12 +266,13 @@ def buffer_bytes(candidate: Candidate, facts: ModelFacts, world_size: int, preci
     if candidate.fsdp:
         # FSDP2 all-gathers one block at a time in the compute dtype (plus the next one, prefetched), and the root
         # group (embeddings, final norm, LM head: what no block holds) for the whole forward and backward; a block's
-        # gradients exist whole, in fp32, until they are reduce-scattered. Each collective stages its group once more
-        # in a flat buffer (the all-gather's output before it is copied out, the reduce-scatter's input).
+        # gradients exist whole until they are reduce-scattered, in the compute dtype too (accelerate's mixed
+        # precision policy reduces in its param dtype). Each collective stages its group once more in a flat buffer
+        # (the all-gather's output before it is copied out, the reduce-scatter's input).
         block = facts.largest_block or facts.largest_param
         root = facts.num_params - facts.block_params if facts.block_params else facts.largest_param
         out["gathered_blocks"] = p * (root + 3 * block)
-        out["unsharded_gradients"] = FP32 * (root + 2 * block)
+        out["unsharded_gradients"] = p * (root + 2 * block)
         return out
     s = zero_settings(zero, facts.hidden_size)
     if candidate.stage >= 1 and precision == "fp32":
