@@ -15,7 +15,8 @@ What is touched, and why no public hook does it:
 * ``DeepSpeedEngine._config.load_universal_checkpoint`` (set around that one load, same module): the switch DeepSpeed's
   ``load_checkpoint`` reads; the engine was started without it so that its own config stays the user's.
 * ``Accelerator._models`` (``hf_ext.evaluation.zero_eval``): the models accelerate prepared, restored after an
-  engine-free evaluation on ZeRO-1/2.
+  engine-free evaluation on ZeRO-1/2; and (``hf_ext.fsdp.engine.shard_for_evaluation``) the FSDP2 model sharded
+  before an evaluation, recorded there so that stock ``evaluation_loop`` does not prepare it alone.
 * ``AcceleratorState.distributed_type`` / ``PartialState._shared_state`` (``hf_ext.fsdp.engine``): set to FSDP on CPU
   ranks, where accelerate drops its FSDP plugin; accelerate writes the same shared-state key itself at the end of
   ``AcceleratorState.__init__``. ``ParallelismConfig._validate_accelerator``: the check accelerate runs on a device
@@ -80,7 +81,13 @@ def test_deepspeed_resume_patch_point():
 
 def test_accelerator_keeps_its_prepared_models_in_a_list():
     assert "self._models = []" in inspect.getsource(Accelerator.__init__), (
-        "accelerate changed Accelerator._models: re-read hf_ext/evaluation/zero_eval.py"
+        "accelerate changed Accelerator._models: re-read hf_ext/evaluation/zero_eval.py and hf_ext/fsdp/engine.py"
+    )
+    from transformers import Trainer
+
+    assert "len(self.accelerator._models) == 0" in inspect.getsource(Trainer.evaluation_loop), (
+        "transformers changed when evaluation_loop prepares the model: re-read hf_ext/fsdp/engine.py "
+        "shard_for_evaluation"
     )
 
 
