@@ -49,7 +49,10 @@ def search(name: str, ckpt: bool, start: int, budget: int, model: Path, opts, wo
     fit, nofit, runs = 0, None, []
     batch = max(1, start)
     while len(runs) < opts.max_launches:
-        free = harness.available_memory()
+        free, waited = harness.available_memory(), time.time()
+        while free < need and time.time() - waited < 90:  # the last launch's memory may still be on its way back
+            time.sleep(5)
+            free = harness.available_memory()
         if free < need:
             runs.append({"batch": batch, "skipped": f"{free / GiB:.1f} GiB available, {need / GiB:.1f} needed"})
             nofit = batch if nofit is None else min(nofit, batch)
