@@ -180,7 +180,8 @@ def measure(model, seq_len: int, checkpointing: bool) -> dict:
     from transformers import AutoConfig, PretrainedConfig
 
     if hasattr(model, "parameters"):
-        facts, profile = model_facts(model), probe_activations(model, seq_len, (1, 2), checkpointing)
+        facts = model_facts(model, weight_file_bytes(getattr(model, "name_or_path", None)))  # from_pretrained's files
+        profile = probe_activations(model, seq_len, (1, 2), checkpointing)
         return {"facts": facts.__dict__, "seq_len": seq_len, "checkpointing": checkpointing, "points": profile.points}
     config = model if isinstance(model, PretrainedConfig) else AutoConfig.from_pretrained(str(model))
     with torch.device("meta"):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hf_ext.memory import formulas as planner
-from hf_ext.memory.probe import model_facts, probe_activations
+from hf_ext.memory.probe import model_facts, probe_activations, weight_file_bytes
 
 from ..conftest import ROOT, launcher_cmd, run
 
@@ -30,7 +30,7 @@ def _launch(tmp_path, model_dir, config: str, *extra: str) -> list[dict]:
 def _predicted(model_dir, zero: dict | None) -> planner.Plan:
     """The plan of the configuration a run used (``zero``: its ``zero_optimization`` section; None: DDP)."""
     model = _model(model_dir)
-    facts = model_facts(model)
+    facts = model_facts(model, weight_file_bytes(model_dir))  # the worker loads it from_pretrained: a mapped file
     profile = probe_activations(model, 32, (1, 2))
     if zero is None:
         return planner.plan(planner.Candidate(0, ddp=True), facts, profile, 2, 2)
