@@ -5,7 +5,8 @@
   ``PeftModel.save_pretrained``.
 * :func:`save_trainable_state` writes, per trainable parameter *name*, its fp32 value and its full (un-partitioned)
   optimizer state, plus the optimizer step and the scheduler state: a world-size-independent file whose size follows
-  the adapter, not the base model. DeepSpeed's own ``safe_get_full_*`` utilities read the partitioned state, ``DTensor.full_tensor`` FSDP2's.
+  the adapter, not the base model. DeepSpeed's own ``safe_get_full_*`` utilities read the partitioned state,
+  ``DTensor.full_tensor`` FSDP2's.
 * :func:`load_trainable_state` puts it back into a fresh trainer after its optimizer exists (any ZeRO stage, FSDP2,
   any world size, or no DeepSpeed).
 """
@@ -187,11 +188,8 @@ def _copy_full(target: torch.Tensor, value: torch.Tensor) -> None:
 
 
 def _set_param(param, value: torch.Tensor) -> None:
-    if is_dtensor(param):
-        return _copy_full(param.data, value)
-    with gathered([param], modifier_rank=0):
-        with torch.no_grad():
-            param.data.copy_(value.to(param.dtype).reshape(param.shape))
+    with gathered([param], modifier_rank=0):  # ZeRO-3: full-shaped inside, scattered back on exit
+        _copy_full(param.data, value)
     if _deepspeed_param(param):
         from deepspeed.utils import safe_set_full_fp32_param
 

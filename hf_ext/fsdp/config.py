@@ -242,7 +242,7 @@ def _accelerate_key(key: str) -> str:
     if not key.startswith("fsdp_config."):
         return key
     name = key.split(".", 1)[1]
-    return "fsdp_config.fsdp_" + {v: k for k, v in ACCELERATE_RENAMES.items()}.get(name, name)
+    return "fsdp_config.fsdp_" + next((k for k, v in ACCELERATE_RENAMES.items() if v == name), name)
 
 
 def resolve_accelerate_config(path: str | Path, *, has_accelerator: bool = False) -> tuple[FsdpResolution, int]:
@@ -277,7 +277,6 @@ def resolve_accelerate_config(path: str | Path, *, has_accelerator: bool = False
     settings["version"] = version
     world_size = int(config.num_processes or 1)
     per_node = max(1, world_size // max(1, int(config.num_machines or 1)))
-    resolution = None
     try:
         resolution = resolve_fsdp("full_shard" if reshard else "shard_grad_op", settings, world_size=world_size,
                                   local_world_size=per_node, has_accelerator=has_accelerator)  # fmt: skip

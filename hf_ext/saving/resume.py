@@ -226,13 +226,11 @@ def prepare_resume(trainer, checkpoint) -> Path | None:
 
     Call on every rank: the others wait for the conversion.
     """
-    if checkpoint is None or isinstance(checkpoint, bool):
-        return None
-    if getattr(trainer, "is_fsdp_enabled", False) and not is_trainable_state_checkpoint(checkpoint):
+    if checkpoint is None or isinstance(checkpoint, bool) or is_trainable_state_checkpoint(checkpoint):
+        return None  # PEFT checkpoints hold their state by name, for any world size
+    if getattr(trainer, "is_fsdp_enabled", False):
         return prepare_fsdp_resume(trainer, checkpoint)
     if not getattr(trainer, "is_deepspeed_enabled", False):
-        return None
-    if is_trainable_state_checkpoint(checkpoint):
         return None
     found = read_zero_checkpoint(checkpoint)
     args = trainer.args
