@@ -44,6 +44,18 @@ def predict(
     return batch, formulas.plan(candidate, facts, profile, 2, max(1, batch), budget=budget, **common)
 
 
+def plan_launches(name: str, model: Path, facts, profile, runs: list[dict], bf16: bool = False) -> None:
+    """Put the planner's peak (its plan at the launch's micro-batch above the launch's measured baseline) beside
+    each measured launch's peak, in place."""
+    from hf_ext.memory import formulas
+
+    candidate, zero, precision = planned_setup(name, model, bf16=bf16)
+    for run in runs:
+        if "peak_bytes" in run:
+            plan = formulas.plan(candidate, facts, profile, 2, run["batch"], precision=precision, zero=zero)
+            run["planned_peak_bytes"] = run["baseline_bytes"] + plan.total_bytes
+
+
 def search(name: str, ckpt: bool, start: int, budget: int, model: Path, opts, work: Path, need: int) -> dict:
     """Measure micro-batches around ``start`` until the largest fitting one is bracketed (see module docstring)."""
     fit, nofit, runs = 0, None, []
@@ -96,6 +108,13 @@ def search(name: str, ckpt: bool, start: int, budget: int, model: Path, opts, wo
     return {"measured_max": fit, "first_not_fitting": nofit, "runs": runs}
 
 
+def launch_cell(run: dict) -> str:
+    if "peak_bytes" not in run:
+        return f"{run['batch']}: {'skipped' if 'skipped' in run else 'failed (OOM-killed or error)'}"
+    planned = f" / {run['planned_peak_bytes'] / GiB:.2f}" if "planned_peak_bytes" in run else ""
+    return f"{run['batch']}: {run['peak_bytes'] / GiB:.2f}{planned}"
+
+
 def markdown(result: dict) -> str:
     o = result["settings"]
     precision = ", ".join(sorted({row["plan"]["precision"] for row in result["rows"]})) or "fp32"
@@ -107,7 +126,8 @@ def markdown(result: dict) -> str:
         "",
     ]
     header = ["config", "activation checkpointing", "planner max micro-batch", "measured max micro-batch",
-              "next tried (over budget)", "measured peak at max (GiB)", "vs DDP (measured)", "launches"]  # fmt: skip
+              "next tried (over budget)", "measured peak at max (GiB)", "vs DDP (measured)",
+              "launches: micro-batch, measured / planned peak GiB"]  # fmt: skip
     rows = []
     for row in result["rows"]:
         ddp = next(
@@ -123,7 +143,7 @@ def markdown(result: dict) -> str:
             str(row["first_not_fitting"] or "—"),
             f"{best['peak_bytes'] / GiB:.2f}" if best else "—",
             f"{ratio:.2f}" if ratio else "—",
-            str(len(row["runs"])),
+            "; ".join(launch_cell(run) for run in sorted(row["runs"], key=lambda run: run["batch"])) or "none",
         ])  # fmt: skip
     lines.append(harness.markdown_table(header, rows))
     return "\n".join(lines)
@@ -185,8 +205,10 @@ def main(argv=None) -> dict:
             facts, profile = inputs[row["checkpointing"]]
             predicted, plan = predict(row["config"], model, facts, profile, budget, BASELINE_GUESS, opts.bf16)
             row.update(predicted_max=predicted, plan=plan.to_dict())
+            plan_launches(row["config"], model, facts, profile, row["runs"], opts.bf16)
         old["replanned"] = result["date"]
         result = old
+        harness.write_json(opts.out, result)
         ckpts = ()
     for ckpt in ckpts:
         facts, profile = inputs[ckpt]
@@ -197,6 +219,7 @@ def main(argv=None) -> dict:
                 row.update(measured_max=None, first_not_fitting=None, runs=[])
             else:
                 row.update(search(name, ckpt, predicted, budget, model, opts, work, need))
+                plan_launches(name, model, facts, profile, row["runs"], opts.bf16)
             result["rows"].append(row)
             harness.write_json(opts.out, result)  # partial results survive
     harness.write_section(Path(opts.docs), opts.section, markdown(result))

@@ -5,9 +5,10 @@ Per-rank peak = **model states** + **DeepSpeed buffers** + **activations** (forw
 **optimizer-step transient**, plus a measured **runtime overhead** (trainer, engine, communication) on CPU. All in
 bytes. Activations are freed before the optimizer step, so for DDP and ZeRO-1/2/3 the larger of activations and step
 transient counts, not their sum; for DDP (without gradient accumulation) the Trainer also frees the gradients before
-each forward, so activations take turns with gradients + step transient. ZeRO-3's gathers and releases run inside
-forward and backward: the gathered parameters are a buffer, beside the activations. ZeRO-0 flattens the gradients
-while backward runs: there activations and step transient add up.
+each forward, so activations take turns with gradients + step transient, and ZeRO-2's gradient partition and
+ZeRO-1/2's fp32 copy of it exist only from backward's reductions to the step (:attr:`Plan.gradient_partition_turns`).
+ZeRO-3's gathers and releases run inside forward and backward: the gathered parameters are a buffer, beside the
+activations. ZeRO-0 flattens the gradients while backward runs: there activations and step transient add up.
 
 Model states, Adam, Ψ parameters (Ψ_t trainable), N ranks, partitions of ``ceil(Ψ/N)`` elements:
 
@@ -343,10 +344,9 @@ def checkpoint_pages_bytes(candidate: Candidate, facts: ModelFacts, world_size: 
     ZeRO-1/2 copies every parameter into its flat buffer (reading all pages), FSDP2 copies each rank's shard of every
     parameter (1/N of the pages), and the mapping stays (``benchmarks.bench_mapped_pages``: the whole file's pages stay
     resident beside the copy; docs/benchmarks.md, "Engines × precision"). Those pages are clean page cache the
-    kernel takes back under pressure: they count in the resident set at the optimizer step's peak (small
-    micro-batches: the 400M shape's ZeRO-1/2 rows), not beside large activations (its micro-batches 12-18, measured
-    at the states plus the activations), so the plan puts them beside the step's temporaries. DDP trains on the
-    mapped pages themselves (its parameters); ZeRO-3 partitions while loading."""
+    kernel could take back under memory pressure; without it they stay beside the activations too (the 400M shape's
+    ZeRO-2 micro-batches 12-18: the states, the pages and the activations). DDP trains on the mapped pages themselves
+    (its parameters); ZeRO-3 partitions while loading."""
     if device != "cpu" or not facts.checkpoint_bytes or candidate.ddp or candidate.offload_param:
         return 0
     if candidate.fsdp:
@@ -374,26 +374,46 @@ class Plan:
     baseline: int = 0  # the process's own memory before the model exists (RSS on CPU, a reserve on GPUs)
     notes: list[str] = field(default_factory=list)
     accumulation_steps: int = 1
-    checkpoint_pages: int = 0  # see checkpoint_pages_bytes: resident beside the step's temporaries
+    checkpoint_pages: int = 0  # see checkpoint_pages_bytes: resident throughout
 
     @property
     def device_bytes(self) -> int:
         buffers = sum(self.buffers.values())
+        # the weight file's pages stay mapped beside everything (no memory pressure in the measured runs)
+        pages = self.checkpoint_pages
         if self.candidate.ddp and self.accumulation_steps == 1:
             # the Trainer frees the gradients (set_to_none) before each forward, so the activations grow into the
             # room the gradients take in backward: measured flat up to activations ≈ gradients (400M shape, CPU)
-            rest = max(self.activations, self.states.grads + self.step_transient + self.checkpoint_pages)
-            return self.states.params + self.states.optimizer + buffers + rest
-        if self.candidate.ddp or self.candidate.stage in (1, 2, 3):
-            # DDP with gradient accumulation (the next forward runs beside the gradients); ZeRO-1/2 reduce into
-            # their gradient partition during backward and flatten it for the optimizer only after the activations
-            # are freed (400M shape, CPU: peak flat up to activations ≈ the step's temporaries, then growing with them);
-            # ZeRO-3 steps its sub-groups after backward's epilogue (GPT-2 124M, CPU: the step's peak 147 MiB above
-            # the states, the backward peak 492 MiB above them and free of it, with and without offload)
-            return self.states.device + buffers + max(self.activations, self.step_transient + self.checkpoint_pages)
+            rest = max(self.activations, self.states.grads + self.step_transient)
+            return self.states.params + self.states.optimizer + buffers + pages + rest
+        if self.candidate.ddp or self.candidate.stage == 3 or self.candidate.fsdp:
+            # DDP with gradient accumulation (the next forward runs beside the gradients); ZeRO-3 steps its
+            # sub-groups after backward's epilogue (GPT-2 124M, CPU: the step's peak 147 MiB above the states, the
+            # backward peak 492 MiB above them and free of it, with and without offload); FSDP2 likewise
+            return self.states.device + buffers + pages + max(self.activations, self.step_transient)
+        if self.candidate.stage in (1, 2):
+            turns = self.gradient_partition_turns
+            return self.states.device + buffers + pages - turns + max(self.activations, turns + self.step_transient)
         # ZeRO-0: DeepSpeed's flattened gradients were measured on top of the activation peak (its hooks reduce
         # while backward still runs)
-        return self.states.device + buffers + self.activations + self.step_transient + self.checkpoint_pages
+        return self.states.device + buffers + pages + self.activations + self.step_transient
+
+    @property
+    def gradient_partition_turns(self) -> int:
+        """ZeRO-1/2's gradient memory that takes turns with the activations instead of adding to them.
+
+        ZeRO-2 reduces into its gradient partition (``grads_in_partition``) during backward, flattens it at
+        backward's epilogue and releases it after the step (``_release_ipg_buffers``); the optimizer's fp32 copy of
+        the flat partition exists in the step only (``stage_1_and_2.py``). Measured at the DeBERTa-v3-large shape
+        (2 CPU ranks, fp32, micro-batches 5 and 8 x 128 tokens): the peak is the states plus the activations,
+        without the partition or its copy; at small micro-batches the states plus those and the step's temporary.
+        With gradient accumulation the partition stays between micro-batches (beside the next forward)."""
+        if self.candidate.ddp or self.candidate.fsdp or self.candidate.stage not in (1, 2):
+            return 0
+        turns = self.buffers.get("fp32_gradient_partition_copy", 0)
+        if self.candidate.stage == 2 and self.accumulation_steps == 1:
+            turns += self.states.grads
+        return turns
 
     @property
     def total_bytes(self) -> int:
