@@ -70,17 +70,13 @@ def search(name: str, ckpt: bool, start: int, budget: int, model: Path, opts, wo
             nofit = batch if nofit is None else min(nofit, batch)
         else:
             out = Path(f"{work}_{name}{'_bf16' * opts.bf16}_ckpt{int(ckpt)}_b{batch}")
-            done = [Path(f"{out}.rank{r}.json") for r in (0, 1)]
             started = time.time()
-            if opts.reuse and all(p.exists() for p in done):  # a launch of an earlier, interrupted run
-                result = [json.loads(p.read_text()) for p in done]
-            else:
-                args = ["--model", str(model), "--config", name, "--path", "hf-ext", "--batch", str(batch)]
-                args += ["--seq_len", str(opts.seq_len), "--steps", str(opts.steps), *RELEASE]
-                args += ["--activation_checkpointing"] * ckpt + ["--bf16"] * opts.bf16
-                args += ["--from_config"] * (not harness.has_weights(model))  # a config-only model (CLASSIFIERS)
-                launcher = "torchrun" if name in ("ddp", "fsdp") else "deepspeed"
-                result = harness.launch_worker(args, out, launcher=launcher)
+            args = ["--model", str(model), "--config", name, "--path", "hf-ext", "--batch", str(batch)]
+            args += ["--seq_len", str(opts.seq_len), "--steps", str(opts.steps), *RELEASE]
+            args += ["--activation_checkpointing"] * ckpt + ["--bf16"] * opts.bf16
+            args += ["--from_config"] * (not harness.has_weights(model))  # a config-only model (CLASSIFIERS)
+            launcher = "torchrun" if name in ("ddp", "fsdp") else "deepspeed"
+            result = harness.launch_worker(args, out, launcher=launcher, reuse=opts.reuse)
             run = {"batch": batch, "seconds": round(time.time() - started, 1)}
             if isinstance(result, str):
                 run.update(error=result, fits=False)

@@ -212,6 +212,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--png", default="docs/memory.png")
     parser.add_argument("--replan", action="store_true",
                         help="only redo the planner's column of an existing --out (the measured rows stay)")  # fmt: skip
+    parser.add_argument("--reuse", action="store_true",
+                        help="read back the launches an earlier run of the same command left beside --out")  # fmt: skip
     opts = parser.parse_args(argv)
 
     model = harness.ensure_model(opts.size, opts.model)
@@ -228,7 +230,8 @@ def main(argv=None) -> dict:
             need = 2 * (plan.total_bytes + 600 * 2**20) + int(opts.margin_gib * GiB)  # two ranks + baselines
             free = harness.available_memory()
             row = {"config": name, "path": path, "predicted_increment_bytes": plan.total_bytes, "band": plan.band}
-            if free < need:
+            out = Path(f"{work}_{name}_{path}")
+            if free < need and not (opts.reuse and harness.finished_launch(out)):
                 row["skipped"] = f"{free / GiB:.1f} GiB available, {need / GiB:.1f} GiB needed"
                 print(f"{name} ({path}): skipped, {row['skipped']}", flush=True)
                 rows.append(row)
@@ -238,7 +241,7 @@ def main(argv=None) -> dict:
             args += ["--seq_len", str(opts.seq_len), "--steps", str(opts.steps), *RELEASE, *["--bf16"] * opts.bf16]
             args += ["--from_config"] * opts.from_config
             launcher = "torchrun" if name in ("ddp", "fsdp") else "deepspeed"
-            result = harness.launch_worker(args, Path(f"{work}_{name}_{path}"), launcher=launcher)
+            result = harness.launch_worker(args, out, launcher=launcher, reuse=opts.reuse)
             if isinstance(result, str):
                 row["skipped"] = result
             else:

@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from hf_ext.memory.probe import peak_live_bytes  # noqa: F401  (the one rule; re-exported for the benches)
+from hf_ext.memory.probe import PeakTensorBytes, peak_live_bytes  # noqa: F401  (one place; re-exported for the benches)
 from hf_ext.sizes import GiB, MiB  # noqa: F401  (re-exported for the benches)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,9 +78,20 @@ def run(cmd: list[str], log: Path, env_extra: dict | None = None) -> int:
         return subprocess.run(cmd, cwd=ROOT, env=launch_env(env_extra), stdout=f, stderr=subprocess.STDOUT).returncode
 
 
-def launch_worker(args: list[str], out: Path, env_extra: dict | None = None, launcher: str = "deepspeed"):
+def finished_launch(out: Path) -> list | None:
+    """The per-rank results an earlier launch to ``out`` left, when both ranks wrote theirs."""
+    results = [Path(f"{out}.rank{rank}.json") for rank in (0, 1)]
+    return [json.loads(path.read_text()) for path in results] if all(p.exists() for p in results) else None
+
+
+def launch_worker(
+    args: list[str], out: Path, env_extra: dict | None = None, launcher: str = "deepspeed", reuse: bool = False
+):
     """One 2-rank launch of the training worker; its per-rank ``OUT.rank<N>.json`` results, or why there are none
-    (a string with the tail of ``OUT.log``)."""
+    (a string with the tail of ``OUT.log``). ``reuse``: results an earlier launch to ``out`` left (an interrupted or
+    partly skipped run of the same command) are read back instead of launching again."""
+    if reuse and (earlier := finished_launch(out)):
+        return earlier
     results = [Path(f"{out}.rank{rank}.json") for rank in (0, 1)]
     for path in results:
         path.unlink(missing_ok=True)
@@ -126,35 +137,6 @@ class PeakRSS:
 #: unmapped on free), the top of the heap is trimmed on every free, and at most two arenas keep small blocks. Without
 #: them glibc keeps freed pages, and a later allocation can land in pages the process already holds.
 FREED_MEMORY_TO_OS_ENV = {"MALLOC_MMAP_THRESHOLD_": 65536, "MALLOC_TRIM_THRESHOLD_": 0, "MALLOC_ARENA_MAX": 2}
-
-
-class PeakTensorBytes:
-    """Peak live bytes of the CPU tensors this process allocates inside the block (torch.profiler's memory events):
-    a count of allocations, independent of pages and of the allocator's reuse. Bytes that are not tensor storage
-    (Python objects, library buffers) are not seen, and a storage that maps a file counts its whole size. ``events``
-    keeps the ``(time_ns, nbytes)`` events; ``enabled=False`` measures nothing (``peak`` stays None)."""
-
-    def __init__(self, enabled: bool = True):
-        self.enabled, self.peak, self.events = enabled, None, []
-
-    def __enter__(self):
-        if self.enabled:
-            from torch.profiler import ProfilerActivity, profile
-
-            self.profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-            self.profile.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if not self.enabled:
-            return
-        self.profile.__exit__(*exc)
-        self.events = [
-            (e.start_ns(), e.nbytes())
-            for e in self.profile.profiler.kineto_results.events()
-            if e.name() == "[memory]" and e.device_type().name == "CPU"
-        ]
-        self.peak = peak_live_bytes(self.events)
 
 
 def available_memory() -> int:

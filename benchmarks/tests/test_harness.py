@@ -81,3 +81,14 @@ def test_classifier_shapes_match_the_hub_model_cards(tmp_path):
     total = harness.parameter_count(model)
     embedding = 128100 * 1024
     assert abs(embedding - 131e6) < 1e6 and abs((total - embedding) - 304e6) < 0.01 * 304e6, total
+
+
+def test_reuse_reads_back_a_finished_launch_and_not_a_half_one(tmp_path):
+    import json
+
+    out = tmp_path / "memory_zero2_hf-ext"
+    (tmp_path / "memory_zero2_hf-ext.rank0.json").write_text(json.dumps({"peak_bytes": 7}))
+    assert harness.finished_launch(out) is None  # rank 1 never wrote: the launch did not finish
+    (tmp_path / "memory_zero2_hf-ext.rank1.json").write_text(json.dumps({"peak_bytes": 9}))
+    # both ranks wrote: read back, no launch (a launch of this bogus worker argument would fail)
+    assert harness.launch_worker(["--no_such_flag"], out, reuse=True) == [{"peak_bytes": 7}, {"peak_bytes": 9}]

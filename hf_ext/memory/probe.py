@@ -69,15 +69,71 @@ def peak_live_bytes(events) -> int:
     return peak
 
 
+#: line prefixes kineto (torch's profiler back end) writes to the process's stderr at every profiler start and stop
+KINETO_STDERR_PREFIXES = ("USDT:", "STAGE:")
+
+
+def _without_kineto_lines(call):
+    """Run ``call`` with file descriptor 2 captured, then write back to stderr every captured line that is not one of
+    kineto's start/stop lines (C++ writes them, so ``sys.stderr`` redirection does not see them)."""
+    import os
+    import sys
+    import tempfile
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            return call()
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = [
+                line
+                for line in captured.read().decode(errors="replace").splitlines(keepends=True)
+                if not line.startswith(KINETO_STDERR_PREFIXES)
+            ]
+            sys.stderr.write("".join(kept))
+
+
+class PeakTensorBytes:
+    """Peak live bytes of the CPU tensors this process allocates inside the block (torch.profiler's memory events):
+    a count of allocations, independent of pages and of the allocator's reuse. Bytes that are not tensor storage
+    (Python objects, library buffers) are not seen, and a storage that maps a file counts its whole size. ``events``
+    keeps the ``(time_ns, nbytes)`` events; ``enabled=False`` measures nothing (``peak`` stays None)."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled, self.peak, self.events = enabled, None, []
+
+    def __enter__(self):
+        if self.enabled:
+            from torch.profiler import ProfilerActivity, profile
+
+            self.profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            # only the start and stop are captured: what the block writes goes out as it is
+            _without_kineto_lines(self.profile.start)
+        return self
+
+    def __exit__(self, *exc):
+        if not self.enabled:
+            return
+        _without_kineto_lines(self.profile.stop)
+        self.events = [
+            (e.start_ns(), e.nbytes())
+            for e in self.profile.profiler.kineto_results.events()
+            if e.name() == "[memory]" and e.device_type().name == "CPU"
+        ]
+        self.peak = peak_live_bytes(self.events)
+
+
 def _peak_allocated(fn) -> int:
     """Peak bytes allocated (above the level at the start) by the CPU allocator while ``fn`` runs."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with PeakTensorBytes() as measured:
         fn()
-    return peak_live_bytes(
-        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
-    )
+    return measured.peak
 
 
 def _enable_checkpointing(enable):
