@@ -78,9 +78,13 @@ def run(cmd: list[str], log: Path, env_extra: dict | None = None) -> int:
         return subprocess.run(cmd, cwd=ROOT, env=launch_env(env_extra), stdout=f, stderr=subprocess.STDOUT).returncode
 
 
+def _rank_results(out: Path) -> list[Path]:
+    return [Path(f"{out}.rank{rank}.json") for rank in (0, 1)]
+
+
 def finished_launch(out: Path) -> list | None:
     """The per-rank results an earlier launch to ``out`` left, when both ranks wrote theirs."""
-    results = [Path(f"{out}.rank{rank}.json") for rank in (0, 1)]
+    results = _rank_results(out)
     return [json.loads(path.read_text()) for path in results] if all(p.exists() for p in results) else None
 
 
@@ -92,7 +96,7 @@ def launch_worker(
     partly skipped run of the same command) are read back instead of launching again."""
     if reuse and (earlier := finished_launch(out)):
         return earlier
-    results = [Path(f"{out}.rank{rank}.json") for rank in (0, 1)]
+    results = _rank_results(out)
     for path in results:
         path.unlink(missing_ok=True)
     log = Path(f"{out}.log")
