@@ -29,10 +29,31 @@ SCRIPT = ROOT / "tests" / "distributed" / "workers" / "train_save.py"
 TIMINGS = ("train_runtime", "train_samples_per_second", "train_steps_per_second")
 
 
+#: Seen twice in about ten suite runs, both in a ZeRO-3 run that also calls the stock ``save_model``: a rank aborts at
+#: exit after the run wrote everything. Not diagnosed yet.
+EXIT_ABORT = "terminate called without an active exception"
+
+
+def _aborted_after_writing(extra: tuple[str, ...]):
+    """For a run with ``--stock_save`` and ``--dump``: tolerate that abort, and only it, once rank 0 wrote its last file
+    (the dump's ``.json``, written after every save); any other failure, or a missing output, still fails."""
+    if "--stock_save" not in extra or "--dump" not in extra:
+        return None
+    last_file = Path(extra[extra.index("--dump") + 1] + ".json")
+
+    def tolerate(proc: subprocess.CompletedProcess) -> bool:
+        if EXIT_ABORT in proc.stderr and last_file.is_file():
+            warnings.warn(f"a rank aborted at exit after the save ({EXIT_ABORT!r})", stacklevel=1)
+            return True
+        return False
+
+    return tolerate
+
+
 def train(tiny_model_dir, out: Path, *extra: str, check: bool = True, **env) -> subprocess.CompletedProcess:
     cmd = [*launcher_cmd("deepspeed", SCRIPT), "--model", str(tiny_model_dir), "--out", str(out), *extra]
     if check:
-        return run(cmd, **env)
+        return run(cmd, tolerate=_aborted_after_writing(extra), **env)
     return subprocess.run(cmd, cwd=ROOT, env=launch_env(**env), capture_output=True, text=True, timeout=900)
 
 
@@ -254,16 +275,10 @@ def test_zero3_streaming_save_of_a_decoder_only_chat_model(tiny_chat_model_dir, 
     16-bit save has the stock save's tensors and reloads bit for bit, with its tie intact."""
     from transformers import AutoModelForCausalLM
 
-    proc = train(
+    train(
         tiny_chat_model_dir, tmp_path / "out", "--stage", "3", "--epochs", "1", "--dump", str(tmp_path / "trained.pt"),
-        "--stock_save", str(tmp_path / "stock"), "--max_shard_size", "100KB", check=False,
+        "--stock_save", str(tmp_path / "stock"), "--max_shard_size", "100KB",
     )  # fmt: skip
-    if proc.returncode != 0:
-        # Seen once in six runs: a rank aborts at exit ("terminate called without an active exception"), after the
-        # run wrote everything. Not diagnosed yet; any other failure, or a missing output, fails the test.
-        assert "terminate called without an active exception" in proc.stderr, proc.stderr[-4000:]
-        assert (tmp_path / "trained.pt.json").is_file(), proc.stderr[-4000:]
-        warnings.warn("a rank aborted at exit after the save (see the comment in this test)", stacklevel=1)
     trained = torch.load(tmp_path / "trained.pt")
     assert saving.saved_weight_shapes(tmp_path / "out") == saving.saved_weight_shapes(tmp_path / "stock")
     for model_dir in (tmp_path / "out", tmp_path / "stock"):
