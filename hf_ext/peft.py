@@ -50,20 +50,22 @@ def gathered_trainable_state_dict(model) -> dict[str, torch.Tensor]:
 
 def save_adapter(trainer, output_dir: str | Path) -> None:
     """``save_model`` for a PEFT model, on every rank: the adapter (and ``modules_to_save``) with full shapes."""
+    from .ranks import shared_outcome
+
     model = trainer.model
     state_dict = gathered_trainable_state_dict(model)
-    if trainer.args.should_save:
-        out = Path(output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(str(out), state_dict=state_dict, safe_serialization=True)
-        verify_adapter(out)
-        base = model.get_base_model()
-        if trainer.processing_class is not None:
-            trainer.processing_class.save_pretrained(out)
-        torch.save(trainer.args, out / "training_args.bin")
-        if getattr(base, "generation_config", None) is not None and base.can_generate():
-            base.generation_config.save_pretrained(out)
-    trainer.accelerator.wait_for_everyone()
+    with shared_outcome(f"writing the adapter into {output_dir}"):
+        if trainer.args.should_save:
+            out = Path(output_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            model.save_pretrained(str(out), state_dict=state_dict, safe_serialization=True)
+            verify_adapter(out)
+            base = model.get_base_model()
+            if trainer.processing_class is not None:
+                trainer.processing_class.save_pretrained(out)
+            torch.save(trainer.args, out / "training_args.bin")
+            if getattr(base, "generation_config", None) is not None and base.can_generate():
+                base.generation_config.save_pretrained(out)
 
 
 def verify_adapter(output_dir: str | Path) -> dict[str, tuple[int, ...]]:

@@ -20,6 +20,7 @@ from .deepspeed import callbacks as deepspeed_callbacks
 from .evaluation.bleu import BleuEvalCallback, BleuEvalConfig
 from .evaluation.zero_eval import plain_eval_without_engine
 from .memory.measure import MemoryPlanCallback
+from .ranks import shared_outcome
 from .saving import checkpoints, resume
 from .saving import zero as saving
 from .schedule import ResumedScheduleCallback
@@ -90,6 +91,9 @@ class _HfExtTrainerMixin:
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         runtime.prepare_run(self.args)
         resume_from_checkpoint = checkpoints.resolve_resume_from_checkpoint(self, resume_from_checkpoint)
+        with shared_outcome(f"cleaning up after interrupted saves in {self.args.output_dir}"):
+            if self.args.should_save:
+                checkpoints.remove_leftovers(self.args.output_dir)
         if self.deepspeed is not None and self.optimizer is None:  # an engine from evaluate(): inference only
             self._drop_inference_engine()
         deepspeed_callbacks.reopen_step_keys(self)  # an evaluate() before train() may have filled them for inference

@@ -7,6 +7,7 @@ import argparse
 import logging
 import sys
 
+from ..saving.atomic import write_failure
 from ..saving.export import DTYPES, export
 
 EXPORT_HELP = "Write a serving-ready model (weights, config, generation config, tokenizer) from a run or checkpoint."
@@ -37,6 +38,12 @@ def export_command(args: argparse.Namespace) -> int:
         )
     except (FileNotFoundError, ValueError) as err:
         print(f"hf-ext export: {err}", file=sys.stderr)
+        return 1
+    except Exception as err:  # a full disk, a file size limit, no permission: nothing of `--out` was changed
+        reason = write_failure(err)
+        if reason is None:
+            raise
+        print(f"hf-ext export: could not write {args.out} ({reason}); its previous content is intact.", file=sys.stderr)
         return 1
     print(out)
     return 0

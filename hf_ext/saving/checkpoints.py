@@ -11,6 +11,8 @@ import shutil
 from pathlib import Path
 
 from ..peft import is_peft_model, save_trainable_state
+from ..ranks import shared_outcome
+from . import atomic
 
 logger = logging.getLogger(__name__)
 
@@ -20,7 +22,7 @@ TMP_PREFIX = "tmp-"
 UNIVERSAL_SUFFIX = ".universal"  # checkpoint-N.universal: its DeepSpeed universal conversion (hf_ext.saving.resume)
 TRAINER_STATE_NAME = "trainer_state.json"
 _RE_CHECKPOINT = re.compile(rf"^{CHECKPOINT_PREFIX}-(\d+)$")
-_RE_TMP = re.compile(rf"^{TMP_PREFIX}{CHECKPOINT_PREFIX}-(\d+)$")
+_RE_TMP = re.compile(rf"^{TMP_PREFIX}{CHECKPOINT_PREFIX}-(\d+)(\{UNIVERSAL_SUFFIX})?$")
 
 
 def is_complete_checkpoint(path: str | Path) -> bool:
@@ -86,17 +88,30 @@ def write_marker(path: str | Path, **info) -> None:
     Path(path, CHECKPOINT_MARKER).write_text(json.dumps({"complete": True, **info}, indent=2) + "\n")
 
 
-def replace_dir(tmp: Path, final: Path) -> None:
-    """Rename ``tmp`` to ``final``; an existing ``final`` is moved aside first and removed only afterwards."""
-    old = None
-    if final.exists():
-        old = final.with_name(f"{TMP_PREFIX}old-{final.name}")
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(final, old)
-    os.replace(tmp, final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+def remove_leftovers(run_dir: str | Path) -> None:
+    """Remove what interrupted writes left in and beside ``run_dir`` (main process, before a run writes anything):
+    a staged or set-aside final save (:func:`hf_ext.saving.atomic.recover`), ``tmp-checkpoint-N`` (and its universal
+    conversion's) directories, and a ``checkpoint-N`` swap cut between its two renames (finished or undone)."""
+    run_dir = Path(run_dir)
+    atomic.recover(run_dir)
+    if not run_dir.is_dir():
+        return
+    for path in sorted(run_dir.iterdir()):
+        if not path.is_dir():
+            continue
+        if _RE_TMP.match(path.name):
+            final = path.with_name(path.name[len(TMP_PREFIX) :])
+            if not final.exists() and atomic.old_path(final).exists() and is_complete_checkpoint(path):
+                os.replace(path, final)  # the swap was cut after the old one went aside: finish it
+                continue
+            logger.warning(f"Removing {path}, left by an interrupted save.")
+            shutil.rmtree(path)
+    for path in sorted(run_dir.glob(f".*{atomic.OLD_SUFFIX}")):
+        final = path.with_name(path.name[1 : -len(atomic.OLD_SUFFIX)])
+        if not final.exists():
+            os.replace(path, final)  # the swap was cut and no complete new content was there: the old one stays
+        else:
+            shutil.rmtree(path)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -130,10 +145,10 @@ def save_checkpoint_atomically(trainer, model, trial=None) -> str:
         trainer.store_flos()
     run_dir = Path(trainer._get_output_dir(trial=trial))
     final, tmp = run_dir / folder, run_dir / f"{TMP_PREFIX}{folder}"
-    if args.should_save:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    trainer.accelerator.wait_for_everyone()
+    with shared_outcome(f"preparing {tmp}"):
+        if args.should_save:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
 
     trainer.save_model(str(tmp), _internal_call=True)
     best_step = state.best_global_step
@@ -142,33 +157,36 @@ def save_checkpoint_atomically(trainer, model, trial=None) -> str:
         best_dir = run_dir / f"{CHECKPOINT_PREFIX}-{best_step}"
         if best_step == state.global_step or best_dir.exists():
             state.best_model_checkpoint = str(best_dir)
-    if not args.save_only_model:
-        if is_peft_model(trainer.model):  # world-size-independent, adapter-sized: no ZeRO checkpoint
-            save_trainable_state(trainer, tmp)
-        else:
-            trainer._save_optimizer_and_scheduler(str(tmp))
-            trainer._save_scaler(str(tmp))
-        trainer._save_rng_state(str(tmp))
-    if args.should_save:
-        exportable = [
-            cb for cb in trainer.callback_handler.callbacks + [trainer.control] if isinstance(cb, ExportableState)
-        ]
-        for cb in exportable:
-            name = cb.__class__.__name__
-            if isinstance(state.stateful_callbacks[name], list):
-                state.stateful_callbacks[name].append(cb.state())
+    # each rank writes its own part (optimizer partition, RNG state); the main rank the trainer state
+    with shared_outcome(f"writing {tmp}"):
+        if not args.save_only_model:
+            if is_peft_model(trainer.model):  # world-size-independent, adapter-sized: no ZeRO checkpoint
+                save_trainable_state(trainer, tmp)
             else:
-                state.stateful_callbacks[name] = cb.state()
-        state.save_to_json(str(tmp / TRAINER_STATE_NAME))
+                trainer._save_optimizer_and_scheduler(str(tmp))
+                trainer._save_scaler(str(tmp))
+            trainer._save_rng_state(str(tmp))
+        if args.should_save:
+            exportable = [
+                cb for cb in trainer.callback_handler.callbacks + [trainer.control] if isinstance(cb, ExportableState)
+            ]
+            for cb in exportable:
+                name = cb.__class__.__name__
+                if isinstance(state.stateful_callbacks[name], list):
+                    state.stateful_callbacks[name].append(cb.state())
+                else:
+                    state.stateful_callbacks[name] = cb.state()
+            state.save_to_json(str(tmp / TRAINER_STATE_NAME))
 
-    trainer.accelerator.wait_for_everyone()  # every rank has written its part
-    if args.should_save:
-        write_marker(tmp, global_step=state.global_step, world_size=args.world_size,
-                     micro_batch=args.per_device_train_batch_size, accumulation=args.gradient_accumulation_steps)  # fmt: skip
-        replace_dir(tmp, final)
-    trainer.accelerator.wait_for_everyone()  # nobody reads the old name again
+    with shared_outcome(f"renaming {tmp} to {final.name}"):  # every rank has written its part
+        if args.should_save:
+            write_marker(tmp, global_step=state.global_step, world_size=args.world_size,
+                         micro_batch=args.per_device_train_batch_size,
+                         accumulation=args.gradient_accumulation_steps)  # fmt: skip
+            atomic.replace_dir(tmp, final)  # fsynced first
     if args.push_to_hub:
         trainer._push_from_checkpoint(str(final))
-    if args.should_save:
-        rotate_complete_checkpoints(run_dir, args.save_total_limit, state.best_model_checkpoint)
+    with shared_outcome(f"rotating the checkpoints of {run_dir}"):
+        if args.should_save:
+            rotate_complete_checkpoints(run_dir, args.save_total_limit, state.best_model_checkpoint)
     return str(final)

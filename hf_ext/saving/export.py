@@ -14,13 +14,14 @@ weights (safetensors), ``config.json``, ``generation_config.json`` and the token
 from __future__ import annotations
 
 import logging
-import tempfile
+import shutil
 from pathlib import Path
 
 from ..model_info import model_class
 from .checkpoints import last_complete_checkpoint
 from .model_dir import model_dir_kind
-from .writer import verify_saved_weights
+from .atomic import atomic_directory, work_path
+from .writer import is_weight_file, verify_saved_weights
 from .zero import save_fp32_from_zero_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -106,36 +107,45 @@ def export(
     """Export ``src`` (see the module docstring) to ``out``; returns ``out``."""
     src, kind = resolve_source(src)
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     torch_dtype = _dtype(dtype)
     logger.info(f"Exporting {src} ({kind}) to {out}")
-    with tempfile.TemporaryDirectory(dir=out, prefix=".export-") as workdir:
-        base_dir = None
-        if kind == "adapter":
-            from peft import PeftConfig, PeftModel
-
-            peft_config = PeftConfig.from_pretrained(str(src))
-            base_dir = base_model or peft_config.base_model_name_or_path
-            base_kind = model_dir_kind(base_dir) if Path(base_dir).is_dir() else "model"
-            base = _load_full_model(Path(base_dir), base_kind or "model", torch_dtype, Path(workdir))
-            model = PeftModel.from_pretrained(base, str(src))
-            if merge:
-                model = model.merge_and_unload()
-            elif torch_dtype is not None:
-                model = model.to(torch_dtype)
-        else:
-            model = _load_full_model(src, kind, torch_dtype, Path(workdir))
+    # all-or-nothing: everything is written into a staging directory beside `out` and swapped in once complete
+    with atomic_directory(out, replaced=is_weight_file) as staged:
+        workdir = work_path(out)
+        workdir.mkdir()
+        try:
+            model, base_dir = _load(src, kind, merge, torch_dtype, base_model, workdir)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
         target = model.get_base_model() if hasattr(model, "get_base_model") else model
         _attach_generation_config(target, src, src.parent, base_dir)
-        model.save_pretrained(str(out), max_shard_size=max_shard_size)
+        model.save_pretrained(str(staged), max_shard_size=max_shard_size)
         if hasattr(model, "peft_config"):  # unmerged adapter: the serving side also needs the base's configs
-            target.config.save_pretrained(str(out))
-            target.generation_config.save_pretrained(str(out))
-    tokenizer = _load_tokenizer(src, src.parent, base_dir)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(out))
-    else:
-        logger.warning(f"No tokenizer found next to {src}; the export has none.")
-    if not hasattr(model, "peft_config"):
-        verify_saved_weights(out, model)
+            target.config.save_pretrained(str(staged))
+            target.generation_config.save_pretrained(str(staged))
+        tokenizer = _load_tokenizer(src, src.parent, base_dir)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(staged))
+        else:
+            logger.warning(f"No tokenizer found next to {src}; the export has none.")
+        if not hasattr(model, "peft_config"):
+            verify_saved_weights(staged, model)
     return out
+
+
+def _load(src: Path, kind: str, merge: bool, torch_dtype, base_model: str | None, workdir: Path):
+    """The model to export (and an adapter's base directory)."""
+    if kind != "adapter":
+        return _load_full_model(src, kind, torch_dtype, workdir), None
+    from peft import PeftConfig, PeftModel
+
+    peft_config = PeftConfig.from_pretrained(str(src))
+    base_dir = base_model or peft_config.base_model_name_or_path
+    base_kind = model_dir_kind(base_dir) if Path(base_dir).is_dir() else "model"
+    base = _load_full_model(Path(base_dir), base_kind or "model", torch_dtype, workdir)
+    model = PeftModel.from_pretrained(base, str(src))
+    if merge:
+        model = model.merge_and_unload()
+    elif torch_dtype is not None:
+        model = model.to(torch_dtype)
+    return model, base_dir

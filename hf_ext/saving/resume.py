@@ -33,7 +33,9 @@ from pathlib import Path
 from ..deepspeed.resolve import split_batch
 from ..peft import is_trainable_state_checkpoint
 from ..sizes import MiB, dir_bytes
-from .checkpoints import CHECKPOINT_MARKER, TMP_PREFIX, UNIVERSAL_SUFFIX, replace_dir
+from ..ranks import shared_outcome
+from .atomic import replace_dir
+from .checkpoints import CHECKPOINT_MARKER, TMP_PREFIX, UNIVERSAL_SUFFIX
 
 logger = logging.getLogger(__name__)
 
@@ -237,16 +239,11 @@ def prepare_resume(trainer, checkpoint) -> Path | None:
     if found is None or found.world_size == args.world_size:
         return None
     batch = keep_global_batch(trainer, found)
-    took, failed = "converted earlier", None
-    if cached_universal(found) is None and args.should_save:
-        try:
+    took = "converted earlier"
+    with shared_outcome(f"converting {found.path} to a universal checkpoint"):
+        if cached_universal(found) is None and args.should_save:
             _, seconds = convert_to_universal(found)
             took = f"converted in {seconds:.1f} s"
-        except RuntimeError as err:  # said after the barrier, so that the other ranks do not wait for it forever
-            failed = err
-    trainer.accelerator.wait_for_everyone()
-    if failed is not None:
-        raise failed
     universal = cached_universal(found)
     if universal is None:
         raise RuntimeError(

@@ -184,14 +184,18 @@ def shard_names(n_shards: int) -> list[str]:
     return [f"model-{i:05d}-of-{n_shards:05d}.safetensors" for i in range(1, n_shards + 1)]
 
 
+def is_weight_file(name: str) -> bool:
+    """A file name that holds (or indexes) a model's or an adapter's weights: a new save supersedes all of them."""
+    return name in (
+        SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, "pytorch_model.bin", "pytorch_model.bin.index.json",
+        "adapter_model.safetensors", "adapter_model.bin",
+    ) or bool(re.fullmatch(r"(model|pytorch_model)-\d{5}-of-\d{5}\.(safetensors|bin)", name))  # fmt: skip
+
+
 def remove_weight_files(output_dir: str | Path) -> None:
     """Delete weight files of an earlier save so that loading cannot mix old and new shards."""
     for path in Path(output_dir).glob("*"):
-        name = path.name
-        if path.is_file() and (
-            name in (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, "pytorch_model.bin", "pytorch_model.bin.index.json")
-            or re.fullmatch(r"(model|pytorch_model)-\d{5}-of-\d{5}\.(safetensors|bin)", name)
-        ):
+        if path.is_file() and is_weight_file(path.name):
             path.unlink()
 
 
@@ -204,10 +208,14 @@ def write_entries(
     gather_bytes: int | str = DEFAULT_GATHER_BYTES,
     metadata: dict[str, str] | None = None,
 ) -> list[Path]:
-    """Write ``entries`` as safetensors shards (+ index when more than one). Call on every rank under ZeRO-3 or FSDP.
+    """Write ``entries`` as safetensors shards (+ index when more than one) into ``output_dir``, which should be a
+    fresh directory (:mod:`hf_ext.saving.atomic` stages one). Call on every rank under ZeRO-3 or FSDP.
 
-    Non-main ranks only join the gathers. Returns the files written (empty on non-main ranks).
+    Non-main ranks only join the gathers. A write error on the main rank (a full disk) stops the writing but not the
+    gathers the other ranks are in; when the entries are sharded (a collective call), every rank then raises
+    (:func:`hf_ext.ranks.agree`). Returns the files written (empty on non-main ranks).
     """
+    from ..ranks import agree
     from ..runtime import trim_heap
 
     out = Path(output_dir)
@@ -220,20 +228,29 @@ def write_entries(
     # all-gather stages each output once more in a flat buffer of its own), so a group holds at most half of it; a
     # tensor larger than that is gathered alone.
     gather_limit = min(parse_bytes(gather_bytes), shard_limit) // 2
-    if is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        remove_weight_files(out)
+    error: BaseException | None = None  # the main rank's first write error; it keeps joining the gathers after it
+
+    def on_main(step, *args):
+        nonlocal error
+        if is_main and error is None:
+            try:
+                return step(*args)
+            except Exception as err:  # noqa: BLE001 - raised on every rank after the last gather
+                error = err
+        return None
+
+    on_main(lambda: out.mkdir(parents=True, exist_ok=True))
     written = []
     for shard, name in zip(shards, names):
-        f = open(out / name, "wb") if is_main else None  # noqa: SIM115 - closed below, on every path
+        f = on_main(open, out / name, "wb")
+        if f is not None:
+            on_main(f.write, _header(shard, metadata))
         try:
-            if f is not None:
-                f.write(_header(shard, metadata))
             for group in plan_shards(shard, gather_limit):
                 with full_values([e.source for e in group]) as values:
                     if f is not None:
                         for entry, value in zip(group, values):
-                            _write_tensor(f, entry, value)
+                            on_main(_write_tensor, f, entry, value)
                     del values
                 if any(e.sharded for e in group):
                     # glibc keeps the released gather in its heaps unless told otherwise, and the next group does not
@@ -241,15 +258,22 @@ def write_entries(
                     trim_heap()
         finally:
             if f is not None:
-                f.close()
+                try:
+                    f.close()
+                except OSError as err:
+                    error = error or err
         written.append(out / name)
-    if is_main and len(shards) > 1:
+    if len(shards) > 1:
         index = {
             "metadata": {"total_size": sum(e.nbytes for e in entries)},
             "weight_map": {e.name: name for shard, name in zip(shards, names) for e in shard},
         }
-        (out / SAFE_WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        on_main((out / SAFE_WEIGHTS_INDEX_NAME).write_text, json.dumps(index, indent=2, sort_keys=True) + "\n")
         written.append(out / SAFE_WEIGHTS_INDEX_NAME)
+    if any(e.sharded for e in entries):  # a collective call: every rank learns the outcome
+        agree(f"writing the weights into {out}", error)
+    if error is not None:
+        raise error
     return written if is_main else []
 
 
@@ -267,16 +291,23 @@ def save_streaming(
     Must be called on every rank when the model is ZeRO-3 partitioned. Values are the gathered parameters, cast to
     ``dtype`` when given (else stored in their own dtype). Tied parameters are stored once and re-tied on load.
     """
-    written = write_entries(
-        model_entries(model, dtype),
-        output_dir,
-        is_main=is_main,
-        max_shard_size=max_shard_size,
-        gather_bytes=gather_bytes,
-    )
-    if is_main:
-        verify_saved_weights(output_dir, model)
-    return written
+    from . import atomic
+    from ..ranks import shared_outcome
+
+    with shared_outcome(f"preparing the save into {output_dir}"):
+        staged = atomic.begin(output_dir) if is_main else atomic.staged_path(output_dir)
+    try:
+        write_entries(model_entries(model, dtype), staged, is_main=is_main, max_shard_size=max_shard_size,
+                      gather_bytes=gather_bytes)  # fmt: skip
+        with shared_outcome(f"saving the weights into {output_dir}"):
+            if is_main:
+                verify_saved_weights(staged, model)
+                atomic.commit(output_dir, replaced=is_weight_file)
+    except BaseException:
+        if is_main:
+            atomic.discard(output_dir)
+        raise
+    return sorted(p for p in Path(output_dir).iterdir() if is_weight_file(p.name)) if is_main else []
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -11,11 +11,13 @@ import torch
 
 from ..fsdp.engine import save_dtype as fsdp_save_dtype
 from ..peft import is_peft_model, save_adapter
+from ..ranks import shared_outcome
+from . import atomic
 from .writer import (
     DEFAULT_MAX_SHARD_SIZE,
     TensorEntry,
+    is_weight_file,
     model_entries,
-    remove_weight_files,
     state_dict_entries,
     verify_saved_weights,
     write_entries,
@@ -45,10 +47,6 @@ def save_fp32_from_zero_checkpoint(
 
 
 TRAINING_ARGS_NAME = "training_args.bin"
-
-
-def _barrier(trainer) -> None:
-    trainer.accelerator.wait_for_everyone()
 
 
 def _engine(trainer):
@@ -95,8 +93,33 @@ def _stored_dtype(entries: list[TensorEntry]) -> torch.dtype | None:
 
 
 def save_trainer_model(trainer, output_dir: str | Path, *, checkpoint: bool = False) -> None:
-    """``Trainer.save_model`` for full models, on every rank: a loadable ``output_dir`` whatever the ZeRO stage.
+    """``Trainer.save_model`` on every rank: a loadable ``output_dir`` whatever the ZeRO stage, written
+    all-or-nothing (:mod:`hf_ext.saving.atomic`): staged beside ``output_dir`` and swapped in once complete, so that
+    ``output_dir`` holds the complete old save or the complete new one at every instant. A ``checkpoint`` is written
+    straight into its directory, which the checkpoint save stages as a whole (:mod:`hf_ext.saving.checkpoints`).
 
+    A failure on any rank raises on every rank (:mod:`hf_ext.ranks`).
+    """
+    if checkpoint:
+        return _write_model(trainer, Path(output_dir), checkpoint=True)
+    is_main = trainer.args.should_save
+    with shared_outcome(f"preparing the save into {output_dir}"):
+        staged = atomic.begin(output_dir) if is_main else atomic.staged_path(output_dir)
+    try:
+        _write_model(trainer, staged)
+        with shared_outcome(f"swapping the save into {output_dir}"):
+            if is_main:
+                atomic.commit(output_dir, replaced=is_weight_file)
+    except BaseException:
+        if is_main:
+            atomic.discard(output_dir)
+        raise
+
+
+def _write_model(trainer, output_dir: Path, *, checkpoint: bool = False) -> None:
+    """What :func:`save_trainer_model` writes, into ``output_dir`` (fresh on the main rank):
+
+    * PEFT: the adapter (:func:`hf_ext.peft.save_adapter`).
     * ZeRO-3 with 16-bit gathering on, ZeRO-1/2, FSDP2 and no engine: the streaming writer, a bounded group of
       parameters gathered at a time (FSDP2 under bf16/fp16 mixed precision writes that 16-bit dtype).
     * ZeRO-3 with gathering off: the final save writes a ZeRO checkpoint and consolidates fp32 weights from it;
@@ -109,35 +132,32 @@ def save_trainer_model(trainer, output_dir: str | Path, *, checkpoint: bool = Fa
         return save_adapter(trainer, output_dir)
     is_main = args.should_save
     max_shard_size = args.save_max_shard_size
-    gather_bytes = args.save_gather_size
     engine = _engine(trainer)
-    if is_main:
-        Path(output_dir).mkdir(parents=True, exist_ok=True)
     if engine is not None and engine.zero_optimization_partition_weights() and not gathers_16bit_weights(engine):
         if checkpoint and not args.save_only_model:
-            if is_main:
-                remove_weight_files(output_dir)
-                save_model_files(trainer, model, output_dir)
-            _barrier(trainer)
+            with shared_outcome(f"writing the model files into {output_dir}"):
+                if is_main:
+                    save_model_files(trainer, model, output_dir)
             return
-        engine.save_checkpoint(str(output_dir))
-        _barrier(trainer)
-        if is_main:
-            logger.warning(
-                "16-bit gathering at save time is off in the DeepSpeed config: consolidating fp32 weights from the "
-                f"ZeRO checkpoint in {output_dir}. Set `stage3_gather_16bit_weights_on_model_save: true` to save "
-                "16-bit weights directly."
-            )
-            save_fp32_from_zero_checkpoint(output_dir, output_dir, model, max_shard_size=max_shard_size)
-            save_model_files(trainer, model, output_dir, torch.float32)
-        _barrier(trainer)
+        with shared_outcome(f"writing a ZeRO checkpoint into {output_dir}"):
+            engine.save_checkpoint(str(output_dir))
+        with shared_outcome(f"consolidating fp32 weights in {output_dir}"):
+            if is_main:
+                logger.warning(
+                    "16-bit gathering at save time is off in the DeepSpeed config: consolidating fp32 weights from "
+                    f"the ZeRO checkpoint in {output_dir}. Set `stage3_gather_16bit_weights_on_model_save: true` to "
+                    "save 16-bit weights directly."
+                )
+                save_fp32_from_zero_checkpoint(output_dir, output_dir, model, max_shard_size=max_shard_size)
+                save_model_files(trainer, model, output_dir, torch.float32)
         return
     entries = model_entries(model, fsdp_save_dtype(trainer))
-    write_entries(entries, output_dir, is_main=is_main, max_shard_size=max_shard_size, gather_bytes=gather_bytes)
-    if is_main:
-        verify_saved_weights(output_dir, model)
-        save_model_files(trainer, model, output_dir, _stored_dtype(entries))
-    _barrier(trainer)
+    write_entries(entries, output_dir, is_main=is_main, max_shard_size=max_shard_size,
+                  gather_bytes=args.save_gather_size)  # fmt: skip
+    with shared_outcome(f"writing the model files into {output_dir}"):
+        if is_main:
+            verify_saved_weights(output_dir, model)
+            save_model_files(trainer, model, output_dir, _stored_dtype(entries))
 
 
 def handles(trainer) -> bool:

@@ -11,6 +11,11 @@ world sizes compare within float tolerance. --no_ds runs without DeepSpeed (laun
 
 HF_EXT_TEST_KILL_AT_STEP=N makes rank 1 SIGKILL itself while the checkpoint of step N is being written (after the
 model and the optimizer state went into the temporary directory, before the RNG and trainer state).
+
+--kill_final_save_at K makes rank 0 SIGKILL itself at the K-th write event of the final save (a shard opened, a
+tensor written, the index, the model files, the fsync, the swap: see ``save_events``); the trained weights are dumped
+(--dump) before that save. --list_save_events FILE writes the events of an uninterrupted final save there.
+--raise_on_rank1 {checkpoint,final_save,resume} makes rank 1 alone raise inside that step.
 """
 
 from __future__ import annotations
@@ -121,6 +126,73 @@ def stock_check(opts, model, data) -> None:
                        "distributed_type": str(stock.accelerator.distributed_type)}, f)  # fmt: skip
 
 
+class SaveEvents:
+    """Counts the final save's write events on this rank; SIGKILLs the process at event ``kill_at`` (1-based)."""
+
+    def __init__(self, kill_at: int | None):
+        self.kill_at, self.names = kill_at, []
+
+    def event(self, name: str) -> None:
+        self.names.append(name)
+        if self.kill_at is not None and len(self.names) == self.kill_at:
+            print(f"rank 0: SIGKILL at save event {self.kill_at} ({name})", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def install(self) -> None:
+        """Wrap the points between which a kill must leave the old or the new save (each wrapper counts first)."""
+        import builtins
+        import pathlib
+
+        from hf_ext.saving import atomic, writer, zero
+
+        def before(module, name, label):
+            original = getattr(module, name)
+
+            def wrapped(*args, **kwargs):
+                self.event(label)
+                result = original(*args, **kwargs)
+                return result
+
+            setattr(module, name, wrapped)
+
+        def after(module, name, label):
+            original = getattr(module, name)
+
+            def wrapped(*args, **kwargs):
+                result = original(*args, **kwargs)
+                self.event(label)
+                return result
+
+            setattr(module, name, wrapped)
+
+        writer.open = lambda path, *a, **k: (self.event(f"open {pathlib.Path(path).name}"), builtins.open(path, *a, **k))[1]
+        after(writer, "_write_tensor", "tensor written")
+        write_text = pathlib.Path.write_text
+        pathlib.Path.write_text = lambda p, *a, **k: (self.event(f"write {p.name}"), write_text(p, *a, **k))[1]
+        before(zero, "save_model_files", "model files")
+        before(atomic, "fsync_tree", "fsync")
+        before(atomic, "_exchange", "swap")
+        after(atomic, "_exchange", "swapped")
+        before(atomic.shutil, "rmtree", "remove old")
+
+
+def raise_on_rank1(trainer, where: str) -> None:
+    """Rank 1 alone raises inside ``where`` (a checkpoint's RNG state, the final save, the resume's RNG state)."""
+    if trainer.args.process_index != 1:
+        return
+    import hf_ext.saving.zero
+
+    def fail(*args, **kwargs):
+        raise OSError(28, f"No space left on device (rank 1, injected in {where})")
+
+    if where == "checkpoint":
+        trainer._save_rng_state = fail
+    elif where == "final_save":
+        hf_ext.saving.zero.model_entries = fail
+    elif where == "resume":
+        trainer._load_rng_state = fail
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
@@ -152,6 +224,9 @@ def main() -> None:
         default=None,
         help="first train 1 step with stock transformers and the same --fsdp; write its engine here",
     )
+    parser.add_argument("--kill_final_save_at", type=int, default=None)
+    parser.add_argument("--list_save_events", default=None)
+    parser.add_argument("--raise_on_rank1", default=None, choices=["checkpoint", "final_save", "resume"])
     parser.add_argument("--local_rank", type=int, default=-1)
     opts = parser.parse_args()
 
@@ -217,10 +292,22 @@ def main() -> None:
 
         trainer._save_rng_state = save_rng_state_or_die
 
+    if opts.raise_on_rank1:
+        raise_on_rank1(trainer, opts.raise_on_rank1)
     first_eval = trainer.evaluate(data) if opts.eval_first else None
     resume = {"true": True, None: None}.get(opts.resume, opts.resume)
     trainer.train(resume_from_checkpoint=resume)
+    events = None
+    if opts.kill_final_save_at is not None or opts.list_save_events:
+        state_dict = gathered_state_dict(trainer.model)
+        if args.process_index == 0:
+            torch.save(state_dict, opts.dump)
+            events = SaveEvents(opts.kill_final_save_at)
+            events.install()
     trainer.save_model()
+    if events is not None and opts.list_save_events:
+        with open(opts.list_save_events, "w") as f:
+            json.dump(events.names, f)
     engine = trainer.model_wrapped
     state_dict = gathered_state_dict(trainer.model)
     if opts.stock_save:

@@ -1,0 +1,84 @@
+"""One rank fails, every rank stops: an agreed outcome after each step that only some ranks do.
+
+Saving, checkpointing, resume and conversion have steps that run on one rank (the main process writes, converts,
+swaps a directory in) or on each rank alone (its own checkpoint files), between collectives that every rank joins.
+An exception in such a step used to leave the other ranks in their next collective until a launcher or the process
+group's 30-minute timeout killed them. Here every rank leaves such a step through :func:`agree`: one all-reduce of
+"which rank failed", so that the failing rank raises its own error and every other rank raises :class:`RankFailure`
+naming it, at once.
+
+A failing rank does not wait for the others for long (:data:`FAILED_RANK_WAIT`): a peer stuck in another collective
+(one the failing rank skipped) is released when the failing process exits and its connections close.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+#: how long a rank that failed waits for the others to take note before it raises and exits anyway
+FAILED_RANK_WAIT = datetime.timedelta(seconds=20)
+
+
+class RankFailure(RuntimeError):
+    """Another rank failed in a step this rank was waiting on; its own error is in its log."""
+
+
+def _world():
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist
+    return None
+
+
+def _device(dist) -> torch.device:
+    """Where the process group's backend takes tensors: the CPU for gloo, the current accelerator otherwise."""
+    if dist.get_backend() == "gloo":
+        return torch.device("cpu")
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and accelerator.is_available():
+        return torch.device(accelerator.current_accelerator().type, accelerator.current_device_index())
+    return torch.device("cuda", torch.cuda.current_device())  # pragma: no cover - torch < 2.6
+
+
+def one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def agree(what: str, error: BaseException | None = None) -> None:
+    """Called by every rank at the same point after ``what``: raises :class:`RankFailure` on every rank that did not
+    fail when some rank did. The failing rank logs its error in one line and returns (it re-raises its own)."""
+    dist = _world()
+    if dist is None:
+        return
+    rank = dist.get_rank()
+    failed = torch.tensor([rank + 1 if error is not None else 0], dtype=torch.int64, device=_device(dist))
+    work = dist.all_reduce(failed, op=dist.ReduceOp.MAX, async_op=True)
+    if error is not None:
+        logger.error(f"rank {rank} failed while {what}: {one_line(error)}")
+        with contextlib.suppress(Exception):  # the others may be gone already, or stuck elsewhere
+            work.wait(timeout=FAILED_RANK_WAIT)
+        return
+    work.wait()
+    failing = int(failed.item())
+    if failing:
+        raise RankFailure(f"rank {failing - 1} failed while {what} (its error is above); rank {rank} stops too.")
+
+
+@contextlib.contextmanager
+def shared_outcome(what: str):
+    """A block every rank enters and leaves together (with no collective inside): when it raises on any rank, it
+    raises on every rank."""
+    try:
+        yield
+    except BaseException as err:
+        agree(what, err)
+        raise
+    agree(what)
