@@ -253,18 +253,40 @@ def run_summary(trainer) -> dict:
     }
 
 
-def end_distributed() -> None:
-    """Wait for every rank, then tear the default process group down.
+def _deepspeed_engines() -> list:
+    """The DeepSpeed engines alive in this process (a trainer's, TRL's reference model's...)."""
+    import gc
+    import sys
 
-    Call it last in a distributed script. Left to the interpreter's exit, the gloo process group can be destroyed while
-    a peer still talks to it, and a rank that finished cleanly aborts ("terminate called without an active exception",
-    exit code -6), which the launcher reports as a failed run.
+    engine_module = sys.modules.get("deepspeed.runtime.engine")
+    if engine_module is None:
+        return []
+    return [o for o in gc.get_objects() if isinstance(o, engine_module.DeepSpeedEngine)]
+
+
+def end_distributed() -> None:
+    """Wait for every rank, then tear down what a run started, in order: DeepSpeed's engines (their optimizers'
+    hooks, handles and pending gathers), DeepSpeed's comm layer with the process groups it holds, and torch's
+    default process group.
+
+    Call it last in a distributed script. Left to the interpreter's exit, these are destroyed in whatever order
+    finalization reaches them, while a peer may still talk to them, and a rank that finished cleanly can abort
+    ("terminate called without an active exception", exit code -6), which the launcher reports as a failed run.
     """
+    import sys
+
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        release_deepspeed_shm_names()
-        dist.barrier()
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    release_deepspeed_shm_names()
+    dist.barrier()
+    for engine in _deepspeed_engines():
+        engine.destroy()
+    ds_comm = sys.modules.get("deepspeed.comm.comm")
+    if ds_comm is not None and getattr(ds_comm, "cdb", None) is not None and ds_comm.is_initialized():
+        ds_comm.destroy_process_group()  # torch's groups and DeepSpeed's references to them
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 
