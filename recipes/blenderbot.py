@@ -43,6 +43,7 @@ from hf_ext import Seq2SeqTrainer, Seq2SeqTrainingArguments
 from hf_ext.config_args import parse_args_with_config
 from hf_ext.model_info import model_class
 from hf_ext.runtime import end_distributed, prepare_run, run_summary
+from hf_ext.saving.atomic import write_text_atomically
 from hf_ext.saving.export import export
 
 logger = logging.getLogger("recipes.blenderbot")
@@ -243,7 +244,7 @@ def main(argv: list[str] | None = None) -> dict:
             chats = sample_chats(raw["validation"], model_args.samples_to_print)
             dirs = {"base": model_path, "tuned": str(out)} if Path(model_path).is_dir() else {"reply": str(out)}
             samples = print_samples(dirs, chats, training_args)
-            (out / "sample_replies.json").write_text(json.dumps(samples, indent=1) + "\n")
+            write_text_atomically(out / "sample_replies.json", json.dumps(samples, indent=1) + "\n")
         print("\n=== metrics ===\n" + json.dumps(metrics, indent=1, default=str))
         before_after = bleu_before_after(trainer.state.log_history)
         if before_after:

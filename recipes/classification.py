@@ -36,6 +36,7 @@ from chat_e.models import build
 from hf_ext import Trainer, TrainingArguments
 from hf_ext.config_args import parse_args_with_config
 from hf_ext.runtime import end_distributed, prepare_run, run_summary
+from hf_ext.saving.atomic import write_text_atomically
 
 logger = logging.getLogger("recipes.classification")
 
@@ -152,7 +153,7 @@ def main() -> None:
     metrics["run"] = run_summary(trainer)
     trainer.save_model()
     if trainer.is_world_process_zero():
-        Path(training_args.output_dir, "all_results.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        write_text_atomically(Path(training_args.output_dir, "all_results.json"), json.dumps(metrics, indent=2) + "\n")
         logger.info(
             f"{test_split} accuracy {metrics[f'{test_split}_accuracy']:.3f} "
             f"(majority class {metrics[f'{test_split}_majority_rate']:.3f}) on {len(data[test_split])} examples"

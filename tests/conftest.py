@@ -141,11 +141,10 @@ def launcher_cmd(launcher: str, script: str | Path, nproc: int = 2) -> list[str]
     raise ValueError(launcher)
 
 
-def run(cmd: list[str], timeout: int = 900, tolerate=None, **env) -> subprocess.CompletedProcess:
-    """Run ``cmd`` from the repo root; fail with the tail of its output when it exits non-zero, unless
-    ``tolerate(proc)`` (a known failure the caller has checked harmless) says otherwise."""
+def run(cmd: list[str], timeout: int = 900, **env) -> subprocess.CompletedProcess:
+    """Run ``cmd`` from the repo root; fail with the tail of its output when it exits non-zero."""
     proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(**env), capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0 and not (tolerate and tolerate(proc)):
+    if proc.returncode != 0:
         tail = (proc.stdout[-4000:] + "\n---stderr---\n" + proc.stderr[-8000:]).strip()
         pytest.fail(f"{' '.join(map(str, cmd))} exited {proc.returncode}:\n{tail}")
     return proc

@@ -43,7 +43,9 @@ def export_command(args: argparse.Namespace) -> int:
         reason = write_failure(err)
         if reason is None:
             raise
-        print(f"hf-ext export: could not write {args.out} ({reason}); its previous content is intact.", file=sys.stderr)
+        print(
+            f"hf-ext export: could not write {args.out} ({reason}); its previous content is intact.", file=sys.stderr
+        )
         return 1
     print(out)
     return 0

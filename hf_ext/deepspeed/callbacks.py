@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
 from transformers import TrainerCallback
 
+from ..saving.atomic import write_text_atomically
 from .resolve import RESOLVED_CONFIG_NAME, STEP_KEYS, fill_model_keys, node_of, walk
 
 logger = logging.getLogger(__name__)
@@ -30,9 +30,7 @@ def write_resolved_config(config: dict, output_dir: str | Path, reference: dict 
                 clean.pop(key)
     path = Path(output_dir) / RESOLVED_CONFIG_NAME
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(clean, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomically(path, json.dumps(clean, indent=2) + "\n")
     return path
 
 

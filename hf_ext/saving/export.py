@@ -18,9 +18,9 @@ import shutil
 from pathlib import Path
 
 from ..model_info import model_class
+from .atomic import atomic_directory, work_path
 from .checkpoints import last_complete_checkpoint
 from .model_dir import model_dir_kind
-from .atomic import atomic_directory, work_path
 from .writer import is_weight_file, verify_saved_weights
 from .zero import save_fp32_from_zero_checkpoint
 

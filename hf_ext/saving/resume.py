@@ -32,8 +32,8 @@ from pathlib import Path
 
 from ..deepspeed.resolve import split_batch
 from ..peft import is_trainable_state_checkpoint
-from ..sizes import MiB, dir_bytes
 from ..ranks import shared_outcome
+from ..sizes import MiB, dir_bytes
 from .atomic import replace_dir
 from .checkpoints import CHECKPOINT_MARKER, TMP_PREFIX, UNIVERSAL_SUFFIX
 

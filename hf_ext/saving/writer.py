@@ -291,8 +291,8 @@ def save_streaming(
     Must be called on every rank when the model is ZeRO-3 partitioned. Values are the gathered parameters, cast to
     ``dtype`` when given (else stored in their own dtype). Tied parameters are stored once and re-tied on load.
     """
-    from . import atomic
     from ..ranks import shared_outcome
+    from . import atomic
 
     with shared_outcome(f"preparing the save into {output_dir}"):
         staged = atomic.begin(output_dir) if is_main else atomic.staged_path(output_dir)

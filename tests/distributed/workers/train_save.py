@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import signal
+import time
 from contextlib import nullcontext
 
 import torch
@@ -165,7 +166,10 @@ class SaveEvents:
 
             setattr(module, name, wrapped)
 
-        writer.open = lambda path, *a, **k: (self.event(f"open {pathlib.Path(path).name}"), builtins.open(path, *a, **k))[1]
+        writer.open = lambda path, *a, **k: (
+            self.event(f"open {pathlib.Path(path).name}"),
+            builtins.open(path, *a, **k),
+        )[1]
         after(writer, "_write_tensor", "tensor written")
         write_text = pathlib.Path.write_text
         pathlib.Path.write_text = lambda p, *a, **k: (self.event(f"write {p.name}"), write_text(p, *a, **k))[1]
@@ -183,6 +187,7 @@ def raise_on_rank1(trainer, where: str) -> None:
     import hf_ext.saving.zero
 
     def fail(*args, **kwargs):
+        print(f"rank 1 raises at {time.time():.3f}", flush=True)
         raise OSError(28, f"No space left on device (rank 1, injected in {where})")
 
     if where == "checkpoint":
