@@ -6,10 +6,14 @@ import argparse
 import logging
 import os
 import sys
+from dataclasses import fields
 
 from hf_ext.runtime import usable_cores
 from hf_ext.saving.model_dir import ModelDirError as ModelLoadError
 from hf_ext.saving.model_dir import describe_model_dir
+
+from .guard import API_KEY_ENV, AUTH_ENV, exposure_warning, parse_auth
+from .limits import ChatLimits
 
 logger = logging.getLogger("chat-e")
 
@@ -24,6 +28,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1: this machine only).")
     parser.add_argument("--port", type=int, default=7860, help="Port to serve on (default 7860; 0 picks a free one).")
     parser.add_argument("--share", action="store_true", help="Also open a public gradio.live link (off by default).")
+    parser.add_argument(
+        "--auth",
+        default=None,
+        metavar="USER:PASSWORD",
+        help=f"Ask for this user and password (Gradio's login page; gradio_client: auth=(user, password)). Default: "
+        f"${AUTH_ENV}, else no login.",
+    )
+    parser.add_argument(
+        "--api_key",
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help=f"Let programs in with the header 'Authorization: Bearer KEY' (gradio_client: headers=...). Without "
+        f"--auth every request needs it. Default: ${API_KEY_ENV}, else none.",
+    )
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="Weights' precision (default fp32).")
     parser.add_argument(
         "--quantize",
@@ -39,6 +58,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="Torch threads per reply (default: OMP_NUM_THREADS, else CPU cores / --concurrency).",
     )
+    limits = parser.add_argument_group("limits (a request over one is refused with a message saying so)")
+    for f in fields(ChatLimits):
+        flag = f"--{f.name}"
+        limits.add_argument(
+            flag,
+            flag.replace("_", "-"),
+            type=int,
+            default=f.default,
+            help=f"{f.metadata['help']} (default {f.default:,}).",
+        )
     group = parser.add_argument_group("generation defaults (the model's generation_config when not given)")
     group.add_argument("--num_beams", "--num-beams", type=int, default=None)
     group.add_argument("--do_sample", "--do-sample", action=argparse.BooleanOptionalAction, default=None)
@@ -75,6 +104,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.quantize == "int8" and args.dtype != "fp32":
         parser.error("--quantize int8 works on fp32 weights: drop --dtype bf16 or --quantize int8.")
     try:
+        limits = ChatLimits(**{f.name: getattr(args, f.name) for f in fields(ChatLimits)})
+        auth_value = args.auth or os.environ.get(AUTH_ENV)
+        auth = parse_auth(auth_value) if auth_value else None
+    except ValueError as err:
+        parser.error(str(err))
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    warning = exposure_warning(args.host, args.share, auth is not None, api_key is not None)
+    if warning:
+        logger.warning(warning)
+        print(f"chat-e: WARNING: {warning}", file=sys.stderr, flush=True)
+    try:
         describe_model_dir(args.model)  # fail fast, before the heavy imports
     except ModelLoadError as err:
         print(f"chat-e: error: {err}", file=sys.stderr)
@@ -105,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = engine.default_settings().replace(**overrides)
     logger.info("loaded %s", engine.describe())
     logger.info("generation defaults: %s; %d torch threads per reply", settings, torch.get_num_threads())
-    demo = build_app(engine, settings, concurrency_limit=args.concurrency)
+    demo = build_app(engine, settings, concurrency_limit=args.concurrency, limits=limits)
+    logger.info("limits: %s; login %s, API key %s", limits, "on" if auth else "off", "on" if api_key else "off")
     try:
         demo.launch(
             server_name=args.host,
@@ -114,11 +155,24 @@ def main(argv: list[str] | None = None) -> int:
             theme=theme(),
             footer_links=["api"],
             show_error=False,
+            auth=auth,
+            auth_message="Chat-E: log in with the user and password its server was started with.",
+            max_file_size=limits.max_body_bytes,
+            app_kwargs={"middleware": [guard_middleware(limits.max_body_bytes, api_key)]},
         )
     except OSError as err:
         print(f"chat-e: error: cannot serve on {args.host}:{args.port}: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def guard_middleware(max_body_bytes: int, api_key: str | None):
+    """:class:`~chat_e.guard.RequestGuard` as a Starlette middleware entry for the Gradio app's ``app_kwargs``."""
+    from starlette.middleware import Middleware
+
+    from .guard import RequestGuard
+
+    return Middleware(RequestGuard, max_body_bytes=max_body_bytes, api_key=api_key)
 
 
 def _free_port(host: str) -> int:

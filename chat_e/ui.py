@@ -3,6 +3,9 @@
 Everything a reply depends on travels with the request (the session's chat, the context mode, the settings), so
 sessions never share a history. Messages are shown as text: they are HTML-escaped for display and unescaped (an
 exact inverse) before they reach the model.
+
+Every event that can reach the model takes its inputs raw (``preprocess=False``) and checks them first, with
+:func:`chat_e.limits.check_request`: one rule per field for the UI and the API alike, a refusal a ``gr.Error``.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ import inspect
 import logging
 from typing import Any
 
-from .engine import MAX_MESSAGE_CHARS, ChatEngine, GenerationSettings, clip_message, message_text, normalize_mode
+from .engine import ChatEngine, GenerationSettings, message_text
+from .limits import ChatLimits, Refused, Request, check_request
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +50,12 @@ APOLOGY = "Sorry, something went wrong while I was thinking of a reply. Please t
 GENERATE_GROUP = "generate"
 #: Send, Regenerate, Undo, Clear: locked with the message box while a reply is generated
 N_BUTTONS = 4
+#: generation settings the UI's sliders offer, as (lowest, highest); the token counts' highest is the model's
+SETTING_RANGES: dict[str, tuple[float, float]] = {
+    "num_beams": (1, 10),
+    "temperature": (0.05, 2.0),
+    "top_p": (0.05, 1.0),
+}
 
 
 def import_gradio():
@@ -76,9 +86,10 @@ def chat_messages(chat: list | None) -> list[dict]:
     return [{"role": m["role"], "content": message_text(m.get("content"))} for m in chat or [] if m.get("role")]
 
 
-def model_history(chat: list[dict]) -> list[dict]:
-    """The chat window's messages with their text as typed, for the engine."""
-    return [{"role": m["role"], "content": from_display(m["content"])} for m in chat]
+def setting_ranges(engine: ChatEngine) -> dict[str, tuple[float, float]]:
+    """:data:`SETTING_RANGES` with the reply lengths the model's position window allows."""
+    max_tokens = engine.max_positions - 1
+    return {**SETTING_RANGES, "max_new_tokens": (1, max_tokens), "min_new_tokens": (0, max_tokens)}
 
 
 # ---- handlers (plain functions of their inputs: no state is shared between sessions) --------------------------------
@@ -87,61 +98,79 @@ def model_history(chat: list[dict]) -> list[dict]:
 class Handlers:
     """The UI's event handlers and the ``chat`` API function, over one engine."""
 
-    def __init__(self, engine: ChatEngine, settings: GenerationSettings | None = None):
+    def __init__(
+        self, engine: ChatEngine, settings: GenerationSettings | None = None, limits: ChatLimits | None = None
+    ):
         self.engine = engine
         self.settings = settings or engine.default_settings()
+        self.limits = limits or ChatLimits()
+        self.ranges = setting_ranges(engine)
 
-    def add_message(self, message: str | None, chat: list | None):
+    def check(self, where: str, **fields) -> Request:
+        """:func:`~chat_e.limits.check_request` under this server's limits; a refusal is a ``gr.Error`` with its
+        message (and one log line, no traceback)."""
+        try:
+            return check_request(self.limits, ranges=self.ranges, **fields)
+        except Refused as err:
+            logger.info("refused (%s): %s", where, err)
+            raise import_gradio().Error(str(err), title="Chat-E cannot take this", print_exception=False) from None
+
+    def add_message(self, message: Any, chat: Any):
         """Append the user's message to the chat, clear the box and lock the controls until the reply is done (so a
-        session never has two replies under way); an empty message changes nothing."""
+        session never has two replies under way). A refused message (empty, too long) stays in the box."""
         gr = import_gradio()
+        self.check("add_message", message=message, chat=chat, text=from_display)
         chat = chat_messages(chat)
-        if not message or not message.strip():
-            return gr.update(), chat, *[gr.update()] * N_BUTTONS
-        message, clipped = clip_message(message)
-        if clipped:
-            gr.Warning(f"Your message was cut to its first {MAX_MESSAGE_CHARS:,} characters.")
         chat.append({"role": "user", "content": to_display(message)})
         return gr.update(value="", interactive=False), chat, *[gr.update(interactive=False)] * N_BUTTONS
 
     def respond(
         self,
-        chat: list | None,
-        mode: str,
-        context: str | None,
-        num_beams: float,
-        do_sample: bool,
-        temperature: float,
-        top_p: float,
-        max_new_tokens: float,
-        min_new_tokens: float,
+        chat: Any,
+        mode: Any,
+        context: Any,
+        num_beams: Any,
+        do_sample: Any,
+        temperature: Any,
+        top_p: Any,
+        max_new_tokens: Any,
+        min_new_tokens: Any,
     ):
         """Stream the bot's reply to the last user message of the chat (nothing to do when there is none)."""
-        chat = chat_messages(chat)
-        if not chat or chat[-1]["role"] != "user":
-            yield chat
+        pending = isinstance(chat, list) and chat and isinstance(chat[-1], dict) and chat[-1].get("role") == "user"
+        if not pending:
+            self.check("respond", chat=chat)
+            yield chat_messages(chat)
             return
-        settings = self.settings.replace(
-            num_beams=int(num_beams),
-            do_sample=bool(do_sample),
-            temperature=float(temperature),
-            top_p=float(top_p),
-            max_new_tokens=int(max_new_tokens),
-            min_new_tokens=int(min_new_tokens),
+        settings = dict(
+            num_beams=num_beams,
+            do_sample=do_sample,
+            temperature=temperature,
+            top_p=top_p,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=min_new_tokens,
         )
-        history = model_history(chat)
+        checked = self.check(
+            "respond",
+            message=from_display(chat[-1].get("content")),
+            chat=chat[:-1],
+            mode=mode,
+            context=context,
+            settings=settings,
+            text=from_display,
+        )
+        settings = self.settings.replace(**checked.settings)
+        chat = chat_messages(chat)
         chat.append({"role": "assistant", "content": ""})
         reply = ""
         try:
-            pieces = self.engine.stream_chat(
-                history[-1]["content"], history[:-1], normalize_mode(mode), context, settings
-            )
+            pieces = self.engine.stream_chat(checked.message, checked.history, checked.mode, checked.context, settings)
             for piece in pieces:
                 reply += piece
                 chat[-1]["content"] = to_display(reply)
                 yield [dict(m) for m in chat]
         except Exception:
-            logger.exception("generation failed (mode=%s, %d messages)", mode, len(history))
+            logger.exception("generation failed (mode=%s, %d messages)", checked.mode, len(checked.history))
             chat[-1]["content"] = APOLOGY
         if not chat[-1]["content"]:
             chat[-1]["content"] = to_display(reply) or "…"
@@ -184,40 +213,39 @@ class Handlers:
         """Chat-E's reply to ``message``.
 
         Args:
-            message: the user's newest message (an empty one gets an empty reply and no model call).
+            message: the user's newest message (non-empty; an empty or over-long one is refused).
             history: the conversation so far, oldest first, as ``{"role": "user" | "assistant", "content": str}``.
-            mode: ``persona``, ``emotion``, ``domain`` or ``free``.
-            context: the persona sentences, emotion or domain (ignored in free chat).
+            mode: ``persona``, ``emotion``, ``domain``, ``topic`` or ``free``.
+            context: the persona sentences, emotion, domain or topic (ignored in free chat).
         """
-        gr = import_gradio()
-        if not message or not str(message).strip():
-            return ""
+        checked = self.check("chat", message=message, history=history, mode=mode, context=context)
         try:
-            mode = normalize_mode(mode)
-        except ValueError as err:
-            raise gr.Error(str(err)) from err
-        if history is not None and not isinstance(history, list):
-            raise gr.Error("history should be a list of {'role': ..., 'content': ...} messages, oldest first.")
-        message = clip_message(str(message))[0]
-        try:
-            return self.engine.chat(message, history or [], mode, context, self.settings)
+            return self.engine.chat(checked.message, checked.history, checked.mode, checked.context, self.settings)
         except Exception:
-            logger.exception("generation failed (api, mode=%s, %d messages)", mode, len(history or []))
+            logger.exception("generation failed (api, mode=%s, %d messages)", checked.mode, len(checked.history))
             return APOLOGY
 
 
 # ---- layout ----------------------------------------------------------------------------------------------------
 
 
-def build_app(engine: ChatEngine, settings: GenerationSettings | None = None, concurrency_limit: int = 2):
+def build_app(
+    engine: ChatEngine,
+    settings: GenerationSettings | None = None,
+    concurrency_limit: int = 2,
+    limits: ChatLimits | None = None,
+):
     """The Chat-E Blocks for ``engine``; ``settings`` are the defaults shown in the settings accordion and used by
-    the ``chat`` API endpoint. Generation runs at most ``concurrency_limit`` at a time."""
+    the ``chat`` API endpoint. Generation runs at most ``concurrency_limit`` at a time, and at most
+    ``limits.max_queue`` requests wait; every request is checked against ``limits``."""
     gr = import_gradio()
-    handlers = Handlers(engine, settings)
+    handlers = Handlers(engine, settings, limits)
     s = handlers.settings
-    max_tokens = engine.max_positions - 1
+    ranges = handlers.ranges
+    max_tokens = ranges["max_new_tokens"][1]
     generate = dict(concurrency_limit=concurrency_limit, concurrency_id=GENERATE_GROUP)
     ui = dict(api_visibility="undocumented")
+    raw = dict(preprocess=False)  # the handler checks its inputs itself (check_request)
 
     def unlock():
         return [gr.update(interactive=True)] * (1 + N_BUTTONS)
@@ -250,15 +278,23 @@ def build_app(engine: ChatEngine, settings: GenerationSettings | None = None, co
                 )
                 with gr.Accordion("Generation settings", open=False, elem_id="settings"):
                     gr.Markdown("Replies stream token by token with 1 beam; beam search shows them when done.")
-                    num_beams = gr.Slider(1, 10, value=s.num_beams, step=1, label="num_beams")
+                    num_beams = gr.Slider(*ranges["num_beams"], value=s.num_beams, step=1, label="num_beams")
                     do_sample = gr.Checkbox(value=s.do_sample, label="do_sample")
-                    temperature = gr.Slider(0.05, 2.0, value=s.temperature, step=0.05, label="temperature")
-                    top_p = gr.Slider(0.05, 1.0, value=s.top_p, step=0.05, label="top_p")
+                    temperature = gr.Slider(
+                        *ranges["temperature"], value=s.temperature, step=0.05, label="temperature"
+                    )
+                    top_p = gr.Slider(*ranges["top_p"], value=s.top_p, step=0.05, label="top_p")
                     max_new_tokens = gr.Slider(
-                        1, max_tokens, value=min(s.max_new_tokens, max_tokens), step=1, label="max_new_tokens"
+                        *ranges["max_new_tokens"],
+                        value=min(s.max_new_tokens, max_tokens),
+                        step=1,
+                        label="max_new_tokens",
                     )
                     min_new_tokens = gr.Slider(
-                        0, max_tokens, value=min(s.min_new_tokens, max_tokens), step=1, label="min_new_tokens"
+                        *ranges["min_new_tokens"],
+                        value=min(s.min_new_tokens, max_tokens),
+                        step=1,
+                        label="min_new_tokens",
                     )
             with gr.Column(scale=3):
                 chatbot = gr.Chatbot(
@@ -270,6 +306,7 @@ def build_app(engine: ChatEngine, settings: GenerationSettings | None = None, co
                     buttons=["copy", "copy_all"],
                     placeholder="Pick a context on the left, then say hello.",
                 )
+                chatbot.data_model = checked_chat_model(type(chatbot).data_model)
                 with gr.Row():
                     message = gr.Textbox(
                         show_label=False,
@@ -305,13 +342,14 @@ def build_app(engine: ChatEngine, settings: GenerationSettings | None = None, co
             [message, chatbot, *buttons],
             queue=False,
             api_name="add_message",
+            **raw,
             **ui,
-        ).then(handlers.respond, reply_inputs, [chatbot], api_name="respond", **generate, **ui).then(
+        ).then(handlers.respond, reply_inputs, [chatbot], api_name="respond", **raw, **generate, **ui).then(
             unlock, None, [message, *buttons], queue=False, **ui
         )
         gr.on([regenerate.click, chatbot.retry], lock, None, [message, *buttons], queue=False, **ui).then(
             handlers.regenerate, [chatbot], [chatbot], queue=False, **ui
-        ).then(handlers.respond, reply_inputs, [chatbot], **generate, **ui).then(
+        ).then(handlers.respond, reply_inputs, [chatbot], **raw, **generate, **ui).then(
             unlock, None, [message, *buttons], queue=False, **ui
         )
         gr.on([undo.click, chatbot.undo], handlers.undo, [chatbot], [chatbot, message], queue=False, **ui)
@@ -319,8 +357,30 @@ def build_app(engine: ChatEngine, settings: GenerationSettings | None = None, co
         chatbot.clear(lambda: "", None, [message], queue=False, **ui)
         gr.api(typed(handlers.api_chat), api_name="chat", **generate)
 
-    demo.queue(default_concurrency_limit=concurrency_limit, max_size=256)
+    demo.queue(default_concurrency_limit=concurrency_limit, max_size=handlers.limits.max_queue)
     return demo
+
+
+def checked_chat_model(model):
+    """The chat window's data model (``model``), its refusal of a malformed chat a ``gr.Error`` that says what a chat
+    is. Gradio checks a chat against it before any handler runs (``preprocess=False`` included)."""
+    import pydantic
+
+    class CheckedChat(model):
+        @classmethod
+        def model_validate(cls, obj, *args, **kwargs):
+            try:
+                return super().model_validate(obj, *args, **kwargs)
+            except pydantic.ValidationError:
+                message = (
+                    "The chat should be the chat window's value: a list of {'role': 'user' | 'assistant', "
+                    "'content': [{'type': 'text', 'text': ...}]} messages."
+                )
+                logger.info("refused (chat window): %s", message)
+                raise import_gradio().Error(message, title="Chat-E cannot take this", print_exception=False) from None
+
+    CheckedChat.__name__ = model.__name__
+    return CheckedChat
 
 
 def typed(method):

@@ -53,18 +53,26 @@ def chat_e_cmd(model: Path | str, port: int, *extra: str) -> list[str]:
 
 class ChatEServer:
     """``python -m chat_e --model DIR`` on a free port, its output in ``log_path``; generation settings are
-    :data:`TEST_SETTINGS` unless ``model_defaults`` (then the model's own, as ``chat-e`` serves by default)."""
+    :data:`TEST_SETTINGS` unless ``model_defaults`` (then the model's own, as ``chat-e`` serves by default).
+    ``api_key`` reaches the server as ``CHAT_E_API_KEY`` (the readiness probe sends it)."""
 
-    def __init__(self, model: Path, log_path: Path, *extra: str, model_defaults: bool = False):
+    def __init__(
+        self, model: Path, log_path: Path, *extra: str, model_defaults: bool = False, api_key: str | None = None
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/"
         self.log_path = log_path
+        self.api_key = api_key
         settings = [f"--{k}={v}" for k, v in TEST_SETTINGS.items() if k != "do_sample"] + ["--no-do_sample"]
         cmd = chat_e_cmd(model, self.port, *([] if model_defaults else settings), "--threads", "1", *extra)
+        env = launch_env(GRADIO_ANALYTICS_ENABLED="False", **({"CHAT_E_API_KEY": api_key} if api_key else {}))
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=launch_env(GRADIO_ANALYTICS_ENABLED="False"), stdout=self._log, stderr=subprocess.STDOUT
-        )
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What a client sends to be let in by the API key (nothing when the server has none)."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def wait_ready(self, timeout: float = 300) -> ChatEServer:
         deadline = time.monotonic() + timeout
@@ -72,7 +80,7 @@ class ChatEServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"chat-e exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
             try:
-                with urllib.request.urlopen(self.url, timeout=5) as resp:
+                with urllib.request.urlopen(urllib.request.Request(self.url, headers=self.headers), timeout=5) as resp:
                     if resp.status == 200:
                         return self
             except OSError:
@@ -90,6 +98,20 @@ class ChatEServer:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def rss_kib(self) -> int:
+        """The server process's resident memory (VmRSS) in KiB."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+        raise RuntimeError(f"no VmRSS in /proc/{self.proc.pid}/status")
+
+    def client(self, **kwargs):
+        """A ``gradio_client.Client`` on this server, with the API key when it has one."""
+        from gradio_client import Client
+
+        kwargs.setdefault("analytics_enabled", False)
+        return Client(self.url, verbose=False, headers=self.headers or None, **kwargs)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -99,3 +121,46 @@ class ChatEServer:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+
+
+# ---- the oracle: stock transformers, no chat_e code --------------------------------------------------------------
+
+#: MuDoConv's header per context mode, written out here rather than taken from chat_e.dialogue
+MUDOCONV_HEADERS = {
+    "persona": "your persona: {} </s>",
+    "emotion": "context: {}",
+    "domain": "domain: {}",
+    "topic": "topic: {}",
+}
+
+
+def mudoconv_prompt(message: str, history: list[str] = (), mode: str = "free", context: str | None = None) -> str:
+    """A BlenderBot input as MuDoConv writes it: the header, two spaces and ``<s>``, then the turns joined by
+    ``</s> <s>``, the user's newest last."""
+    body = " </s> <s> ".join([*history, message])
+    return f"{MUDOCONV_HEADERS[mode].format(context)}  <s> {body}" if mode in MUDOCONV_HEADERS and context else body
+
+
+def stock_seq2seq_reply(
+    model_dir, prompt: str | list[int], *, int8: bool = False, dtype=None, threads: int | None = None, **generate
+) -> str:
+    """Stock ``AutoModelForSeq2SeqLM.generate`` on ``prompt`` (text, tokenized with the tokenizer's special tokens,
+    or ids), the reply decoded without special tokens; ``int8``: torch's dynamic quantization of every Linear layer
+    first. ``generate`` takes the settings (the model's generation_config supplies the rest, as it does for
+    Chat-E); ``threads``: torch threads for it (a test server runs one)."""
+    import torch
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForSeq2SeqLM.from_pretrained(model_dir, **({"dtype": dtype} if dtype else {})).eval()
+    if int8:
+        model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+    ids = torch.tensor([tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt)])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), **generate)
+    finally:
+        torch.set_num_threads(before)
+    return tokenizer.decode(out[0], skip_special_tokens=True).strip()

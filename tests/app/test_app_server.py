@@ -9,17 +9,31 @@ import sys
 import threading
 import urllib.request
 
+import httpx
 import pytest
 import torch
+from gradio_client.exceptions import AppError
 
 from chat_e.__main__ import resolve_quantize
-from chat_e.engine import MAX_MESSAGE_CHARS, ChatEngine, GenerationSettings, message_text
+from chat_e.engine import ChatEngine, GenerationSettings, message_text
+from chat_e.limits import ChatLimits
 from chat_e.ui import APOLOGY, Handlers, from_display, to_display
 
 from ..conftest import BIN, ROOT, free_port, launch_env
-from .support import TEST_SETTINGS, ChatEServer, chat_e_cmd, make_broken_model, make_sensitive_model
+from .support import (
+    TEST_SETTINGS,
+    ChatEServer,
+    chat_e_cmd,
+    make_broken_model,
+    make_sensitive_model,
+    mudoconv_prompt,
+    stock_seq2seq_reply,
+)
 
 PERSONA = "My name is Chat-E. I'm helpful, creative, clever, sarcastic and very friendly."
+LIMITS = ChatLimits()  # the servers here run with the default limits
+#: /respond's generation settings as the UI sends them: num_beams, do_sample, temperature, top_p, max/min new tokens
+UI_SETTINGS = (1, False, 1.0, 1.0, 8, 1)
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +80,18 @@ def reference(model_dir):
 
 
 def client(server):
-    from gradio_client import Client
+    return server.client()
 
-    return Client(server.url, verbose=False)
+
+def alternating(turns: list[str]) -> list[dict]:
+    """``turns`` as messages whose roles alternate and end with the bot's, so that a new message is the user's."""
+    roles = ["assistant" if (len(turns) - i) % 2 else "user" for i in range(len(turns))]
+    return [{"role": role, "content": turn} for role, turn in zip(roles, turns)]
+
+
+def window(messages: list[dict]) -> list[dict]:
+    """Messages as the chat window holds them (what /add_message and /respond take): display text in parts."""
+    return [{**m, "content": [{"type": "text", "text": to_display(m["content"])}]} for m in messages]
 
 
 def test_chat_endpoint_is_named_and_typed(server):
@@ -128,45 +151,164 @@ def test_concurrent_sessions_do_not_share_history(server, reference):
     assert len(distinct) > n_clients  # replies depend on each session's own history, so a mix-up would show
 
 
+@pytest.mark.parametrize(
+    "message, turns, mode, context",
+    [
+        ("Hi! What's your name?", [], "persona", PERSONA),
+        ("Any advice?", ["I'm going somewhere warm next month.", "Sounds lovely!"], "domain", "vacation ideas"),
+        ("and you?", ["hello", "hi there, I like cats", "I have two dogs"], "free", ""),
+        ("What should we eat?", ["I'm starving."], "topic", "favorite foods"),
+    ],
+    ids=["persona", "domain-history", "free-history", "topic"],
+)
+def test_served_replies_equal_stock_generate(server, model_dir, message, turns, mode, context):
+    """The oracle shares no code with Chat-E: the prompt as MuDoConv writes it, stock ``generate`` on the model as
+    the server serves it (int8 dynamic quantization of the Linear layers), greedy with the server's lengths."""
+    greedy = dict(num_beams=1, do_sample=False, max_new_tokens=8, min_new_tokens=1)
+    stock = stock_seq2seq_reply(
+        model_dir, mudoconv_prompt(message, turns, mode, context), int8=True, threads=1, **greedy
+    )
+    assert stock  # a reply to compare with
+    assert client(server).predict(message, alternating(turns), mode, context, api_name="/chat") == stock
+    _, chat, *_ = client(server).predict(message, window(alternating(turns)), api_name="/add_message")
+    chat = client(server).predict(chat, mode, context, *UI_SETTINGS, api_name="/respond")
+    assert from_display(chat[-1]["content"]) == stock  # the streamed reply, joined
+
+
 def test_ui_events_stream_a_reply(server, reference):
     c = client(server)
     box, chat, *_ = c.predict("Hello there!", [], api_name="/add_message")
     assert box == {"__type__": "update", "value": "", "interactive": False}  # cleared and locked until the reply
     assert chat[-1]["role"] == "user"
-    chat = c.predict(chat, "persona", PERSONA, 1, False, 1.0, 1.0, 8, 1, api_name="/respond")
+    chat = c.predict(chat, "persona", PERSONA, *UI_SETTINGS, api_name="/respond")
     assert [m["role"] for m in chat] == ["user", "assistant"]
     reply = from_display(chat[-1]["content"])
-    assert reply == reference("Hello there!", [], "persona", PERSONA)
+    assert reply and reply == reference("Hello there!", [], "persona", PERSONA)
 
 
 # ---- bad input ---------------------------------------------------------------------------------------------------
 
 
-def test_empty_message_makes_no_model_call(server):
-    c = client(server)
-    before = server.generations()
-    assert c.predict("", [], "free", "", api_name="/chat") == ""
-    assert c.predict("  \n\t ", [{"role": "user", "content": "hi"}], "persona", PERSONA, api_name="/chat") == ""
-    box, chat, *_ = c.predict("   ", [], api_name="/add_message")
-    assert chat == []
-    assert c.predict(chat, "free", "", 1, False, 1.0, 1.0, 8, 1, api_name="/respond") == []
-    assert c.predict("hi", [], "free", "", api_name="/chat")  # a real message is answered ...
-    assert server.generations() == before + 1  # ... and was the only model call
+def refusals(server, c, endpoint: str, cases) -> None:
+    """Every ``(args, text)`` of ``cases`` sent to ``endpoint`` is refused with ``text``, with no model call and no
+    traceback in the server's log."""
+    generated, tracebacks = server.generations(), server.log().count("Traceback")
+    for args, text in cases:
+        with pytest.raises(AppError, match=re.escape(text)):
+            c.predict(*args, api_name=endpoint)
+    assert server.generations() == generated
+    assert server.log().count("Traceback") == tracebacks
 
 
-def test_huge_message_is_truncated_and_answered(server):
+def test_empty_and_non_string_fields_are_refused_clearly(server):
     c = client(server)
-    message = "blah " * 20_000
-    assert len(message) == 100_000
+    refusals(
+        server,
+        c,
+        "/chat",
+        [
+            (("", [], "free", ""), "The message is empty: type something to send."),
+            (("  \n\t ", [{"role": "user", "content": "hi"}], "persona", PERSONA), "The message is empty"),
+            ((None, [], "free", ""), "The message should be text (a string), not null."),
+            ((42, [], "free", ""), "The message should be text (a string), not a number."),
+            (("hi", "not a list", "free", ""), "The history should be a list of {'role', 'content'} messages"),
+            (("hi", [{"role": "user", "content": 7}], "free", ""), "history[0] should hold text, not a number."),
+            (("hi", [{"role": "bot", "content": "x"}], "free", ""), "history[0]['role'] should be 'user' or"),
+            (("hi", [3], "free", ""), "history[0] should be a {'role', 'content'} message, a [user, bot] pair or"),
+            (("hi", [], 3, ""), "The mode should be a string (persona, emotion, domain, topic or free), not a"),
+            (("hi", [], "pirate", ""), "Unknown context mode 'pirate'"),
+            (("hi", [], "persona", ["not", "text"]), "The context should be text (a string), not a list."),
+        ],
+    )
+    refusals(server, c, "/add_message", [(("   ", []), "The message is empty"), ((7, []), "not a number")])
+    chat = window([{"role": "user", "content": "hi"}])
+    refusals(
+        server,
+        c,
+        "/respond",
+        [
+            (("not a chat", "free", "", *UI_SETTINGS), "The chat should be the chat window's value: a list of"),
+            ((chat, "free", 5, *UI_SETTINGS), "The context should be text (a string), not a number."),
+            ((chat, None, "", *UI_SETTINGS), "The mode should be a string"),
+            ((chat, "free", "", 0, False, 1.0, 1.0, 8, 1), "num_beams should be a whole number from 1 to 10, not 0."),
+            ((chat, "free", "", 1, "yes", 1.0, 1.0, 8, 1), "do_sample should be true or false, not 'yes'."),
+            ((chat, "free", "", 1, False, "hot", 1.0, 8, 1), "temperature should be a number from 0.05 to 2.0"),
+            ((chat, "free", "", 1, False, 1.0, 1.0, 10**6, 1), "max_new_tokens should be a whole number from 1 to"),
+            ((chat, "free", "", 1, False, 1.0, 1.0, 8.5, 1), "max_new_tokens should be a whole number"),
+        ],
+    )
+    assert c.predict([], "free", "", *UI_SETTINGS, api_name="/respond") == []  # nothing to answer, no error
     before = server.generations()
-    reply = c.predict(message, [], "domain", "vacation ideas", api_name="/chat")
-    assert isinstance(reply, str) and reply != APOLOGY
-    input_tokens = [int(n) for n in re.findall(r"generate: .*input_tokens=(\d+)", server.log())]
-    assert len(input_tokens) == before + 1 and input_tokens[-1] <= 128
-    _, chat, *_ = c.predict(message, [], api_name="/add_message")
-    assert message_text(chat[-1]["content"]) == to_display(message[:MAX_MESSAGE_CHARS])
-    chat = c.predict(chat, "free", "", 1, False, 1.0, 1.0, 8, 1, api_name="/respond")
-    assert chat[-1]["role"] == "assistant" and from_display(chat[-1]["content"]) not in ("", APOLOGY)
+    assert c.predict("hi", [], "free", "", api_name="/chat")  # a real message is answered
+    assert server.generations() == before + 1
+
+
+def test_over_the_limits_is_refused_at_every_entry_point(server, reference):
+    c = client(server)
+    turns = [f"turn {i}" for i in range(LIMITS.max_history_turns + 1)]
+    too_many, too_long = alternating(turns), alternating(["x" * 1500] * 14)  # 51 messages; 21,000 characters
+    assert sum(len(m["content"]) for m in too_long) > LIMITS.max_history_chars
+    long_message, long_context = "m" * (LIMITS.max_message_chars + 1), "c" * (LIMITS.max_context_chars + 1)
+    message_text_ = "The message is 2,001 characters long; Chat-E takes up to 2,000. Shorten it and send again."
+    context_text = "The context is 4,001 characters long; Chat-E takes up to 4,000. Shorten it and send again."
+    turns_text = "The chat has 51 earlier messages; Chat-E takes up to 50. Start a new chat (Clear) or send fewer."
+    chars_text = "The chat's earlier messages are over 20,000 characters together"
+    refusals(
+        server,
+        c,
+        "/chat",
+        [
+            ((long_message, [], "free", ""), message_text_),
+            (("m" * 1_000_000, [], "free", ""), "The message is 1,000,000 characters long"),
+            (("hi", [], "persona", long_context), context_text),
+            (("hi", [], "persona", "c" * 1_000_000), "The context is 1,000,000 characters long"),
+            (("hi", too_many, "free", ""), turns_text),
+            (("hi", [["u", "b"]] * 26, "free", ""), "The chat has 52 earlier messages"),  # a pair is two
+            (("hi", too_long, "free", ""), chars_text),
+        ],
+    )
+    refusals(server, c, "/add_message", [((long_message, []), message_text_), (("hi", window(too_many)), turns_text)])
+    pending = [{"role": "user", "content": "hi"}]
+    refusals(
+        server,
+        c,
+        "/respond",
+        [
+            ((window([{"role": "user", "content": long_message}]), "free", "", *UI_SETTINGS), message_text_),
+            ((window(pending), "persona", long_context, *UI_SETTINGS), context_text),
+            ((window(too_many + pending), "free", "", *UI_SETTINGS), turns_text),
+            ((window(too_long + pending), "free", "", *UI_SETTINGS), chars_text),
+        ],
+    )
+    # at the limits exactly: answered, as the engine answers
+    at = ("m " * (LIMITS.max_message_chars // 2), too_many[1:], "persona", "c" * LIMITS.max_context_chars)
+    assert len(at[0]) == LIMITS.max_message_chars and len(at[1]) == LIMITS.max_history_turns
+    reply = c.predict(*at, api_name="/chat")
+    assert reply and reply == reference(*at)
+
+
+def test_request_bodies_over_the_limit_get_413_unread(server):
+    limit = LIMITS.max_body_bytes
+    url = f"{server.url}gradio_api/call/chat"
+    answer = f"The request body is over {limit:,} bytes, the most Chat-E takes; it was not read."
+    r = httpx.post(url, json={"data": ["hi", [], "persona", "c" * limit]}, timeout=60)  # by its Content-Length
+    assert (r.status_code, r.json()["detail"][: len(answer)]) == (413, answer)
+
+    def chunks():  # no Content-Length: refused once the bytes received pass the limit
+        yield b'{"data": ["hi", [], "persona", "'
+        for _ in range(limit // 65536 + 1):
+            yield b"c" * 65536
+        yield b'"]}'
+
+    r = httpx.post(url, content=chunks(), headers={"content-type": "application/json"}, timeout=60)
+    assert "content-length" not in r.request.headers and r.request.headers["transfer-encoding"] == "chunked"
+    assert (r.status_code, r.json()["detail"][: len(answer)]) == (413, answer)
+    files = {"files": ("big.txt", b"x" * (limit + 1), "text/plain")}
+    r = httpx.post(f"{server.url}gradio_api/upload", files=files, timeout=60)  # uploads too
+    assert r.status_code == 413
+    with pytest.raises(httpx.HTTPStatusError, match="413"):  # what gradio_client raises
+        client(server).predict("hi", [], "persona", "c" * limit, api_name="/chat")
+    assert server.alive() and client(server).predict("hi", [], "free", "", api_name="/chat")
 
 
 def test_html_is_shown_as_text(server, reference):
@@ -175,16 +317,9 @@ def test_html_is_shown_as_text(server, reference):
     _, chat, *_ = c.predict(message, [], api_name="/add_message")
     shown = message_text(chat[-1]["content"])
     assert "<" not in shown and "&lt;script&gt;" in shown and from_display(shown) == message
-    chat = c.predict(chat, "free", "", 1, False, 1.0, 1.0, 8, 1, api_name="/respond")
+    chat = c.predict(chat, "free", "", *UI_SETTINGS, api_name="/respond")
     assert from_display(chat[-1]["content"]) == reference(message, [], "free", "")  # the model got the raw text
     assert c.predict(message, [], "free", "", api_name="/chat") == reference(message, [], "free", "")
-
-
-def test_unknown_mode_is_a_clear_client_error(server):
-    from gradio_client.exceptions import AppError
-
-    with pytest.raises(AppError, match="Unknown context mode"):
-        client(server).predict("hi", [], "pirate", "", api_name="/chat")
 
 
 @pytest.mark.parametrize("case", ["missing", "file", "empty", "bad-json", "weightless"])

@@ -1,0 +1,205 @@
+"""Who may call Chat-E and how much they may send: an ASGI middleware in front of the Gradio app, and the warning for
+a server anyone can reach.
+
+:class:`RequestGuard`, for every HTTP request, before the Gradio app sees it:
+
+* with an API key, the request needs ``Authorization: Bearer KEY`` -- or, when the server also has a login
+  (``--auth``, Gradio's own), a logged-in session: Gradio's login decides on a request without the header;
+* a body over ``max_body_bytes`` gets HTTP 413: by its ``Content-Length`` before a byte of it is read, or, sent
+  without one (chunked), as soon as the bytes received pass the limit (the app never sees it);
+* a full queue's HTTP 503 says that Chat-E is busy and to try again.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import secrets
+from typing import Any
+
+#: environment variables that ``chat-e`` reads when ``--api_key`` / ``--auth`` are not given
+API_KEY_ENV = "CHAT_E_API_KEY"
+AUTH_ENV = "CHAT_E_AUTH"
+#: the user name of requests let in by the API key on a server with a login
+API_KEY_USER = "api-key"
+BUSY = "Chat-E is busy: too many requests are waiting for a reply. Try again in a moment."
+NEEDS_KEY = "Chat-E needs its API key: send the header 'Authorization: Bearer KEY'."
+WRONG_KEY = "Wrong API key: send the server's key as 'Authorization: Bearer KEY'."
+#: paths open without the key: Gradio's launch calls this one on itself (it runs the startup events, once)
+OPEN_PATHS = frozenset({"/gradio_api/startup-events"})
+
+
+def too_large(limit: int) -> str:
+    return (
+        f"The request body is over {limit:,} bytes, the most Chat-E takes; it was not read. Send a shorter message, "
+        "context or history."
+    )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) is reachable from this machine only."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_warning(host: str, share: bool, auth: bool, api_key: bool) -> str | None:
+    """The warning for a server that others can reach with neither a login nor an API key, else None."""
+    if auth or api_key:
+        return None
+    if share:
+        where = "--share opens a public gradio.live link"
+    elif not is_loopback(host):
+        where = f"--host {host} serves beyond this machine"
+    else:
+        return None
+    return (
+        f"{where}, and Chat-E has neither --auth nor --api_key: anyone who reaches it can use it. Add --auth "
+        f"USER:PASSWORD (or {AUTH_ENV}) for people and --api_key KEY (or {API_KEY_ENV}) for programs."
+    )
+
+
+def parse_auth(value: str) -> tuple[str, str]:
+    """``USER:PASSWORD`` -> ``(user, password)``; the password may contain ``:``."""
+    user, sep, password = value.partition(":")
+    if not sep or not user.strip() or not password:
+        raise ValueError("--auth takes USER:PASSWORD, both non-empty (e.g. --auth alice:s3cret).")
+    return user.strip(), password
+
+
+class RequestGuard:
+    """ASGI middleware: the API key, the request-body limit and the busy answer (see the module docstring).
+
+    Args:
+        app: the ASGI app behind it (Gradio's FastAPI app, with the middleware given in ``app_kwargs``).
+        max_body_bytes: the largest request body.
+        api_key: the key programs send as ``Authorization: Bearer KEY``; None lets requests in without one.
+    """
+
+    def __init__(self, app, max_body_bytes: int, api_key: str | None = None):
+        self.app = app
+        self.max_body_bytes = int(max_body_bytes)
+        self.api_key = api_key or None
+        self._session = secrets.token_urlsafe(32)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        refusal, scope = self._authorize(scope)
+        if refusal is not None:
+            if scope["type"] == "websocket":
+                return await send({"type": "websocket.close", "code": 1008, "reason": refusal})
+            return await _send_json(send, 401, refusal, [(b"www-authenticate", b"Bearer")])
+        if scope["type"] == "websocket":
+            return await self.app(scope, receive, send)
+        length = _content_length(scope)
+        if length is not None and length > self.max_body_bytes:
+            return await _send_json(send, 413, too_large(self.max_body_bytes), [(b"connection", b"close")])
+        body, complete = await self._read_body(receive)
+        if body is None:  # the client left before sending its body
+            return None
+        if not complete:
+            return await _send_json(send, 413, too_large(self.max_body_bytes), [(b"connection", b"close")])
+        return await self.app(scope, _replay(body, receive), self._busy_send(scope, send))
+
+    # ---- API key ------------------------------------------------------------------------------------------------
+
+    def _authorize(self, scope) -> tuple[str | None, Any]:
+        """``(refusal or None, scope)``: a request with the right key runs as a session of Gradio's login, if any."""
+        if self.api_key is None or scope.get("path") in OPEN_PATHS:
+            return None, scope
+        given = _bearer(scope)
+        app = scope.get("app")
+        login = getattr(app, "auth", None) is not None
+        if given is None:
+            return (None if login else NEEDS_KEY), scope
+        if not hmac.compare_digest(given.encode(), self.api_key.encode()):
+            return WRONG_KEY, scope
+        return None, (self._as_session(scope, app) if login else scope)
+
+    def _as_session(self, scope, app):
+        """``scope`` with the cookies of a logged-in Gradio session (user :data:`API_KEY_USER`): Gradio's login
+        knows sessions only, so the key's requests carry one."""
+        app.tokens[self._session] = API_KEY_USER
+        ours = "; ".join(
+            f"{name}-{app.cookie_id}={self._session}" for name in ("access-token", "access-token-unsecure")
+        )
+        theirs = [value.decode("latin-1") for name, value in scope["headers"] if name == b"cookie"]
+        headers = [(name, value) for name, value in scope["headers"] if name != b"cookie"]
+        headers.append((b"cookie", "; ".join([*theirs, ours]).encode("latin-1")))  # ours last: they win
+        return {**scope, "headers": headers}
+
+    # ---- body limit ---------------------------------------------------------------------------------------------
+
+    async def _read_body(self, receive) -> tuple[bytes | None, bool]:
+        """The whole body, and False once it passes the limit (reading stops there); None if the client left."""
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None, False
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return b"", False
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks), True
+
+    # ---- busy ---------------------------------------------------------------------------------------------------
+
+    def _busy_send(self, scope, send):
+        """``send`` with a full queue's 503 (``queue/join``, ``call/<api>``) answered by :data:`BUSY`."""
+        path = scope.get("path", "")
+        if scope.get("method") != "POST" or not (path.endswith("/queue/join") or "/call/" in path):
+            return send
+        replaced = False
+
+        async def guarded(message):
+            nonlocal replaced
+            if message["type"] == "http.response.start" and message["status"] == 503:
+                replaced = True
+                return await _send_json(send, 503, BUSY, [(b"retry-after", b"5")])
+            if not replaced:
+                await send(message)
+
+        return guarded
+
+
+def _bearer(scope) -> str | None:
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else None
+    return None
+
+
+def _content_length(scope) -> int | None:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+def _replay(body: bytes, receive):
+    """A ``receive`` that hands the app the body read already, then the client's own messages (disconnects)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replay():
+        return pending.pop() if pending else await receive()
+
+    return replay
+
+
+async def _send_json(send, status: int, detail: str, headers: list[tuple[bytes, bytes]] = ()) -> None:
+    body = json.dumps({"detail": detail}).encode()
+    start = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]
+    await send({"type": "http.response.start", "status": status, "headers": start})
+    await send({"type": "http.response.body", "body": body})
