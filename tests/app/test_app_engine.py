@@ -13,7 +13,7 @@ import torch
 from chat_e import dialogue
 from chat_e.engine import ChatEngine, GenerationSettings, ModelLoadError, history_turns
 
-from .support import make_broken_model, make_sensitive_model
+from .support import make_broken_model, make_sensitive_model, mudoconv_prompt, stock_seq2seq_reply
 
 GREEDY = dict(num_beams=1, do_sample=False, max_new_tokens=12, min_new_tokens=3)
 HISTORY = ["hello, who are you?", "I am a bot. And you?", "a person who likes cats"]
@@ -85,12 +85,28 @@ def test_truncation_keeps_header_and_newest_turn(engine):
     assert "old turn number 59 " in text and "old turn number 0 " not in text
 
 
-def test_huge_message_is_cut_and_answered(engine):
+def test_huge_message_is_cut_and_answered(engine, tiny_model_dir):
     message = "word " * 20_000 + "the very end"
     ids = engine.encode(message, HISTORY, "domain", "vacation ideas")
     assert len(ids) <= 128
     assert dialogue.make_header("domain", "vacation ideas") in engine.tokenizer.decode(ids)
-    assert isinstance(engine.chat(message, HISTORY, "domain", "vacation ideas", **GREEDY), str)
+    reply = engine.chat(message, HISTORY, "domain", "vacation ideas", **GREEDY)
+    assert reply and reply == stock_seq2seq_reply(tiny_model_dir, ids, **GREEDY)
+
+
+@pytest.mark.parametrize(
+    "message, history, mode, context",
+    [("hi there!", [], "persona", "I like hiking."), ("tell me more", HISTORY[:2], "domain", "vacation ideas")]
+    + [("what?", HISTORY, "free", None), ("and then?", HISTORY[1:], "emotion", "happy")],
+)
+def test_replies_equal_stock_generate_on_the_mudoconv_prompt(
+    sensitive, sensitive_dir, message, history, mode, context
+):
+    """The BlenderBot oracle shares no code with Chat-E: the prompt as MuDoConv writes it, stock ``generate``."""
+    reply = sensitive.chat(message, history, mode, context, **GREEDY)
+    assert reply and reply == stock_seq2seq_reply(
+        sensitive_dir, mudoconv_prompt(message, history, mode, context), **GREEDY
+    )
 
 
 @pytest.mark.parametrize("turn", range(3))
@@ -110,10 +126,23 @@ def test_beam_search_streams_the_whole_reply_at_once(sensitive):
 
 
 def test_closing_the_stream_stops_generation(sensitive):
-    stream = sensitive.stream_chat("hi", [], "free", None, **dict(GREEDY, max_new_tokens=100, min_new_tokens=100))
-    next(stream)
-    stream.close()
+    """Generation really stops when the reader goes away: the model runs a few more steps, not the whole reply."""
+    long = dict(GREEDY, max_new_tokens=100, min_new_tokens=100)
+    steps: list[int] = []
+    hook = sensitive.model.register_forward_hook(lambda *_: steps.append(1))  # one call per generated token
+    try:
+        full = "".join(sensitive.stream_chat("hi", [], "free", None, **long))
+        full_steps = len(steps)
+        steps.clear()
+        stream = sensitive.stream_chat("hi", [], "free", None, **long)
+        first = next(stream)
+        stream.close()
+        closed_steps = len(steps)
+    finally:
+        hook.remove()
+    assert full_steps == 100 and full.startswith(first)
     assert not [t for t in threading.enumerate() if t.name == "chat-e-generate"]
+    assert closed_steps < full_steps // 4, f"{closed_steps} of {full_steps} steps ran after the stream was closed"
 
 
 def test_defaults_are_blenderbots_and_settings_apply(engine, caplog):
@@ -176,7 +205,8 @@ def test_loads_a_16_bit_save(sensitive_dir, sensitive, tmp_path):
     source = sensitive.model.state_dict()
     for name, value in engine.model.state_dict().items():  # the 16-bit weights, upcast
         assert torch.equal(value, source[name].to(torch.bfloat16).float()), name
-    assert isinstance(engine.chat("hi", **GREEDY), str)
+    reply = engine.chat("hi", **GREEDY)
+    assert reply and reply == stock_seq2seq_reply(tmp_path, mudoconv_prompt("hi"), dtype=torch.float32, **GREEDY)
 
 
 def test_loads_an_adapter_and_an_exported_merge_alike(lora_dirs, sensitive, sensitive_dir):
@@ -223,17 +253,23 @@ def test_load_errors_name_the_path(tmp_path, tiny_model_dir):
 # ---- serving precision ------------------------------------------------------------------------------------------
 
 
-def test_bf16_and_int8(tiny_model_dir):
-    bf16 = ChatEngine.from_pretrained(tiny_model_dir, dtype="bf16")
+def test_bf16_and_int8(tiny_model_dir, sensitive_dir):
+    prompt = ("hi, how are you?", HISTORY[:2], "persona", "I like cats.")
+    bf16 = ChatEngine.from_pretrained(sensitive_dir, dtype="bf16")
     assert next(bf16.model.parameters()).dtype == torch.bfloat16
-    assert isinstance(bf16.chat("hi", **GREEDY), str)
+    reply = bf16.chat(*prompt, **GREEDY)
+    assert reply and reply == stock_seq2seq_reply(
+        sensitive_dir, mudoconv_prompt(*prompt), dtype=torch.bfloat16, **GREEDY
+    )
+    int8 = ChatEngine.from_pretrained(sensitive_dir, quantize="int8")
+    reply = int8.chat(*prompt, **GREEDY)
+    assert reply and reply == stock_seq2seq_reply(sensitive_dir, mudoconv_prompt(*prompt), int8=True, **GREEDY)
     int8 = ChatEngine.from_pretrained(tiny_model_dir, quantize="int8")
     modules = list(int8.model.modules())
     assert any(isinstance(m, torch.ao.nn.quantized.dynamic.Linear) for m in modules)
     assert not any(type(m) is torch.nn.Linear for m in modules)
     assert int8.info["parameters"] == ChatEngine.from_pretrained(tiny_model_dir).info["parameters"]
     assert "int8" in int8.describe()
-    assert isinstance(int8.chat("hi", **GREEDY), str)
     with pytest.raises(ValueError, match="drop --dtype bf16"):
         ChatEngine.from_pretrained(tiny_model_dir, dtype="bf16", quantize="int8")
 
@@ -251,12 +287,16 @@ def chat_engine(chat_sensitive_dir) -> ChatEngine:
     return ChatEngine.from_pretrained(chat_sensitive_dir)
 
 
-def _stock_reply(model_dir, messages, **generate_kwargs) -> str:
-    """The oracle: stock transformers on the tokenizer's own chat template, only the new tokens decoded."""
+def _stock_reply(model_dir, messages, int8_mlp: bool = False, **generate_kwargs) -> str:
+    """The oracle: stock transformers on the tokenizer's own chat template, only the new tokens decoded;
+    ``int8_mlp``: torch's dynamic int8 quantization of the feed-forward (``mlp``) Linear layers first."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    if int8_mlp:
+        mlp = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".mlp." in n}
+        model = torch.ao.quantization.quantize_dynamic(model, mlp, dtype=torch.qint8)
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
     with torch.no_grad():
@@ -315,7 +355,17 @@ def test_chat_model_adapter_int8_and_window(chat_sensitive_dir, chat_engine, tmp
     # the feed-forward layers are int8; the attention projections and the tied output head stay fp32
     assert "quantized" in kinds["model.layers.0.mlp.up_proj"].__module__
     assert kinds["model.layers.0.self_attn.q_proj"] is torch.nn.Linear and kinds["lm_head"] is torch.nn.Linear
-    assert isinstance(int8.chat("hi", **GREEDY), str)
+    reply = int8.chat("hi", **GREEDY)
+    stock = _stock_reply(
+        chat_sensitive_dir,
+        [{"role": "user", "content": "hi"}],
+        int8_mlp=True,
+        do_sample=False,
+        max_new_tokens=12,
+        min_new_tokens=3,
+        repetition_penalty=1.2,
+    )
+    assert reply and reply == stock
     # the prompt leaves room for the reply in the model's 256 positions
     assert chat_engine.max_input_length == 128
     long_history = [f"turn {i} with several words in it" for i in range(100)]
