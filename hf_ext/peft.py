@@ -4,15 +4,17 @@
   ZeRO-3 and FSDP2 — PEFT alone can save ``[0]``-shaped tensors there, peft #2450) and writes them with
   ``PeftModel.save_pretrained``.
 * :func:`save_trainable_state` writes, per trainable parameter *name*, its fp32 value and its full (un-partitioned)
-  optimizer state, plus the optimizer step and the scheduler state: a world-size-independent file whose size follows
+  optimizer state, plus the optimizer step and the scheduler state: world-size-independent files whose size follows
   the adapter, not the base model. DeepSpeed's own ``safe_get_full_*`` utilities read the partitioned state,
-  ``DTensor.full_tensor`` FSDP2's.
+  ``DTensor.full_tensor`` FSDP2's. The tensors go into a safetensors file, everything else into JSON: loading a
+  checkpoint never unpickles anything.
 * :func:`load_trainable_state` puts it back into a fresh trainer after its optimizer exists (any ZeRO stage, FSDP2,
   any world size, or no DeepSpeed).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import warnings
 from pathlib import Path
@@ -24,7 +26,10 @@ from .schedule import inner_scheduler
 
 logger = logging.getLogger(__name__)
 
-TRAINABLE_STATE_NAME = "hf_ext_trainable_state.pt"
+TRAINABLE_STATE_NAME = "hf_ext_trainable_state.safetensors"  # the tensors
+TRAINABLE_STATE_META = "hf_ext_trainable_state.json"  # the rest, and which tensor is which
+LEGACY_TRAINABLE_STATE_NAME = "hf_ext_trainable_state.pt"  # one pickled file (older hf-ext); read with weights_only
+TRAINABLE_STATE_FORMAT = 2
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 OPTIMIZER_STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -34,7 +39,11 @@ def is_peft_model(model) -> bool:
 
 
 def is_trainable_state_checkpoint(path) -> bool:
-    return path is not None and not isinstance(path, bool) and (Path(path) / TRAINABLE_STATE_NAME).is_file()
+    if path is None or isinstance(path, bool):
+        return False
+    path = Path(path)
+    written = (path / TRAINABLE_STATE_NAME).is_file() and (path / TRAINABLE_STATE_META).is_file()
+    return written or (path / LEGACY_TRAINABLE_STATE_NAME).is_file()
 
 
 def trainable_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
@@ -146,7 +155,6 @@ def save_trainable_state(trainer, output_dir: str | Path) -> None:
                 entry[key] = value.reshape(entry["param"].shape)
         params[name] = entry
     state = {
-        "format": 1,
         "params": params,
         "optimizer_step": _optimizer_step(optimizer),
         "scheduler_class": type(scheduler).__name__ if scheduler is not None else None,
@@ -155,7 +163,75 @@ def save_trainable_state(trainer, output_dir: str | Path) -> None:
         "world_size": trainer.args.world_size,
     }
     if trainer.args.should_save:
-        torch.save(state, Path(output_dir) / TRAINABLE_STATE_NAME)
+        write_trainable_state(state, output_dir)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the files: tensors in safetensors, the rest in JSON
+# ----------------------------------------------------------------------------------------------------------------
+
+_TENSOR_REF = "__tensor__"  # a JSON value {"__tensor__": key} stands for the tensor stored under key
+
+
+def _to_json(value, where: str, tensors: dict[str, torch.Tensor]):
+    """``value`` as JSON; its tensors moved into ``tensors`` (under ``where``) and referenced by key."""
+    if torch.is_tensor(value):
+        if where in tensors:
+            raise ValueError(f"Two tensors of the trainable state are both named {where!r}.")
+        tensors[where] = value.detach().to("cpu", copy=True).contiguous()
+        return {_TENSOR_REF: where}
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise TypeError(f"{where} has a key that is not a string: hf-ext stores it as JSON, which has none.")
+        return {k: _to_json(v, f"{where}.{k}", tensors) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_json(v, f"{where}.{i}", tensors) for i, v in enumerate(value)]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(
+        f"{where} is a {type(value).__qualname__}: hf-ext stores the trainable state as tensors and JSON only. "
+        "Use a learning-rate scheduler whose state_dict holds numbers, strings, lists, dicts and tensors."
+    )
+
+
+def _from_json(value, tensors: dict[str, torch.Tensor]):
+    if isinstance(value, dict):
+        if set(value) == {_TENSOR_REF}:
+            return tensors[value[_TENSOR_REF]]
+        return {k: _from_json(v, tensors) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_from_json(v, tensors) for v in value]
+    return value
+
+
+def write_trainable_state(state: dict, output_dir: str | Path) -> None:
+    """Write ``state`` (``params``: name -> {``param``, ``exp_avg``, ``exp_avg_sq``} tensors; the rest numbers,
+    strings, lists and dicts, tensors allowed) as :data:`TRAINABLE_STATE_NAME` and :data:`TRAINABLE_STATE_META`."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    meta = {k: _to_json(v, k, tensors) for k, v in state.items()}
+    meta["format"] = TRAINABLE_STATE_FORMAT
+    out = Path(output_dir)
+    save_file(tensors, str(out / TRAINABLE_STATE_NAME), metadata={"format": "pt"})
+    (out / TRAINABLE_STATE_META).write_text(json.dumps(meta, indent=1) + "\n")
+
+
+def read_trainable_state(checkpoint: str | Path) -> dict:
+    """The state :func:`write_trainable_state` wrote into ``checkpoint`` (or an older hf-ext's pickled file, read
+    with ``weights_only=True``), its tensors on the CPU."""
+    from safetensors.torch import load_file
+
+    path = Path(checkpoint)
+    if not (path / TRAINABLE_STATE_META).is_file() and (path / LEGACY_TRAINABLE_STATE_NAME).is_file():
+        return torch.load(path / LEGACY_TRAINABLE_STATE_NAME, map_location="cpu", weights_only=True)
+    meta = json.loads((path / TRAINABLE_STATE_META).read_text())
+    if meta.get("format") != TRAINABLE_STATE_FORMAT:
+        raise ValueError(
+            f"{path / TRAINABLE_STATE_META} has format {meta.get('format')!r}; this hf-ext reads format "
+            f"{TRAINABLE_STATE_FORMAT}. Resume it with the hf-ext version that wrote it."
+        )
+    return _from_json(meta, load_file(str(path / TRAINABLE_STATE_NAME), device="cpu"))
 
 
 def _ensure_optimizer_state(optimizer, step: int) -> None:
@@ -208,8 +284,8 @@ def _set_state(optimizer, param, key: str, value: torch.Tensor) -> None:
 
 
 def load_trainable_state(trainer, checkpoint: str | Path) -> None:
-    """Restore parameters, optimizer and scheduler from :data:`TRAINABLE_STATE_NAME` (every rank)."""
-    state = torch.load(Path(checkpoint) / TRAINABLE_STATE_NAME, map_location="cpu", weights_only=False)
+    """Restore parameters, optimizer and scheduler from :func:`read_trainable_state` (every rank)."""
+    state = read_trainable_state(checkpoint)
     model, optimizer, scheduler = trainer.model, trainer.optimizer, inner_scheduler(trainer.lr_scheduler)
     named = dict(trainable_parameters(model))
     missing = sorted(set(named) - set(state["params"]))

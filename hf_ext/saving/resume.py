@@ -78,8 +78,10 @@ def read_zero_checkpoint(path: str | Path) -> ZeroCheckpoint | None:
     model_files = sorted(folder.glob("*mp_rank_00_model_states.pt"))
     if not optim_files or not model_files:
         return None  # no ZeRO partitioning: any world size loads it
-    # mmap: under ZeRO-1/2 this file also holds the whole model, which is not read here
-    states = torch.load(model_files[0], map_location="cpu", mmap=True, weights_only=False)
+    # mmap: under ZeRO-1/2 this file also holds the whole model, which is not read here. Under ZeRO, DeepSpeed's
+    # engine (_save_checkpoint) pickles into it dicts, lists, OrderedDicts, torch.Size, tensors, numbers and strings
+    # only (the optimizer's own classes go into the *_optim_states.pt files): torch's weights-only defaults suffice.
+    states = torch.load(model_files[0], map_location="cpu", mmap=True, weights_only=True)
     config = states.get("ds_config") or {}
     return ZeroCheckpoint(
         path=path,

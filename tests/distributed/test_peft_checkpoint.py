@@ -77,7 +77,8 @@ def test_lora_trains_adapter_only_and_checkpoint_is_adapter_sized(lora_zero3, ti
             assert torch.equal(value, initial[name]), name  # the base model did not change
 
     checkpoint = lora_zero3 / "out" / "checkpoint-4"
-    state = torch.load(checkpoint / peft_checkpoint.TRAINABLE_STATE_NAME, weights_only=False)
+    assert not (checkpoint / peft_checkpoint.LEGACY_TRAINABLE_STATE_NAME).exists()  # tensors + JSON, no pickle
+    state = peft_checkpoint.read_trainable_state(checkpoint)
     assert set(state["params"]) == {
         k for k, p in fresh_peft_model(tiny_model_dir).named_parameters() if p.requires_grad
     }
@@ -148,7 +149,7 @@ def test_lora_under_fsdp_trains_as_zero3_and_resumes_on_one_rank(lora_fsdp, lora
     assert not list(checkpoint.glob("pytorch_model_fsdp*")) and not list(checkpoint.glob("model*.safetensors"))
     shapes = peft_checkpoint.verify_adapter(checkpoint)
     assert all(shapes[k] == (32,) for k in shapes if "decoder.layer_norm" in k)  # full shapes, not a rank's shard
-    state = torch.load(checkpoint / peft_checkpoint.TRAINABLE_STATE_NAME, weights_only=False)
+    state = peft_checkpoint.read_trainable_state(checkpoint)
     assert state["world_size"] == 2 and state["optimizer_step"] == 4
     first = next(iter(state["params"].values()))
     assert first["exp_avg"].shape == first["param"].shape  # the whole optimizer state, gathered from the shards
