@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import types
+from collections import Counter
 
 import pytest
 import sacrebleu
@@ -26,6 +27,69 @@ HYPS = ["the cat sat on the mat", "", "hello there general kenobi", "", "a compl
 REFS = ["the cat sat on the mat", "i am fine thank you", "hello there general kenobi", "nothing", "the right one"]
 
 
+def _ngrams(items, n: int) -> Counter:
+    return Counter(tuple(items[i : i + n]) for i in range(len(items) - n + 1))
+
+
+def oracle_bleu(hyps: list[str], refs: list[str]) -> float:
+    """Corpus BLEU as sacreBLEU defines it (Post 2018; Papineni et al. 2002), written here from the definition:
+    clipped n-gram counts and totals summed over the corpus for n = 1..4; the k-th zero count among them counts as
+    1 / (2^k x total) ("exp" smoothing); a total of zero gives 0; brevity penalty exp(1 - r/c) when the corpus
+    hypothesis length c is below the reference length r (0 when c = 0). Tokens are whitespace-separated: the
+    strings used here have no punctuation, where sacreBLEU's 13a tokenizer splits the same way."""
+    correct, total, c, r = [0] * 4, [0] * 4, 0, 0
+    for hyp, ref in zip(hyps, refs):
+        h, t = hyp.split(), ref.split()
+        c, r = c + len(h), r + len(t)
+        for n in range(1, 5):
+            hyp_counts, ref_counts = _ngrams(h, n), _ngrams(t, n)
+            correct[n - 1] += sum(min(k, ref_counts[g]) for g, k in hyp_counts.items())
+            total[n - 1] += max(0, len(h) - n + 1)
+    if c == 0 or 0 in total:
+        return 0.0
+    logs, zeros = [], 0
+    for k, t in zip(correct, total):
+        if k == 0:
+            zeros += 1
+        logs.append(math.log(k / t if k else 1 / (2**zeros * t)))
+    brevity = 1.0 if c >= r else math.exp(1 - r / c)
+    return 100 * brevity * math.exp(sum(logs) / 4)
+
+
+def oracle_chrf(hyps: list[str], refs: list[str], order: int = 6, beta: float = 2.0) -> float:
+    """Corpus chrF as sacreBLEU defines it (Popović 2015; sacreBLEU's defaults: character n-grams of 1..6 with
+    whitespace removed, beta 2), written here from the definition: per order the character n-gram counts of
+    hypotheses, references and their clipped matches, summed over the corpus; precision and recall averaged over
+    the orders both sides have n-grams of; F_beta of the two averages."""
+    stats = [[0, 0, 0] for _ in range(order)]
+    for hyp, ref in zip(hyps, refs):
+        h, t = "".join(hyp.split()), "".join(ref.split())
+        for n in range(1, order + 1):
+            hyp_counts, ref_counts = _ngrams(h, n), _ngrams(t, n)
+            stats[n - 1][0] += sum(hyp_counts.values())
+            stats[n - 1][1] += sum(ref_counts.values())
+            stats[n - 1][2] += sum(min(k, ref_counts[g]) for g, k in hyp_counts.items())
+    seen = [(m / nh, m / nr) for nh, nr, m in stats if nh and nr]
+    if not seen:
+        return 0.0
+    p, r = sum(x for x, _ in seen) / len(seen), sum(y for _, y in seen) / len(seen)
+    return 0.0 if p + r == 0 else 100 * (1 + beta**2) * p * r / (beta**2 * p + r)
+
+
+def test_chrf_oracle_by_hand():
+    """ "ab" against "abc": 1-grams a, b of a, b, c: P = 1, R = 2/3; 2-grams ab of ab, bc: P = 1, R = 1/2; no longer
+    hypothesis n-grams. Averages P = 1, R = 7/12; F_2 = 5 P R / (4 P + R) = (35/12) / (55/12) = 7/11."""
+    assert oracle_chrf(["ab"], ["abc"]) == pytest.approx(700 / 11, abs=1e-9)
+    assert compute_bleu_chrf(["ab"], ["abc"])["chrf"] == pytest.approx(700 / 11, abs=1e-9)
+
+
+def test_bleu_oracle_by_hand():
+    """The sentence of test_scores_equal_sacrebleu_on_a_hand_computed_sentence, through the oracle."""
+    assert oracle_bleu(["the cat sat on the mat"], ["the cat is on the mat"]) == pytest.approx(
+        100 * (5 / 6 * 3 / 5 * 1 / 4 * 1 / 6) ** 0.25, abs=1e-9
+    )
+
+
 @pytest.mark.parametrize(
     "hyps,refs",
     [
@@ -33,12 +97,15 @@ REFS = ["the cat sat on the mat", "i am fine thank you", "hello there general ke
         (REFS, REFS),  # perfect match
         (["", ""], ["some words here", "more words"]),  # all empty
         (["a b c d e f"], ["a b c d x y"]),
+        (["the the the the the the the"], ["the cat is on the mat"]),  # clipped counts
+        (["the cat", "a dog ran into the house today"], ["the cat sat", "a dog ran to the house"]),  # corpus sums
     ],
 )
-def test_scores_equal_sacrebleu(hyps, refs):
+def test_scores_equal_an_independent_oracle(hyps, refs):
+    """hf-ext's scores against BLEU and chrF computed in this file from their definitions (not by sacreBLEU)."""
     scores = compute_bleu_chrf(hyps, refs)
-    assert scores["bleu"] == sacrebleu.corpus_bleu(hyps, [refs]).score
-    assert scores["chrf"] == sacrebleu.corpus_chrf(hyps, [refs]).score
+    assert scores["bleu"] == pytest.approx(oracle_bleu(hyps, refs), rel=1e-12, abs=1e-9)
+    assert scores["chrf"] == pytest.approx(oracle_chrf(hyps, refs), rel=1e-12, abs=1e-9)
 
 
 def test_scores_equal_sacrebleu_on_a_hand_computed_sentence():
