@@ -51,7 +51,18 @@ def shards(run_dir: Path, rank: int) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / f"trained.pt.rank{rank}.pt")
 
 
-def test_stock_trains_ddp_where_hf_ext_shards(runs):
+def parameter_names(model_dir, remove_duplicate: bool = True) -> set[str]:
+    """What the worker's dumps hold: each rank's shards (trained.pt.rankN.pt) every parameter once, a tied one under
+    its first name; the gathered trained.pt every name, tied ones too (``remove_duplicate=False``)."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    model = AutoModelForSeq2SeqLM.from_pretrained(model_dir)
+    names = {name for name, _ in model.named_parameters(remove_duplicate=remove_duplicate)}
+    assert len(names) > 50, names
+    return names
+
+
+def test_stock_trains_ddp_where_hf_ext_shards(runs, tiny_model_dir):
     root, full, _ = runs
     stock = json.loads((root / "stock.json").read_text())
     assert stock == {
@@ -67,8 +78,9 @@ def test_stock_trains_ddp_where_hf_ext_shards(runs):
     layers += [f"model.decoder.layers.{i}" for i in range(config["decoder_layers"])]
     assert set(layers) <= set(full["fsdp_units"]) and "" in full["fsdp_units"]
     weights = torch.load(root / "full" / "trained.pt")
+    assert set(weights) == parameter_names(tiny_model_dir, remove_duplicate=False)
     rank0, rank1 = shards(root / "full", 0), shards(root / "full", 1)
-    assert set(rank0) == set(rank1) and len(rank0) > 50
+    assert set(rank0) == set(rank1) == parameter_names(tiny_model_dir)  # every parameter, on each rank
     for name, local in rank0.items():
         whole = weights[name]
         assert local.shape[0] == (whole.shape[0] + 1) // 2, name  # each rank holds half of dim 0
@@ -92,12 +104,12 @@ def test_save_loads_and_equals_torch_full_state_dict(runs):
     assert AutoModelForSeq2SeqLM.from_pretrained(checkpoint) is not None  # every checkpoint loads too
 
 
-def test_resume_is_bit_identical(runs):
+def test_resume_is_bit_identical(runs, tiny_model_dir):
     root, full, resumed = runs
     from safetensors.torch import load_file
 
     a, b = torch.load(root / "full" / "trained.pt"), torch.load(root / "resumed" / "trained.pt")
-    assert set(a) == set(b)
+    assert set(a) == set(b) == parameter_names(tiny_model_dir, remove_duplicate=False)
     for name in a:
         assert torch.equal(a[name], b[name]), name
     assert resumed["global_step"] == full["global_step"] == 8
@@ -118,9 +130,11 @@ def test_hybrid_shard_on_four_ranks(tiny_model_dir, tmp_path):
     assert run_info["run"]["fsdp"] == {"sharding": "hybrid_shard", "sharding_factor": 2, "replicas": 2}
     weights = torch.load(tmp_path / "hybrid" / "trained.pt")
     local = [shards(tmp_path / "hybrid", rank) for rank in range(4)]
-    for name, whole in weights.items():
-        if name not in local[0]:
-            continue
+    names = parameter_names(tiny_model_dir)
+    assert set(weights) == parameter_names(tiny_model_dir, remove_duplicate=False)
+    assert [set(held) for held in local] == [names] * 4  # every parameter, on each rank
+    for name in sorted(names):
+        whole = weights[name]
         assert local[0][name].shape[0] == (whole.shape[0] + 1) // 2, name  # split over a group of 2 ranks
         assert torch.equal(local[0][name], local[2][name]) and torch.equal(local[1][name], local[3][name]), name
         assert torch.equal(torch.cat([local[0][name], local[1][name]]), whole), name
@@ -151,7 +165,8 @@ def test_evaluation_before_training(runs, tiny_model_dir, tmp_path):
     assert "eval_bleu" in first["first_eval"]  # the generation eval ran too, on the sharded model
     assert first["run"]["engine"] == "FSDP2"
     a, b = torch.load(root / "full" / "trained.pt"), torch.load(tmp_path / "eval_first" / "trained.pt")
-    assert set(a) == set(b) and all(torch.equal(a[name], b[name]) for name in a)  # training as if never evaluated
+    assert set(a) == set(b) == parameter_names(tiny_model_dir, remove_duplicate=False)
+    assert all(torch.equal(a[name], b[name]) for name in a)  # training as if never evaluated
 
 
 def test_bf16_save_is_16_bit_master_weights(tiny_model_dir, tmp_path):
@@ -160,6 +175,7 @@ def test_bf16_save_is_16_bit_master_weights(tiny_model_dir, tmp_path):
 
     train(tiny_model_dir, tmp_path / "bf16", "--fsdp", "full_shard", "--bf16", "--save_steps", "100")
     masters = torch.load(tmp_path / "bf16" / "trained.pt")  # torch's full state dict: the fp32 sharded parameters
+    assert set(masters) == parameter_names(tiny_model_dir, remove_duplicate=False)
     assert all(t.dtype == torch.float32 for t in masters.values())
     out = tmp_path / "bf16" / "out"
     stored = {}
@@ -167,8 +183,9 @@ def test_bf16_save_is_16_bit_master_weights(tiny_model_dir, tmp_path):
         with safe_open(str(file), framework="pt") as f:
             stored.update({k: f.get_tensor(k) for k in f.keys()})
     assert stored and {t.dtype for t in stored.values() if t.is_floating_point()} == {torch.bfloat16}
-    params = [name for name in stored if name in masters]  # the rest are buffers (final_logits_bias)
-    assert len(params) > 50 and len(stored) - len(params) <= 1
+    params = [name for name in stored if name in masters]
+    # every parameter once (a tied one under its first name), and the final_logits_bias buffer
+    assert set(params) == parameter_names(tiny_model_dir) and set(stored) - set(params) == {"final_logits_bias"}
     for name in params:
         assert torch.equal(stored[name], masters[name].to(torch.bfloat16)), name
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
@@ -186,5 +203,5 @@ def test_resume_on_four_ranks(runs, tiny_model_dir, tmp_path):
     losses = [h["loss"] for h in full["log_history"] if "loss" in h]
     assert [h["loss"] for h in resumed["log_history"] if "loss" in h] == pytest.approx(losses, abs=1e-5)
     a, b = torch.load(root / "full" / "trained.pt"), torch.load(tmp_path / "four" / "trained.pt")
-    assert set(a) == set(b)
+    assert set(a) == set(b) == parameter_names(tiny_model_dir, remove_duplicate=False)
     assert max((a[name] - b[name]).abs().max().item() for name in a) <= 2e-6  # fp32 sums in another order
