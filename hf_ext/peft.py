@@ -285,16 +285,19 @@ def _set_state(optimizer, param, key: str, value: torch.Tensor) -> None:
 
 def load_trainable_state(trainer, checkpoint: str | Path) -> None:
     """Restore parameters, optimizer and scheduler from :func:`read_trainable_state` (every rank)."""
-    state = read_trainable_state(checkpoint)
+    from .ranks import shared_outcome
+
     model, optimizer, scheduler = trainer.model, trainer.optimizer, inner_scheduler(trainer.lr_scheduler)
     named = dict(trainable_parameters(model))
-    missing = sorted(set(named) - set(state["params"]))
-    unexpected = sorted(set(state["params"]) - set(named))
-    if missing or unexpected:
-        raise ValueError(
-            f"{checkpoint} does not match the model's trainable parameters (missing: {missing[:5]}, unexpected: "
-            f"{unexpected[:5]}). Resume with the same PEFT config it was written with."
-        )
+    with shared_outcome(f"reading {checkpoint}"):  # each rank reads it; the copies below gather under ZeRO-3
+        state = read_trainable_state(checkpoint)
+        missing = sorted(set(named) - set(state["params"]))
+        unexpected = sorted(set(state["params"]) - set(named))
+        if missing or unexpected:
+            raise ValueError(
+                f"{checkpoint} does not match the model's trainable parameters (missing: {missing[:5]}, unexpected: "
+                f"{unexpected[:5]}). Resume with the same PEFT config it was written with."
+            )
     _ensure_optimizer_state(optimizer, state["optimizer_step"])
     for name, param in named.items():
         entry = state["params"][name]

@@ -74,8 +74,11 @@ def agree(what: str, error: BaseException | None = None) -> None:
 
 @contextlib.contextmanager
 def shared_outcome(what: str):
-    """A block every rank enters and leaves together (with no collective inside): when it raises on any rank, it
-    raises on every rank."""
+    """A block every rank enters and leaves together: when it raises on any rank, it raises on every rank.
+
+    Collectives inside the block are fine as long as every rank makes the same ones (the synced steps of a sharded
+    ``generate``): a rank that fails before one of them leaves its peers in it until the failing process exits, at
+    most :data:`FAILED_RANK_WAIT` later, which ends their collective with an error."""
     try:
         yield
     except BaseException as err:

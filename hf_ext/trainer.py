@@ -90,8 +90,9 @@ class _HfExtTrainerMixin:
     # --- training, saving and resume (hf_ext.saving, hf_ext.peft) ---
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         runtime.prepare_run(self.args)
-        resume_from_checkpoint = checkpoints.resolve_resume_from_checkpoint(self, resume_from_checkpoint)
-        with shared_outcome(f"cleaning up after interrupted saves in {self.args.output_dir}"):
+        # each rank finds the checkpoint on its own, and the main one cleans up: every rank goes on, or none does
+        with shared_outcome(f"finding the checkpoint to resume from in {self.args.output_dir}"):
+            resume_from_checkpoint = checkpoints.resolve_resume_from_checkpoint(self, resume_from_checkpoint)
             if self.args.should_save:
                 checkpoints.remove_leftovers(self.args.output_dir)
         if self.deepspeed is not None and self.optimizer is None:  # an engine from evaluate(): inference only

@@ -35,6 +35,7 @@ import torch
 from transformers import TrainerCallback
 
 from ..fsdp.engine import root_unsharded
+from ..ranks import shared_outcome
 from ..runtime import local_world_size
 from ..training_args import GenerationEvalArguments
 from .gathered import GenerationPath, choose_generation_path, gathered_copy, is_partitioned_model
@@ -230,31 +231,34 @@ def generate_in_order(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     local, widths = [], []
-    for step in range(steps):
-        indices = mine[step] if step < len(mine) else None
-        batch = indices if indices is not None else batches[0][:1]
-        features = [
-            {
-                "input_ids": prompts[i],
-                "attention_mask": _as_list(rows[i]["attention_mask"])[: len(prompts[i])]
-                if rows[i].get("attention_mask") is not None
-                else [1] * len(prompts[i]),
-            }
-            for i in batch
-        ]
-        # a decoder-only model continues its prompt: padding goes on the left so every prompt ends at the same place
-        side = "right" if is_encoder_decoder else "left"
-        inputs = tokenizer.pad(features, return_tensors="pt", padding_side=side).to(device)
-        with torch.no_grad():
-            out = model.generate(**inputs, **gen_kwargs, synced_gpus=synced_gpus)
-        if indices is None:
-            continue  # a step only taken so that the other ranks' gathers have a partner
-        if not is_encoder_decoder:
-            out = out[:, inputs["input_ids"].shape[1] :]
-        widths.append(int(out.shape[1]))
-        texts = tokenizer.batch_decode(out, skip_special_tokens=True)
-        for i, seq, text in zip(indices, out, texts):
-            local.append((i, text.strip(), int((seq != pad_id).sum())))
+    # the gather below waits for every rank: one that failed on its own part (a decode, a batch) says so first,
+    # so that every rank stops instead of waiting for it
+    with shared_outcome("generating for the evaluation"):
+        for step in range(steps):
+            indices = mine[step] if step < len(mine) else None
+            batch = indices if indices is not None else batches[0][:1]
+            features = [
+                {
+                    "input_ids": prompts[i],
+                    "attention_mask": _as_list(rows[i]["attention_mask"])[: len(prompts[i])]
+                    if rows[i].get("attention_mask") is not None
+                    else [1] * len(prompts[i]),
+                }
+                for i in batch
+            ]
+            # a decoder-only model continues its prompt: padding goes on the left so every prompt ends at the same place
+            side = "right" if is_encoder_decoder else "left"
+            inputs = tokenizer.pad(features, return_tensors="pt", padding_side=side).to(device)
+            with torch.no_grad():
+                out = model.generate(**inputs, **gen_kwargs, synced_gpus=synced_gpus)
+            if indices is None:
+                continue  # a step only taken so that the other ranks' gathers have a partner
+            if not is_encoder_decoder:
+                out = out[:, inputs["input_ids"].shape[1] :]
+            widths.append(int(out.shape[1]))
+            texts = tokenizer.batch_decode(out, skip_special_tokens=True)
+            for i, seq, text in zip(indices, out, texts):
+                local.append((i, text.strip(), int((seq != pad_id).sum())))
 
     gathered = sorted(_gather(local))
     if [i for i, _, _ in gathered] != list(range(len(rows))):

@@ -230,17 +230,20 @@ def prepare_resume(trainer, checkpoint) -> Path | None:
 
     Call on every rank: the others wait for the conversion.
     """
-    if checkpoint is None or isinstance(checkpoint, bool) or is_trainable_state_checkpoint(checkpoint):
-        return None  # PEFT checkpoints hold their state by name, for any world size
-    if getattr(trainer, "is_fsdp_enabled", False):
-        return prepare_fsdp_resume(trainer, checkpoint)
-    if not getattr(trainer, "is_deepspeed_enabled", False):
+    if checkpoint is None or isinstance(checkpoint, bool):
         return None
-    found = read_zero_checkpoint(checkpoint)
-    args = trainer.args
-    if found is None or found.world_size == args.world_size:
-        return None
-    batch = keep_global_batch(trainer, found)
+    with shared_outcome(f"reading {checkpoint} to resume from"):  # each rank reads it on its own
+        if is_trainable_state_checkpoint(checkpoint):
+            return None  # PEFT checkpoints hold their state by name, for any world size
+        if getattr(trainer, "is_fsdp_enabled", False):
+            return prepare_fsdp_resume(trainer, checkpoint)
+        if not getattr(trainer, "is_deepspeed_enabled", False):
+            return None
+        found = read_zero_checkpoint(checkpoint)
+        args = trainer.args
+        if found is None or found.world_size == args.world_size:
+            return None
+        batch = keep_global_batch(trainer, found)
     took = "converted earlier"
     with shared_outcome(f"converting {found.path} to a universal checkpoint"):
         if cached_universal(found) is None and args.should_save:

@@ -151,7 +151,8 @@ def _write_model(trainer, output_dir: Path, *, checkpoint: bool = False) -> None
                 save_fp32_from_zero_checkpoint(output_dir, output_dir, model, max_shard_size=max_shard_size)
                 save_model_files(trainer, model, output_dir, torch.float32)
         return
-    entries = model_entries(model, fsdp_save_dtype(trainer))
+    with shared_outcome(f"listing the tensors to save into {output_dir}"):  # each rank alone, then gathers together
+        entries = model_entries(model, fsdp_save_dtype(trainer))
     write_entries(entries, output_dir, is_main=is_main, max_shard_size=max_shard_size,
                   gather_bytes=args.save_gather_size)  # fmt: skip
     with shared_outcome(f"writing the model files into {output_dir}"):

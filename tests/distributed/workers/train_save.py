@@ -15,7 +15,7 @@ model and the optimizer state went into the temporary directory, before the RNG 
 --kill_final_save_at K makes rank 0 SIGKILL itself at the K-th write event of the final save (a shard opened, a
 tensor written, the index, the model files, the fsync, the swap: see ``save_events``); the trained weights are dumped
 (--dump) before that save. --list_save_events FILE writes the events of an uninterrupted final save there.
---raise_on_rank1 {checkpoint,final_save,resume} makes rank 1 alone raise inside that step.
+--raise_on_rank1 {checkpoint,final_save,resume,evaluation} makes rank 1 alone raise inside that step.
 """
 
 from __future__ import annotations
@@ -181,9 +181,11 @@ class SaveEvents:
 
 
 def raise_on_rank1(trainer, where: str) -> None:
-    """Rank 1 alone raises inside ``where`` (a checkpoint's RNG state, the final save, the resume's RNG state)."""
+    """Rank 1 alone raises inside ``where`` (a checkpoint's RNG state, the final save's list of tensors,
+    the resume's reading of the checkpoint, the generation eval's decoding)."""
     if trainer.args.process_index != 1:
         return
+    import hf_ext.saving.resume
     import hf_ext.saving.zero
 
     def fail(*args, **kwargs):
@@ -195,7 +197,9 @@ def raise_on_rank1(trainer, where: str) -> None:
     elif where == "final_save":
         hf_ext.saving.zero.model_entries = fail
     elif where == "resume":
-        trainer._load_rng_state = fail
+        hf_ext.saving.resume.read_zero_checkpoint = fail
+    elif where == "evaluation":
+        trainer.processing_class.batch_decode = fail  # inside the generation eval, before its gather
 
 
 def main() -> None:
@@ -231,7 +235,7 @@ def main() -> None:
     )
     parser.add_argument("--kill_final_save_at", type=int, default=None)
     parser.add_argument("--list_save_events", default=None)
-    parser.add_argument("--raise_on_rank1", default=None, choices=["checkpoint", "final_save", "resume"])
+    parser.add_argument("--raise_on_rank1", default=None, choices=["checkpoint", "final_save", "resume", "evaluation"])
     parser.add_argument("--local_rank", type=int, default=-1)
     opts = parser.parse_args()
 
