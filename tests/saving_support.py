@@ -11,6 +11,24 @@ def named_params(model) -> dict[str, torch.Tensor]:
     return dict(model.named_parameters(remove_duplicate=False))
 
 
+def parameter_names(model_dir, remove_duplicate: bool = False) -> set[str]:
+    """The parameter names of the model saved in ``model_dir``: every name, tied ones too (what a gathered full state
+    dict holds), or with ``remove_duplicate`` each parameter once, a tied one under its first name (what each FSDP
+    rank's shards hold)."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    model = AutoModelForSeq2SeqLM.from_pretrained(model_dir)
+    names = {name for name, _ in model.named_parameters(remove_duplicate=remove_duplicate)}
+    assert len(names) > 50, names
+    return names
+
+
+def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], names: set[str]) -> None:
+    """``a`` and ``b`` hold exactly ``names``, bit for bit the same."""
+    assert set(a) == set(b) == names, (sorted(names ^ set(a))[:5], sorted(names ^ set(b))[:5])
+    assert [k for k in sorted(names) if not torch.equal(a[k], b[k])] == []
+
+
 def assert_tied(model) -> None:
     shared = model.model.shared.weight
     assert model.lm_head.weight is shared

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
@@ -121,6 +122,35 @@ class ChatEServer:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+
+
+@contextlib.contextmanager
+def serving(*servers: ChatEServer):
+    """Every server ready (a list, in order), and stopped afterwards whatever happened."""
+    try:
+        yield [srv.wait_ready() for srv in servers]
+    finally:
+        for srv in servers:
+            srv.stop()
+
+
+@contextlib.contextmanager
+def served_engine(model_dir: Path):
+    """The model as ``chat-e`` serves it (its default quantization, one thread, :data:`TEST_SETTINGS`) in this process,
+    to predict a test server's replies: yields ``chat(message, history, mode, context) -> reply``."""
+    import torch
+
+    from chat_e.__main__ import resolve_quantize
+    from chat_e.engine import ChatEngine
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = ChatEngine.from_pretrained(model_dir, quantize=resolve_quantize("auto", "fp32"))
+        settings = engine.default_settings().replace(**TEST_SETTINGS)
+        yield lambda message, history, mode, context: engine.chat(message, history, mode, context, settings)
+    finally:
+        torch.set_num_threads(threads)
 
 
 # ---- the oracle: stock transformers, no chat_e code --------------------------------------------------------------

@@ -15,7 +15,7 @@ from chat_e.engine import message_text
 from chat_e.guard import BUSY, NEEDS_KEY, WRONG_KEY
 
 from ..conftest import ROOT, free_port, launch_env
-from .support import ChatEServer, chat_e_cmd
+from .support import ChatEServer, chat_e_cmd, serving
 
 USER, PASSWORD, KEY = "alice", "wonder:land", "k3y-for-programs"
 #: one reply that keeps a worker busy for a while: 10 beams, the tiny model's whole window
@@ -37,11 +37,8 @@ def servers(tiny_model_dir, tmp_path_factory):
         ChatEServer(tiny_model_dir, logs / "keyed.log", "--api_key", KEY),
     ]
     started[1].api_key = KEY  # the readiness probe and clients send it
-    try:
-        yield [srv.wait_ready() for srv in started]
-    finally:
-        for srv in started:
-            srv.stop()
+    with serving(*started) as ready:
+        yield ready
 
 
 @pytest.fixture(scope="module")

@@ -7,13 +7,10 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
-from chat_e.__main__ import resolve_quantize
-from chat_e.engine import ChatEngine
 from chat_e.ui import APOLOGY, EXAMPLES
 
-from .support import TEST_SETTINGS, ChatEServer
+from .support import ChatEServer, served_engine, serving
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -36,21 +33,14 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    srv = ChatEServer(tiny_model_dir, tmp_path_factory.mktemp("chat-e-browser") / "server.log")
-    try:
-        yield srv.wait_ready()
-    finally:
-        srv.stop()
+    with serving(ChatEServer(tiny_model_dir, tmp_path_factory.mktemp("chat-e-browser") / "server.log")) as (srv,):
+        yield srv
 
 
 @pytest.fixture(scope="module")
 def expected_reply(tiny_model_dir):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    engine = ChatEngine.from_pretrained(tiny_model_dir, quantize=resolve_quantize("auto", "fp32"))  # as chat-e serves
-    settings = engine.default_settings().replace(**TEST_SETTINGS)
-    yield lambda message, mode, context: " ".join(engine.chat(message, [], mode, context, settings).split())
-    torch.set_num_threads(threads)
+    with served_engine(tiny_model_dir) as chat:
+        yield lambda message, mode, context: " ".join(chat(message, [], mode, context).split())
 
 
 @pytest.fixture

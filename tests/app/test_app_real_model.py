@@ -17,7 +17,7 @@ import pytest
 
 from chat_e.ui import EXAMPLES, SAMPLE_CHATS
 
-from .support import ChatEServer
+from .support import ChatEServer, serving
 from .test_app_browser import BOT, CHROMIUM, USER, page, texts  # noqa: F401 (page is a fixture)
 
 pytestmark = pytest.mark.slow
@@ -33,11 +33,8 @@ def model_dir(request) -> Path:
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("chat-e-real") / "server.log"
-    srv = ChatEServer(model_dir, log, "--threads", "2", "--concurrency", "1", model_defaults=True)
-    try:
-        yield srv.wait_ready()
-    finally:
-        srv.stop()
+    with serving(ChatEServer(model_dir, log, "--threads", "2", "--concurrency", "1", model_defaults=True)) as (srv,):
+        yield srv
 
 
 def check_english_reply(reply: str, tokenizer) -> None:

@@ -11,22 +11,22 @@ import urllib.request
 
 import httpx
 import pytest
-import torch
 from gradio_client.exceptions import AppError
 
 from chat_e.__main__ import resolve_quantize
-from chat_e.engine import ChatEngine, GenerationSettings, message_text
+from chat_e.engine import message_text
 from chat_e.limits import ChatLimits
 from chat_e.ui import APOLOGY, Handlers, from_display, to_display
 
 from ..conftest import BIN, ROOT, free_port, launch_env
 from .support import (
-    TEST_SETTINGS,
     ChatEServer,
     chat_e_cmd,
     make_broken_model,
     make_sensitive_model,
     mudoconv_prompt,
+    served_engine,
+    serving,
     stock_seq2seq_reply,
 )
 
@@ -51,11 +51,8 @@ def servers(model_dir, tiny_model_dir, tmp_path_factory):
         ChatEServer(model_dir, logs / "server.log", "--concurrency", "2"),
         ChatEServer(broken, logs / "broken-server.log"),
     ]
-    try:
-        yield [srv.wait_ready() for srv in started]
-    finally:
-        for srv in started:
-            srv.stop()
+    with serving(*started) as ready:
+        yield ready
 
 
 @pytest.fixture(scope="module")
@@ -71,12 +68,8 @@ def broken_server(servers):
 @pytest.fixture(scope="module")
 def reference(model_dir):
     """The same model in this process, with the server's settings and thread count, to predict every reply."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    engine = ChatEngine.from_pretrained(model_dir, quantize=resolve_quantize("auto", "fp32"))  # as chat-e serves
-    settings = GenerationSettings(**{**vars(engine.default_settings()), **TEST_SETTINGS})
-    yield lambda message, history, mode, context: engine.chat(message, history, mode, context, settings)
-    torch.set_num_threads(threads)
+    with served_engine(model_dir) as chat:
+        yield chat
 
 
 def client(server):

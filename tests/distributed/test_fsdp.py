@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from ..conftest import ROOT, launcher_cmd, run
+from ..saving_support import parameter_names
 
 pytestmark = pytest.mark.distributed
 
@@ -51,17 +52,6 @@ def shards(run_dir: Path, rank: int) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / f"trained.pt.rank{rank}.pt")
 
 
-def parameter_names(model_dir, remove_duplicate: bool = True) -> set[str]:
-    """What the worker's dumps hold: each rank's shards (trained.pt.rankN.pt) every parameter once, a tied one under
-    its first name; the gathered trained.pt every name, tied ones too (``remove_duplicate=False``)."""
-    from transformers import AutoModelForSeq2SeqLM
-
-    model = AutoModelForSeq2SeqLM.from_pretrained(model_dir)
-    names = {name for name, _ in model.named_parameters(remove_duplicate=remove_duplicate)}
-    assert len(names) > 50, names
-    return names
-
-
 def test_stock_trains_ddp_where_hf_ext_shards(runs, tiny_model_dir):
     root, full, _ = runs
     stock = json.loads((root / "stock.json").read_text())
@@ -78,9 +68,10 @@ def test_stock_trains_ddp_where_hf_ext_shards(runs, tiny_model_dir):
     layers += [f"model.decoder.layers.{i}" for i in range(config["decoder_layers"])]
     assert set(layers) <= set(full["fsdp_units"]) and "" in full["fsdp_units"]
     weights = torch.load(root / "full" / "trained.pt")
-    assert set(weights) == parameter_names(tiny_model_dir, remove_duplicate=False)
+    assert set(weights) == parameter_names(tiny_model_dir)
     rank0, rank1 = shards(root / "full", 0), shards(root / "full", 1)
-    assert set(rank0) == set(rank1) == parameter_names(tiny_model_dir)  # every parameter, on each rank
+    held = parameter_names(tiny_model_dir, remove_duplicate=True)  # each parameter once, a tied one by its first name
+    assert set(rank0) == set(rank1) == held  # every parameter, on each rank
     for name, local in rank0.items():
         whole = weights[name]
         assert local.shape[0] == (whole.shape[0] + 1) // 2, name  # each rank holds half of dim 0
@@ -109,7 +100,7 @@ def test_resume_is_bit_identical(runs, tiny_model_dir):
     from safetensors.torch import load_file
 
     a, b = torch.load(root / "full" / "trained.pt"), torch.load(root / "resumed" / "trained.pt")
-    assert set(a) == set(b) == parameter_names(tiny_model_dir, remove_duplicate=False)
+    assert set(a) == set(b) == parameter_names(tiny_model_dir)
     for name in a:
         assert torch.equal(a[name], b[name]), name
     assert resumed["global_step"] == full["global_step"] == 8
@@ -130,8 +121,8 @@ def test_hybrid_shard_on_four_ranks(tiny_model_dir, tmp_path):
     assert run_info["run"]["fsdp"] == {"sharding": "hybrid_shard", "sharding_factor": 2, "replicas": 2}
     weights = torch.load(tmp_path / "hybrid" / "trained.pt")
     local = [shards(tmp_path / "hybrid", rank) for rank in range(4)]
-    names = parameter_names(tiny_model_dir)
-    assert set(weights) == parameter_names(tiny_model_dir, remove_duplicate=False)
+    names = parameter_names(tiny_model_dir, remove_duplicate=True)
+    assert set(weights) == parameter_names(tiny_model_dir)
     assert [set(held) for held in local] == [names] * 4  # every parameter, on each rank
     for name in sorted(names):
         whole = weights[name]
@@ -165,7 +156,7 @@ def test_evaluation_before_training(runs, tiny_model_dir, tmp_path):
     assert "eval_bleu" in first["first_eval"]  # the generation eval ran too, on the sharded model
     assert first["run"]["engine"] == "FSDP2"
     a, b = torch.load(root / "full" / "trained.pt"), torch.load(tmp_path / "eval_first" / "trained.pt")
-    assert set(a) == set(b) == parameter_names(tiny_model_dir, remove_duplicate=False)
+    assert set(a) == set(b) == parameter_names(tiny_model_dir)
     assert all(torch.equal(a[name], b[name]) for name in a)  # training as if never evaluated
 
 
@@ -175,7 +166,7 @@ def test_bf16_save_is_16_bit_master_weights(tiny_model_dir, tmp_path):
 
     train(tiny_model_dir, tmp_path / "bf16", "--fsdp", "full_shard", "--bf16", "--save_steps", "100")
     masters = torch.load(tmp_path / "bf16" / "trained.pt")  # torch's full state dict: the fp32 sharded parameters
-    assert set(masters) == parameter_names(tiny_model_dir, remove_duplicate=False)
+    assert set(masters) == parameter_names(tiny_model_dir)
     assert all(t.dtype == torch.float32 for t in masters.values())
     out = tmp_path / "bf16" / "out"
     stored = {}
@@ -185,7 +176,8 @@ def test_bf16_save_is_16_bit_master_weights(tiny_model_dir, tmp_path):
     assert stored and {t.dtype for t in stored.values() if t.is_floating_point()} == {torch.bfloat16}
     params = [name for name in stored if name in masters]
     # every parameter once (a tied one under its first name), and the final_logits_bias buffer
-    assert set(params) == parameter_names(tiny_model_dir) and set(stored) - set(params) == {"final_logits_bias"}
+    held = parameter_names(tiny_model_dir, remove_duplicate=True)
+    assert set(params) == held and set(stored) - set(params) == {"final_logits_bias"}
     for name in params:
         assert torch.equal(stored[name], masters[name].to(torch.bfloat16)), name
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
@@ -203,5 +195,5 @@ def test_resume_on_four_ranks(runs, tiny_model_dir, tmp_path):
     losses = [h["loss"] for h in full["log_history"] if "loss" in h]
     assert [h["loss"] for h in resumed["log_history"] if "loss" in h] == pytest.approx(losses, abs=1e-5)
     a, b = torch.load(root / "full" / "trained.pt"), torch.load(tmp_path / "four" / "trained.pt")
-    assert set(a) == set(b) == parameter_names(tiny_model_dir, remove_duplicate=False)
+    assert set(a) == set(b) == parameter_names(tiny_model_dir)
     assert max((a[name] - b[name]).abs().max().item() for name in a) <= 2e-6  # fp32 sums in another order

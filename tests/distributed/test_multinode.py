@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from ..conftest import BIN, ROOT, free_port, launch_env
+from ..saving_support import assert_same_tensors, parameter_names
 
 pytestmark = pytest.mark.distributed
 
@@ -71,23 +72,6 @@ def two_nodes(model_dir, out: Path, *extra: str, launcher: str = "torchrun") -> 
         pytest.fail(f"two-node launch exited {codes}:\n" + "\n--- node 1 ---\n".join(tails))
 
 
-def parameter_names(model_dir, remove_duplicate: bool = False) -> set[str]:
-    """What the worker's dumps hold: the gathered trained.pt every parameter name, tied ones too; each FSDP rank's
-    shards (trained.pt.rankN.pt) every parameter once, a tied one under its first name (``remove_duplicate``)."""
-    from transformers import BlenderbotForConditionalGeneration
-
-    model = BlenderbotForConditionalGeneration.from_pretrained(model_dir)
-    names = {name for name, _ in model.named_parameters(remove_duplicate=remove_duplicate)}
-    assert len(names) > 50, names
-    return names
-
-
-def assert_equal_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], names: set[str]) -> None:
-    """``a`` and ``b`` hold exactly ``names``, bit for bit the same."""
-    assert set(a) == set(b) == names, (sorted(names ^ set(a))[:5], sorted(names ^ set(b))[:5])
-    assert [k for k in sorted(names) if not torch.equal(a[k], b[k])] == []
-
-
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("two_nodes")
@@ -114,14 +98,14 @@ def test_two_node_save_loads_and_equals_the_gathered_weights(runs, tiny_model_di
     gathered = torch.load(runs / "full" / "trained.pt")
     loaded = BlenderbotForConditionalGeneration.from_pretrained(runs / "full" / "out")
     params = dict(loaded.named_parameters(remove_duplicate=False))
-    assert_equal_weights(params, gathered, parameter_names(tiny_model_dir))
+    assert_same_tensors(params, gathered, parameter_names(tiny_model_dir))
 
 
 def test_two_node_resume_ends_where_the_uninterrupted_run_did(runs, tiny_model_dir):
     info = json.loads((runs / "resumed" / "trained.pt.json").read_text())
     assert info["global_step"] == 8 and info["run"]["nodes"] == 2
     full, resumed = torch.load(runs / "full" / "trained.pt"), torch.load(runs / "resumed" / "trained.pt")
-    assert_equal_weights(full, resumed, parameter_names(tiny_model_dir))  # same ranks, same sums: bit for bit
+    assert_same_tensors(full, resumed, parameter_names(tiny_model_dir))  # same ranks, same sums: bit for bit
 
 
 def test_accelerate_launch_on_two_nodes_trains_the_same_model(runs, tiny_model_dir):
@@ -131,7 +115,7 @@ def test_accelerate_launch_on_two_nodes_trains_the_same_model(runs, tiny_model_d
     assert (run["launcher"], run["world_size"], run["nodes"], run["ranks_per_node"]) == ("accelerate", 2, 2, 1)
     assert (run["engine"], run["zero_stage"], info["global_step"]) == ("DeepSpeedEngine", 3, 8)
     torchrun, accelerate = torch.load(runs / "full" / "trained.pt"), torch.load(runs / "accelerate" / "trained.pt")
-    assert_equal_weights(torchrun, accelerate, parameter_names(tiny_model_dir))
+    assert_same_tensors(torchrun, accelerate, parameter_names(tiny_model_dir))
 
 
 def test_fsdp_on_two_nodes_trains_saves_and_resumes(tiny_model_dir, tmp_path):
@@ -155,5 +139,5 @@ def test_fsdp_on_two_nodes_trains_saves_and_resumes(tiny_model_dir, tmp_path):
     assert [k for k in sorted(held) if not torch.equal(torch.cat([node0[k], node1[k]]), full[k])] == []
     loaded = dict(BlenderbotForConditionalGeneration.from_pretrained(tmp_path / "full" / "out").named_parameters(
         remove_duplicate=False))  # fmt: skip
-    assert_equal_weights(loaded, full, names)
-    assert_equal_weights(full, torch.load(tmp_path / "resumed" / "trained.pt"), names)
+    assert_same_tensors(loaded, full, names)
+    assert_same_tensors(full, torch.load(tmp_path / "resumed" / "trained.pt"), names)

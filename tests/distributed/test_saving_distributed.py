@@ -21,6 +21,7 @@ from hf_ext.saving import writer as saving
 from hf_ext.sizes import parse_bytes
 
 from ..conftest import ROOT, launch_env, launcher_cmd, run
+from ..saving_support import named_params
 
 pytestmark = pytest.mark.distributed
 
@@ -35,14 +36,10 @@ def train(tiny_model_dir, out: Path, *extra: str, check: bool = True, **env) -> 
     return subprocess.run(cmd, cwd=ROOT, env=launch_env(**env), capture_output=True, text=True, timeout=900)
 
 
-def params(model) -> dict[str, torch.Tensor]:
-    return dict(model.named_parameters(remove_duplicate=False))
-
-
 def assert_equal_weights(expected: dict[str, torch.Tensor], model_dir: Path) -> None:
     """``model_dir`` loads with ``from_pretrained``, every tensor equals ``expected`` bit for bit, ties intact."""
     model = BlenderbotForConditionalGeneration.from_pretrained(model_dir)
-    loaded = params(model)
+    loaded = named_params(model)
     assert loaded.keys() == expected.keys()
     for key, value in expected.items():
         assert torch.equal(loaded[key], value), key
@@ -244,8 +241,8 @@ def test_export_round_trip(zero3_reference, tiny_model_dir, tmp_path):
         tokenizer = AutoTokenizer.from_pretrained(tmp_path / name)
         assert tokenizer.get_vocab() == AutoTokenizer.from_pretrained(tiny_model_dir).get_vocab()
     bf16 = BlenderbotForConditionalGeneration.from_pretrained(tmp_path / "bf16", dtype="auto")
-    for key, value in params(trained).items():
-        assert torch.equal(params(bf16)[key], value.to(torch.bfloat16)), key
+    for key, value in named_params(trained).items():
+        assert torch.equal(named_params(bf16)[key], value.to(torch.bfloat16)), key
 
 
 def test_zero3_streaming_save_of_a_decoder_only_chat_model(tiny_chat_model_dir, tmp_path):
@@ -261,9 +258,9 @@ def test_zero3_streaming_save_of_a_decoder_only_chat_model(tiny_chat_model_dir, 
     assert saving.saved_weight_shapes(tmp_path / "out") == saving.saved_weight_shapes(tmp_path / "stock")
     for model_dir in (tmp_path / "out", tmp_path / "stock"):
         model = AutoModelForCausalLM.from_pretrained(model_dir)
-        loaded = params(model)
+        loaded = named_params(model)
         assert loaded.keys() == trained.keys()
         assert all(torch.equal(loaded[k], v) for k, v in trained.items())
         assert model.lm_head.weight is model.model.embed_tokens.weight
-    initial = params(AutoModelForCausalLM.from_pretrained(tiny_chat_model_dir))
+    initial = named_params(AutoModelForCausalLM.from_pretrained(tiny_chat_model_dir))
     assert not torch.equal(initial["model.layers.0.mlp.up_proj.weight"], trained["model.layers.0.mlp.up_proj.weight"])
