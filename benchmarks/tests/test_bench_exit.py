@@ -1,0 +1,77 @@
+"""The exit benchmark's pure parts: what counts as an abort, the dump it keeps, the per-cell counts."""
+
+from pathlib import Path
+
+from benchmarks import bench_exit, harness
+
+DEEPSPEED_ABORT = (
+    "[2026-11-25 05:50:00,000] [INFO] [launch.py:351:main] Process 4242 exits successfully.\n"
+    "[2026-11-25 05:50:01,000] [ERROR] [launch.py:325:sigkill_handler] ['/venv/bin/python', '-u', '-m', "
+    "'benchmarks.exit_worker', '--local_rank=1'] exits with return code = -6\n"
+)
+TORCHRUN_ABORT = (
+    "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+    "Failures:\n  <NO_OTHER_FAILURES>\nRoot Cause (first observed failure):\n[0]:\n"
+    "  rank      : 1 (local_rank: 1)\n  exitcode  : -6 (pid: 4243)\n"
+)
+FAULTHANDLER = (
+    "terminate called without an active exception\n"
+    "Fatal Python error: Aborted\n\n"
+    "Thread 0x00007f0000000700 (most recent call first):\n  <no Python frame>\n\n"
+    "Current thread 0x00007f0000000740 (most recent call first):\n  <no Python frame>\n"
+)
+
+
+def test_an_abort_is_told_by_the_exit_code_or_by_what_the_launcher_or_rank_printed():
+    assert bench_exit.classify(-6, "") == bench_exit.classify(134, "") == "abort"
+    assert bench_exit.classify(250, DEEPSPEED_ABORT) == "abort"  # deepspeed's launcher exits with the rank's code
+    assert bench_exit.classify(1, TORCHRUN_ABORT) == "abort"
+    assert bench_exit.classify(0, FAULTHANDLER) == "abort"  # counted even when the launcher returned 0
+    assert bench_exit.classify(1, "ValueError: bad\n") == "error"
+    assert bench_exit.classify(None, "") == "hung"
+    assert bench_exit.classify(0, "exits successfully\n") == "clean"
+
+
+def test_the_dump_starts_at_the_abort_message():
+    dump = bench_exit.abort_dump("step 3\nsaved\n" + FAULTHANDLER)
+    assert dump.splitlines()[0] == "terminate called without an active exception"
+    assert "Current thread" in dump and "saved" not in dump
+    assert bench_exit.abort_dump("all good\n") is None
+    assert len(bench_exit.abort_dump(FAULTHANDLER * 40, lines=10).splitlines()) == 10
+
+
+def test_summary_counts_each_layout_and_variant():
+    def launch(variant, outcome, seconds, engine="ZeRO-3"):
+        return {"layout": "ZeRO-3, torchrun", "variant": variant, "outcome": outcome, "seconds": seconds,
+                "engine": engine}  # fmt: skip
+
+    launches = [launch("hf-ext", "clean", 10.0), launch("stock", "abort", 20.0), launch("hf-ext", "clean", 12.0),
+                launch("stock", "error", 30.0, None), launch("stock", "hung", 40.0)]  # fmt: skip
+    cells = {c["variant"]: c for c in bench_exit.summarize(launches)}
+    assert cells["hf-ext"] == {"layout": "ZeRO-3, torchrun", "variant": "hf-ext", "engine": "ZeRO-3", "launches": 2,
+                               "aborts": 0, "other_failures": 0, "mean_seconds": 11.0}  # fmt: skip
+    assert (cells["stock"]["aborts"], cells["stock"]["other_failures"], cells["stock"]["mean_seconds"]) == (1, 2, 30)
+    table = bench_exit.markdown(list(cells.values()))
+    assert bench_exit.VARIANTS["stock"] in table and "| 30.0 |" in table
+
+
+def test_engine_label_reads_the_rank_report():
+    rank = {"engine": "DeepSpeedEngine", "zero_stage": 3, "dtensor_params": 0}
+    assert bench_exit.engine_label(rank) == "ZeRO-3"
+    assert bench_exit.engine_label({"engine": "FSDPBlenderbot", "zero_stage": None, "dtensor_params": 91}) == "FSDP2"
+    assert bench_exit.engine_label({"engine": "DistributedDataParallel", "zero_stage": None, "dtensor_params": 0}) == (
+        "DDP"
+    )
+
+
+def test_every_layout_launches_two_ranks_of_the_worker():
+    for launcher, _ in bench_exit.LAYOUTS.values():
+        cmd = harness.launcher_cmd(launcher, bench_exit.WORKER)
+        assert cmd[-1] == bench_exit.WORKER and cmd[-2] in ("--module", "-m")
+        if launcher.startswith("accelerate:"):
+            assert Path(launcher.split(":", 1)[1]).exists()
+    assert bench_exit.ZERO3.exists()
+
+
+def test_a_hog_stops_by_itself():
+    exec(bench_exit.hog_code(0.01), {})  # returns: the loop has a deadline
