@@ -8,7 +8,7 @@ import os
 import sys
 from dataclasses import fields
 
-from hf_ext.runtime import usable_cores
+from hf_ext.runtime import return_freed_memory_to_os, usable_cores
 from hf_ext.saving.model_dir import ModelDirError as ModelLoadError
 from hf_ext.saving.model_dir import describe_model_dir
 
@@ -143,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, k) is not None
     }
     settings = engine.default_settings().replace(**overrides)
+    # large request bodies (up to the body limit) come and go: glibc would keep their memory in its heap, its mmap
+    # threshold adapting upward, and the server's resident memory would ratchet up under big requests
+    return_freed_memory_to_os(threshold=256 * 1024)
     logger.info("loaded %s", engine.describe())
     logger.info("generation defaults: %s; %d torch threads per reply", settings, torch.get_num_threads())
     demo = build_app(engine, settings, concurrency_limit=args.concurrency, limits=limits)
@@ -158,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             auth=auth,
             auth_message="Chat-E: log in with the user and password its server was started with.",
             max_file_size=limits.max_body_bytes,
+            state_session_capacity=limits.max_sessions,
             app_kwargs={"middleware": [guard_middleware(limits.max_body_bytes, api_key)]},
         )
     except OSError as err:

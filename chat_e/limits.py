@@ -54,6 +54,13 @@ class ChatLimits:
         default=64,
         metadata={"help": "Requests that may wait for a reply; beyond them callers are told Chat-E is busy."},
     )
+    max_sessions: int = field(
+        default=1000,
+        metadata={
+            "help": "Sessions (browser tabs, API clients) whose state the server keeps; beyond them the oldest is "
+            "dropped. Each costs memory until dropped: a copy of the app's configuration, a few hundred KB."
+        },
+    )
 
     def __post_init__(self):
         problems = [

@@ -4,7 +4,8 @@ empty and non-string fields, and clients that drop the connection mid-stream.
 
 It asserts that the server stays up, that every well-formed chat gets its non-empty reply (the one the same engine
 gives in this process), that every malformed request gets its clear refusal, and that the server's resident memory
-comes back to within 10 % of its level before the load. It prints a table (and writes it as JSON under the test's
+comes back to within 10 % of its level before the load (the server keeps the state of its
+``SESSIONS`` newest sessions, as ``--max_sessions`` bounds it in production). It prints a table (and writes it as JSON under the test's
 tmp dir); docs/benchmarks.md, "Chat-E under load", has one such run::
 
     .venv/bin/python -m pytest tests/app/test_app_load.py -s -q
@@ -33,6 +34,8 @@ REQUESTS_PER_CLIENT = 4
 #: the whole load stops by itself after this many seconds (requests not sent by then fail the test)
 DEADLINE_S = 300
 RSS_BAND = 0.10
+#: sessions whose state the server keeps (each client is one): the oldest are dropped beyond it, as in production
+SESSIONS = 10
 LIMITS = ChatLimits()
 UI_SETTINGS = (1, False, 1.0, 1.0, TEST_SETTINGS["max_new_tokens"], TEST_SETTINGS["min_new_tokens"])
 #: a reply long enough to drop the connection in the middle of: the tiny model's whole window, streamed
@@ -57,7 +60,8 @@ KINDS = ("chat", "unicode", "stream", "message-1MB", "context-4MB", "empty", "no
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    with serving(ChatEServer(tiny_model_dir, tmp_path_factory.mktemp("chat-e-load") / "server.log")) as (srv,):
+    log = tmp_path_factory.mktemp("chat-e-load") / "server.log"
+    with serving(ChatEServer(tiny_model_dir, log, "--max_sessions", str(SESSIONS))) as (srv,):
         yield srv
 
 
