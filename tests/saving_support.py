@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from hf_ext.saving import writer
@@ -51,3 +53,29 @@ def synthetic_rows(n: int, vocab: int) -> list[dict]:
         }
         for _ in range(n)
     ]
+
+
+def gathered_state_dict(model) -> dict[str, torch.Tensor]:
+    """Every parameter of ``model`` at full size by every name (tied ones too), on every rank; under FSDP2 on rank 0
+    only (the others get ``{}``). Call it on every rank."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(model.parameters())
+    if any(isinstance(p, DTensor) for p in params):  # FSDP2: torch's own full state dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not full:  # the full values live on rank 0 only
+            return {}
+        first_name = {id(p): n for n, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
+        return {n: full[n if n in full else first_name[id(p)]].clone()
+                for n, p in model.named_parameters(remove_duplicate=False)}  # fmt: skip
+    zero3 = any(hasattr(p, "ds_id") for p in params)
+    if zero3:
+        import deepspeed
+
+        ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+    else:
+        ctx = contextlib.nullcontext()
+    with ctx:
+        return {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}

@@ -106,21 +106,32 @@ def eval_scores(history: list[dict]) -> list[dict]:
 
 
 def check_best_model(results: list[dict], out: Path, final_as_during_training: bool = True) -> None:
-    """metric_for_best_model="bleu" picked the best evaluation and load_best_model_at_end loaded that model (which
-    the final evaluation shows when it generates as the evaluations during training did)."""
+    """metric_for_best_model="bleu" picked the best evaluation and load_best_model_at_end loaded that model: the
+    weights after training are the best checkpoint's, bit for bit, and the final evaluation, when it generates as the
+    evaluations during training did, scores and generates as the best one did."""
+    from safetensors.torch import load_file
+
     history = results[0]["log_history"]
     evals = [(h["step"], h["eval_bleu"]) for h in history if "eval_bleu" in h]
     assert [step for step, _ in evals] == [4, 8]
-    best_step, best_bleu = max(evals, key=lambda e: (e[1], -e[0]))  # ties keep the first
+    best_step, best_bleu = min(evals, key=lambda e: (e[1], e[0]))  # greater_is_better=False; ties keep the first
+    assert best_step == 4, evals  # BLEU rose: the best is not the last, which loading it must undo
     for result in results:
         assert result["best_metric"] == best_bleu
         assert Path(result["best_model_checkpoint"]).name == f"checkpoint-{best_step}"
-        assert result["final"]["eval_bleu"] == best_bleu or not final_as_during_training
+    after = torch.load(out / "after_train.pt")
+    best = load_file(out / f"checkpoint-{best_step}" / "model.safetensors")
+    common = sorted(set(best) & set(after))  # every parameter stored (tied ones once); the rest are buffers
+    assert len(common) > 50 and set(best) - set(after) <= {"final_logits_bias"}
+    assert [name for name in common if not torch.equal(after[name], best[name])] == []
+    last = load_file(out / "checkpoint-8" / "model.safetensors")
+    assert any(not torch.equal(after[name], last[name]) for name in common)  # loading the best changed the weights
     if not final_as_during_training:
         return
+    for result in results:
+        assert result["final"]["eval_bleu"] == best_bleu
     at_best = [r["generation"] for r in read_jsonl(out / "generations" / f"step-{best_step}.jsonl")]
-    if best_step != 8:  # the final evaluation rewrote step-8.jsonl; the best one is intact
-        assert results[0]["final_generations"] == at_best
+    assert results[0]["final_generations"] == at_best  # step-4.jsonl: the final evaluation rewrote step-8.jsonl
 
 
 def test_decoder_only_zero3_two_ranks_equal_one_rank(tiny_chat_model_dir, tmp_path, tmp_path_factory):

@@ -25,7 +25,6 @@ import json
 import os
 import signal
 import time
-from contextlib import nullcontext
 
 import torch
 import torch.distributed.fsdp
@@ -37,6 +36,7 @@ import hf_ext
 from hf_ext.deepspeed.resolve import load_deepspeed_config
 from hf_ext.model_info import model_class
 from hf_ext.runtime import run_summary
+from tests.saving_support import gathered_state_dict
 
 GATHER_KEY = "stage3_gather_16bit_weights_on_model_save"
 
@@ -70,28 +70,6 @@ def synthetic_dataset(n: int, vocab: int, seed: int = 0, causal: bool = False) -
         else:
             rows.append({"input_ids": context, "attention_mask": [1] * 12, "labels": reply})
     return rows
-
-
-def gathered_state_dict(model) -> dict[str, torch.Tensor]:
-    params = list(model.parameters())
-    if any(isinstance(p, torch.distributed.tensor.DTensor) for p in params):  # FSDP2: torch's own full state dict
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if not full:  # the full values live on rank 0 only
-            return {}
-        first_name = {id(p): n for n, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
-        return {n: full[n if n in full else first_name[id(p)]].clone()
-                for n, p in model.named_parameters(remove_duplicate=False)}  # fmt: skip
-    zero3 = any(hasattr(p, "ds_id") for p in params)
-    if zero3:
-        import deepspeed
-
-        ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=None)
-    else:
-        ctx = nullcontext()
-    with ctx:
-        return {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
 
 
 class SampleRecordingTrainer(hf_ext.Seq2SeqTrainer):
