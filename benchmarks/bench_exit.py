@@ -8,9 +8,11 @@ Each launch runs ``benchmarks/exit_worker.py`` on the tiny BlenderBot: a few ste
 ``save_model`` into a second directory, then the variant's teardown (see the worker). Layouts: ZeRO-3 (hf-ext's
 ``zero3`` preset file, the same file for stock) under ``deepspeed --num_gpus 2``, ``torchrun --nproc_per_node 2`` and
 ``accelerate launch`` (recipes/accelerate/zero3.yaml), and FSDP (``fsdp="full_shard"``) under torchrun and
-``accelerate launch`` (recipes/accelerate/fsdp.yaml). Each repeat runs every layout × variant once, in the same
-order. Beside every launch, one busy-loop process per core (``--hogs``) loads the machine as a full test suite does;
-each hog stops by itself after the launch's time limit and is killed when the launch ends.
+``accelerate launch`` (recipes/accelerate/fsdp.yaml); and torch alone (``benchmarks/exit_torch_worker.py``: two
+gloo collectives, the variant's teardown, exit) under torchrun, which shows whose abort it is. Each repeat runs every
+layout × variant once, in the same order. Beside every launch, one busy-loop process per core (``--hogs``) loads the
+machine as a full test suite does; each hog stops by itself after the launch's time limit and is killed when the
+launch ends.
 
 Every launch runs with ``PYTHONFAULTHANDLER=1``: a rank that aborts prints the Python stack of each of its threads.
 The stdout and stderr of every launch that aborted, failed or hung are kept in ``--logs`` (clean launches' are
@@ -39,13 +41,15 @@ from benchmarks import harness
 WORKER = "benchmarks.exit_worker"
 ZERO3 = harness.ROOT / "hf_ext" / "deepspeed" / "presets" / "zero3.json"
 ACCELERATE = harness.ROOT / "recipes" / "accelerate"
-#: layout name -> (launcher, the worker's engine flags); under accelerate the YAML gives the engine
+TORCH_WORKER = "benchmarks.exit_torch_worker"
+#: layout name -> (launcher, the worker's engine flags, the worker); under accelerate the YAML gives the engine
 LAYOUTS = {
-    "ZeRO-3, deepspeed": ("deepspeed", ["--deepspeed", str(ZERO3)]),
-    "ZeRO-3, torchrun": ("torchrun", ["--deepspeed", str(ZERO3)]),
-    "ZeRO-3, accelerate": (f"accelerate:{ACCELERATE / 'zero3.yaml'}", []),
-    "FSDP, torchrun": ("torchrun", ["--fsdp", "full_shard"]),
-    "FSDP, accelerate": (f"accelerate:{ACCELERATE / 'fsdp.yaml'}", []),
+    "ZeRO-3, deepspeed": ("deepspeed", ["--deepspeed", str(ZERO3)], WORKER),
+    "ZeRO-3, torchrun": ("torchrun", ["--deepspeed", str(ZERO3)], WORKER),
+    "ZeRO-3, accelerate": (f"accelerate:{ACCELERATE / 'zero3.yaml'}", [], WORKER),
+    "FSDP, torchrun": ("torchrun", ["--fsdp", "full_shard"], WORKER),
+    "FSDP, accelerate": (f"accelerate:{ACCELERATE / 'fsdp.yaml'}", [], WORKER),
+    "torch only (gloo), torchrun": ("torchrun", [], TORCH_WORKER),
 }
 #: the worker's variants, as the table names them
 VARIANTS = {
@@ -138,11 +142,11 @@ def remove_shm_workspaces(out: Path) -> int:
 
 def launch(layout: str, variant: str, model_dir: Path, work: Path, logs: Path, opts) -> dict:
     """One launch of the worker with ``--hogs`` busy loops beside it; its outcome, time and the engine it ran."""
-    launcher, engine_flags = LAYOUTS[layout]
+    launcher, engine_flags, worker = LAYOUTS[layout]
     out = work / "out"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    cmd = harness.launcher_cmd(launcher, WORKER) + [
+    cmd = harness.launcher_cmd(launcher, worker) + [
         "--model", str(model_dir), "--out", str(out), "--variant", variant, "--steps", str(opts.steps), *engine_flags,
     ]  # fmt: skip
     stdout, stderr = work / "stdout.txt", work / "stderr.txt"
@@ -192,6 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default="runs/bench/exit.json")
     parser.add_argument("--logs", default="runs/bench/exit", help="output of every launch that was not clean")
     parser.add_argument("--doc", default=None, help="also write the table into this Markdown file")
+    parser.add_argument("--section", default="bench_exit", help="the marked section of --doc the table replaces")
     opts = parser.parse_args(argv)
 
     host = harness.host_info()
@@ -218,7 +223,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     text = markdown(summary)
     if opts.doc:
-        harness.write_section(opts.doc, "bench_exit", f"`{report['command']}`\n\n{text}")
+        harness.write_section(opts.doc, opts.section, f"`{report['command']}`\n\n{text}")
     return harness.finish(report, text, opts.out)
 
 

@@ -65,9 +65,10 @@ def test_engine_label_reads_the_rank_report():
 
 
 def test_every_layout_launches_two_ranks_of_the_worker():
-    for launcher, _ in bench_exit.LAYOUTS.values():
-        cmd = harness.launcher_cmd(launcher, bench_exit.WORKER)
-        assert cmd[-1] == bench_exit.WORKER and cmd[-2] in ("--module", "-m")
+    for launcher, _, worker in bench_exit.LAYOUTS.values():
+        cmd = harness.launcher_cmd(launcher, worker)
+        assert cmd[-1] == worker and cmd[-2] in ("--module", "-m")
+        assert (harness.ROOT / (worker.replace(".", "/") + ".py")).exists()
         if launcher.startswith("accelerate:"):
             assert Path(launcher.split(":", 1)[1]).exists()
     assert bench_exit.ZERO3.exists()
