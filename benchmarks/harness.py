@@ -12,6 +12,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import socket
 import statistics
 import subprocess
@@ -312,7 +313,7 @@ def finish(report: dict, text: str, out: str | Path | None) -> dict:
 
 def command(module: str, argv: list[str] | None) -> str:
     """The command line that reproduces this run of bench ``module`` (``benchmarks.bench_x``)."""
-    return " ".join(["python", "-m", module, *(sys.argv[1:] if argv is None else argv)])
+    return shlex.join(["python", "-m", module, *(sys.argv[1:] if argv is None else argv)])  # quoted as typed
 
 
 def write_section(doc: str | Path, name: str, text: str) -> None:

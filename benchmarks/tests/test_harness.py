@@ -92,3 +92,9 @@ def test_reuse_reads_back_a_finished_launch_and_not_a_half_one(tmp_path):
     (tmp_path / "memory_zero2_hf-ext.rank1.json").write_text(json.dumps({"peak_bytes": 9}))
     # both ranks wrote: read back, no launch (a launch of this bogus worker argument would fail)
     assert harness.launch_worker(["--no_such_flag"], out, reuse=True) == [{"peak_bytes": 7}, {"peak_bytes": 9}]
+
+
+def test_the_printed_command_quotes_what_the_shell_would_split():
+    assert harness.command("benchmarks.bench_exit", ["--layouts", "ZeRO-3, deepspeed", "--repeats", "8"]) == (
+        "python -m benchmarks.bench_exit --layouts 'ZeRO-3, deepspeed' --repeats 8"
+    )

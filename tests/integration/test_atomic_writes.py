@@ -72,7 +72,7 @@ def test_export_killed_at_any_write_event_leaves_old_or_new(old_and_new, tiny_mo
     # three more drawn by a seeded schedule
     points = {shards[0], shards[-1], events.index("swap") + 1, events.index("swapped") + 1}
     points |= set(random.Random(0).sample([i for i in range(1, len(events) + 1) if i not in points], 3))
-    seen = {"old": 0, "new": 0}
+    seen, outcomes = {"old": 0, "new": 0}, {}
     for k in sorted(points):
         out = tmp_path / f"kill{k}"
         shutil.copytree(root / "old", out)
@@ -82,11 +82,13 @@ def test_export_killed_at_any_write_event_leaves_old_or_new(old_and_new, tiny_mo
         which = "old" if same(loaded, old) else "new" if same(loaded, new) else None
         assert which is not None, f"killed at event {k} ({events[k - 1]}): neither the old nor the new weights"
         seen[which] += 1
+        outcomes[f"{k} ({events[k - 1]})"] = which
         # the next export into the same directory removes what the killed one left, and completes
         proc = export(tiny_model_dir, out, "--dtype", "bf16")
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert same(weights(out), new)
         assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(f".kill{k}.")]
+    print(json.dumps(outcomes, indent=1))
     assert seen["old"] and seen["new"]  # the schedule reached both sides of the swap
 
 
