@@ -58,7 +58,7 @@ class ChatLimits:
         default=1000,
         metadata={
             "help": "Sessions (browser tabs, API clients) whose state the server keeps; beyond them the oldest is "
-            "dropped. Each costs memory until dropped: a copy of the app's configuration, a few hundred KB."
+            "dropped. Each holds memory until dropped (a copy of the app's configuration)."
         },
     )
 
