@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from .gather import full_values, gathered, is_dtensor, is_partitioned
+from .ranks import shared_outcome
 from .schedule import inner_scheduler
 
 logger = logging.getLogger(__name__)
@@ -59,8 +60,6 @@ def gathered_trainable_state_dict(model) -> dict[str, torch.Tensor]:
 
 def save_adapter(trainer, output_dir: str | Path) -> None:
     """``save_model`` for a PEFT model, on every rank: the adapter (and ``modules_to_save``) with full shapes."""
-    from .ranks import shared_outcome
-
     model = trainer.model
     state_dict = gathered_trainable_state_dict(model)
     with shared_outcome(f"writing the adapter into {output_dir}"):
@@ -285,8 +284,6 @@ def _set_state(optimizer, param, key: str, value: torch.Tensor) -> None:
 
 def load_trainable_state(trainer, checkpoint: str | Path) -> None:
     """Restore parameters, optimizer and scheduler from :func:`read_trainable_state` (every rank)."""
-    from .ranks import shared_outcome
-
     model, optimizer, scheduler = trainer.model, trainer.optimizer, inner_scheduler(trainer.lr_scheduler)
     named = dict(trainable_parameters(model))
     with shared_outcome(f"reading {checkpoint}"):  # each rank reads it; the copies below gather under ZeRO-3

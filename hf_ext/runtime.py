@@ -157,7 +157,8 @@ def wants_freed_memory_released(args) -> bool:
 
 
 def return_freed_memory_to_os(threshold: int = 64 * 1024) -> bool:
-    """Make glibc hand large freed blocks back to the OS instead of keeping them in its heap (CPU training).
+    """Make glibc hand large freed blocks back to the OS instead of keeping them in its heap (CPU training; Chat-E's
+    server, whose large request bodies come and go).
 
     ZeRO-2/3 allocate and free many mid-sized temporaries (gathered parameters, flattened gradients) every step;
     glibc serves blocks under its adaptive mmap threshold (up to 32 MiB) from the heap and keeps them after
