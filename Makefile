@@ -10,7 +10,7 @@ STAMP := $(VENV)/.hf-ext-installed
 DEMO_DIR ?= runs/demo
 NPROC ?= 2
 
-.PHONY: setup demo demo-blenderbot serve test test-fast lint clean browser
+.PHONY: setup demo demo-blenderbot serve space test test-fast lint clean browser
 
 setup: $(STAMP)
 
@@ -36,6 +36,10 @@ demo-blenderbot: setup
 
 serve:
 	$(BIN)/chat-e --model $(DEMO_DIR)
+
+# Chat-E as a self-contained Hugging Face Space folder (app/ + the packages), ready to push
+space: setup
+	$(BIN)/python scripts/build_space.py --output_dir runs/space
 
 # Debian's chromium for the Chat-E browser test (no browser download by playwright)
 browser:

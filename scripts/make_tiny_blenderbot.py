@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Build a random-init BlenderBot with a byte-level BPE tokenizer trained on the offline corpus.
 
-    python recipes/make_tiny_blenderbot.py --output_dir runs/models/tiny [--size tiny|small|400m] [--seed 0]
-    python recipes/make_tiny_blenderbot.py --chat --output_dir runs/models/tiny_chat [--seed 0]
+    python scripts/make_tiny_blenderbot.py --output_dir runs/models/tiny [--size tiny|small|400m] [--seed 0]
+    python scripts/make_tiny_blenderbot.py --chat --output_dir runs/models/tiny_chat [--seed 0]
 
 Sizes: ``tiny`` (well under 1M parameters, for tests), ``small`` (a few million, learns the offline corpus in a few
 CPU minutes; used by ``make demo``), ``400m`` (facebook/blenderbot-400M-distill's dimensions, for benchmarks).
@@ -11,7 +11,7 @@ BlenderBot's generation defaults.
 
 ``--chat`` builds the tiny decoder-only stand-in for SmolLM2-135M-Instruct instead: a random-init ``LlamaForCausalLM``
 (tied embeddings) with SmolLM2's ChatML special tokens and chat template, loadable with ``AutoModelForCausalLM``.
-The real SmolLM2 comes from ``recipes/make_smollm2.py``.
+The real SmolLM2 comes from ``scripts/make_smollm2.py``.
 """
 
 from __future__ import annotations
