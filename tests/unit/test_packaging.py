@@ -44,3 +44,26 @@ def test_presets_ship_with_the_package():
     data = PYPROJECT["tool"]["setuptools"]["package-data"]["hf_ext"]
     shipped = {p.name for pattern in data for p in (ROOT / "hf_ext").glob(pattern)}
     assert {"zero1.json", "zero2.json", "zero3.json", "zero3_offload.json"} <= shipped
+
+
+def test_the_space_requires_what_the_package_and_its_app_extras_pin():
+    lines = (ROOT / "app" / "requirements.txt").read_text().splitlines()
+    space = [line for line in lines if line and not line.startswith("#")]
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    wanted = PYPROJECT["project"]["dependencies"] + [
+        r for extra in ("chat", "app") for r in extras[extra] if not r.startswith("hf-ext")
+    ]
+    assert sorted(space) == sorted(wanted)
+
+
+def test_the_space_front_matter_runs_app_py_on_the_pinned_gradio():
+    import yaml
+    from packaging.specifiers import SpecifierSet
+
+    text = (ROOT / "app" / "README.md").read_text()
+    front = yaml.safe_load(text.split("---")[1])
+    assert (front["sdk"], front["app_file"]) == ("gradio", "app.py")
+    assert (ROOT / "app" / front["app_file"]).is_file()
+    gradio = next(r for r in PYPROJECT["project"]["optional-dependencies"]["app"] if r.startswith("gradio>"))
+    assert front["sdk_version"] in SpecifierSet(gradio.removeprefix("gradio"))
+    assert not (ROOT / "app" / "__init__.py").exists()  # a folder, never a package named app
