@@ -30,10 +30,16 @@ logger = logging.getLogger(__name__)
 
 
 def as_hf_ext_args(args, args_class, deepspeed=None):
-    """``args`` as hf-ext's arguments class (stock ones are converted), with ``deepspeed`` set when given."""
+    """``args`` as hf-ext's arguments class (stock ones are converted), with ``deepspeed`` set when given.
+
+    Arguments that already resolved this very ``deepspeed`` are kept as they are: the config is resolved (and the
+    memory planned) once, whichever of ``TrainingArguments(deepspeed=...)`` and ``Trainer(deepspeed=...)`` says it.
+    """
     if args is None:
         return args_class(deepspeed=deepspeed) if deepspeed is not None else None
-    if isinstance(args, args_class) and deepspeed is None:
+    resolution = getattr(args, "deepspeed_resolution", None)
+    already = deepspeed is None or (resolution is not None and resolution.given == deepspeed)
+    if isinstance(args, args_class) and already:
         return args
     init_fields = {f.name for f in dataclasses.fields(args_class) if f.init}
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.name in init_fields}

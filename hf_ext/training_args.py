@@ -1,14 +1,19 @@
 """hf-ext's TrainingArguments: the stock fields plus every hf-ext setting as a documented field.
 
-``__post_init__`` validates and resolves only (the DeepSpeed config, the memory planner's choices, the launcher's
-implied preset). Its one action is the one stock takes in the same place: starting the distributed layer (on CPU,
-DeepSpeed's comm beside the process group stock starts). Threads, malloc tuning and shared-memory housekeeping run
-once, at train start (:func:`hf_ext.runtime.prepare_run`).
+``__post_init__`` validates and resolves: the DeepSpeed config, the launcher's implied preset and, when a ZeRO stage,
+offload or micro-batch is ``"auto"``, the memory planner's choice (before any model is loaded, since ZeRO-3 changes
+how ``from_pretrained`` loads it). The planner's probe builds and runs the model once per process and key (once per
+node under a launcher, :func:`hf_ext.memory.auto.measured_once`), with no collective. The resolver only reads the
+arguments; the values it implies (``Resolution.args_updates``) are set here. The one other action is the one stock
+takes in the same place: starting the distributed layer (on CPU, DeepSpeed's comm beside the process group stock
+starts). Threads, malloc tuning and shared-memory housekeeping run once, at train start
+(:func:`hf_ext.runtime.prepare_run`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 from dataclasses import dataclass, field
@@ -246,7 +251,9 @@ class _HfExtArgsMixin:
         self.fsdp_resolution = resolution
 
     def _resolve_deepspeed(self):
+        given = copy.deepcopy(self.deepspeed)
         resolution = explain_deepspeed_config(self.deepspeed, self, world_size=launch_world_size(), defer=True)
+        resolution.given = given
         for name, value in resolution.args_updates.items():
             logger.info(f"TrainingArguments.{name} = {value!r}, as the DeepSpeed config implies.")
             setattr(self, name, value)

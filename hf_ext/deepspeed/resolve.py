@@ -55,6 +55,7 @@ class Resolution:
     problems: list[Problem] = field(default_factory=list)
     args_updates: dict = field(default_factory=dict)  # TrainingArguments values the config implies
     memory_plan: Plan | None = None  # the memory planner's plan, when it planned the run
+    given: object = None  # what was resolved, as given (a preset name, a path, a dict)
 
     def table(self) -> str:
         """Every filled/normalized key, its value and where the value came from, as an aligned text table."""
@@ -123,7 +124,7 @@ def explain_deepspeed_config(
     resolved, normal = normalize(raw)
     report.extend(normal)
     resolution = Resolution(resolved, origin)
-    args = training_args
+    args = _Updated(training_args, resolution.args_updates)  # training_args themselves are never written
     world = world_size if world_size is not None else args.world_size
     _gradient_checkpointing(resolved, report, resolution)
     hardware = hardware or Hardware.detect(getattr(args, "use_cpu", False))
@@ -158,6 +159,17 @@ def explain_deepspeed_config(
     if report.problems and raise_errors:
         raise DeepSpeedConfigError(report.problems, origin)
     return resolution
+
+
+class _Updated:
+    """``args`` as the resolution sees them: its ``args_updates`` (a micro-batch the planner chose, a precision the
+    config implies) over the arguments' own values. The caller applies the updates; the resolver only reads."""
+
+    def __init__(self, args, updates: dict):
+        self._args, self._updates = args, updates
+
+    def __getattr__(self, name):
+        return self._updates[name] if name in self._updates else getattr(self._args, name)
 
 
 def _not_deepspeed(config: dict, origin: str) -> Problem | None:
@@ -354,11 +366,10 @@ def _memory_autos(config: dict, args, model, world: int, hardware: Hardware, pre
         )
         _apply_memory_plan(config, smallest, keys, report, source)  # so that the only error is the one above
         if micro == "auto":
-            args.per_device_train_batch_size = 1
+            resolution.args_updates["per_device_train_batch_size"] = 1
         return
     _apply_memory_plan(config, chosen, keys, report, source)
     if micro == "auto":
-        args.per_device_train_batch_size = chosen.micro_batch
         resolution.args_updates["per_device_train_batch_size"] = chosen.micro_batch
         report.change("TrainingArguments.per_device_train_batch_size", chosen.micro_batch,
                       f"planner: largest micro-batch that fits ({source})")  # fmt: skip

@@ -7,17 +7,20 @@ divided by the ranks **on this node** on CPU. Available RAM is a per-node quanti
 dividing it by the world size would under-count it on every multi-node run. ``hf-ext ds plan`` and ``"auto"`` in a
 config both call :func:`detect_budget` (the CLI with ``--nproc_per_node``, by default the world size: one node).
 
-Under a launcher only local rank 0 probes; it writes the result to a file the other local ranks read, so every rank
-makes the same choice (the detected free RAM differs from one moment to the next).
+The probe (a model built and run forward and backward) runs once per process and per key, and once per node under a
+launcher: the first local rank to take the key's file lock probes and writes the result; the others wait on the lock
+(the kernel releases it if that rank dies, and the next one probes) and read the same result, so every rank makes the
+same choice (the detected free RAM differs from one moment to the next). No collective is involved: planning happens
+before the process group exists, when ``TrainingArguments`` are built.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,22 +76,46 @@ def _shared_file(key: str) -> Path | None:
     return Path(tempfile.gettempdir()) / f"hf_ext_plan_{hashlib.sha1(launch.encode()).hexdigest()[:16]}.json"
 
 
-def _probe_or_wait(compute, key: str, timeout: float = 3600.0) -> dict:
+#: measurements this process made or read, by probe key: a second ``TrainingArguments`` (the trainer's copy, a
+#: sweep) plans from them without building the model again
+_MEASURED: dict[str, dict] = {}
+
+
+def measured_once(compute, key: str, remember: bool = True) -> dict:
+    """``compute()``'s result for ``key``: computed once per node under a launcher (the first local rank to lock the
+    key's file computes and writes it; the others block on the lock, then read it), and, with ``remember``, once per
+    process."""
+    if remember and key in _MEASURED:
+        return _MEASURED[key]
     path = _shared_file(key)
     if path is None:
-        return compute()
-    if int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:
         data = compute()
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, path)
-        return data
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"local rank 0 did not write the memory plan to {path}")
-        time.sleep(0.2)
-    return json.loads(path.read_text())
+    else:
+        with open(path.with_suffix(".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released by the kernel when the holder exits, whatever happened
+            if path.exists():
+                data = json.loads(path.read_text())
+            else:
+                data = compute()
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(data))
+                os.replace(tmp, path)
+    if remember:
+        _MEASURED[key] = data
+    return data
+
+
+def probe_key(model) -> tuple[str, bool]:
+    """What identifies ``model``'s measurement, and whether it stays valid for the whole process: a path or hub id
+    and a config do; a model object is measured as it is now (its trainable parameters may change), so it is keyed
+    by its class for the ranks of one launch only."""
+    if isinstance(model, (str, Path)):
+        local = Path(model)
+        return (str(local.resolve()) if local.exists() else str(model)), True
+    if hasattr(model, "to_json_string"):  # a config
+        digest = hashlib.sha1(model.to_json_string(use_diff=False).encode()).hexdigest()[:16]
+        return f"{type(model).__name__}-{digest}", True
+    return type(model).__name__, False
 
 
 def candidate_of(config: dict) -> formulas.Candidate:
@@ -148,7 +175,7 @@ def decide(
     """Plan the run of ``model`` (a model, a config or a path) under ``config``'s ZeRO section, choosing what
     ``keys`` leave open (see :func:`auto_keys`); nothing in ``config`` is changed."""
     zero = config.get("zero_optimization") or {}
-    model_key = model if isinstance(model, (str, Path)) else type(model).__name__
+    model_key, remember = probe_key(model)
     baseline = process_baseline(device)
 
     def compute():
@@ -157,7 +184,7 @@ def decide(
         data["baseline"] = baseline
         return data
 
-    data = _probe_or_wait(compute, f"{model_key}-{seq_len}-{checkpointing}-{memory_per_device}")
+    data = measured_once(compute, f"{model_key}-{seq_len}-{checkpointing}-{memory_per_device}", remember)
     facts, profile = from_measurement(data)
     budget, baseline = int(data["budget"]), int(data["baseline"])
     source = f"--memory_per_device {memory_per_device}" if memory_per_device else f"detected on {device}"

@@ -208,7 +208,8 @@ def test_auto_micro_batch_is_the_largest_that_fits(medium_model_dir, medium_meas
     facts, profile = medium_measured
     args, res = _resolve_auto(medium_model_dir, "3GB", per_device_train_batch_size="auto")
     plan = res.memory_plan
-    assert args.per_device_train_batch_size == plan.micro_batch == res.config["train_micro_batch_size_per_gpu"]
+    assert res.args_updates["per_device_train_batch_size"] == plan.micro_batch == res.config["train_micro_batch_size_per_gpu"]  # fmt: skip
+    assert args.per_device_train_batch_size == "auto"  # the resolver reports what the arguments should become
     assert plan.micro_batch > 1
     bigger = planner.plan(plan.candidate, facts, profile, 2, plan.micro_batch + 1, budget=plan.budget, **GPU)
     assert plan.fits and not bigger.fits

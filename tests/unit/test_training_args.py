@@ -95,3 +95,73 @@ def test_building_arguments_leaves_the_process_alone(tmp_path, monkeypatch):
     assert dict(os.environ) == env
     assert runtime._RUN_SETUP is None  # threads, malloc and shared memory wait for train start
     assert "deepspeed_resolution" not in args.to_dict()  # declared, but not a setting
+
+
+def _counting(monkeypatch, module, name):
+    """Replace ``module.name`` by a wrapper that counts its calls (and still runs it)."""
+    real, calls = getattr(module, name), []
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def _no_collectives(monkeypatch):
+    import torch.distributed as dist
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a collective or process group was started while building TrainingArguments")
+
+    for name in (
+        "init_process_group",
+        "barrier",
+        "all_reduce",
+        "broadcast",
+        "all_gather_object",
+        "broadcast_object_list",
+    ):
+        monkeypatch.setattr(dist, name, refuse)
+
+
+def test_auto_arguments_built_twice_probe_the_model_once(tiny_model_dir, tmp_path, monkeypatch, no_global_deepspeed_config):  # fmt: skip
+    from hf_ext.memory import auto
+
+    monkeypatch.setattr(auto, "_MEASURED", {})
+    probes = _counting(monkeypatch, auto, "measure")
+    _no_collectives(monkeypatch)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    built = [
+        TrainingArguments(output_dir=str(tmp_path), deepspeed="auto", per_device_train_batch_size="auto",
+                          plan_model=str(tiny_model_dir), plan_seq_len=16, memory_per_device="4GB", report_to="none")
+        for _ in range(2)
+    ]  # fmt: skip
+    assert len(probes) == 1
+    assert built[0].deepspeed == built[1].deepspeed and built[0].memory_plan is not None
+    assert built[0].per_device_train_batch_size == built[0].deepspeed["train_micro_batch_size_per_gpu"] >= 1
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("args_deepspeed", [None, "zero2"])
+def test_the_trainer_deepspeed_keyword_resolves_once(args_deepspeed, tiny_model_dir, tmp_path, monkeypatch, no_global_deepspeed_config):  # fmt: skip
+    from accelerate.state import AcceleratorState
+    from transformers import BlenderbotForConditionalGeneration
+
+    from hf_ext import Trainer
+    from hf_ext import training_args as module
+
+    resolutions = _counting(monkeypatch, module, "explain_deepspeed_config")
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "false")  # the trainer's accelerator sets it: undone afterwards
+    args = TrainingArguments(output_dir=str(tmp_path), deepspeed=args_deepspeed, report_to="none")
+    model = BlenderbotForConditionalGeneration.from_pretrained(tiny_model_dir)
+    try:
+        trainer = Trainer(model=model, args=args, deepspeed="zero2")
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)  # the next test's accelerator starts afresh
+    assert len(resolutions) == 1
+    assert trainer.args.deepspeed["zero_optimization"]["stage"] == 2
+    assert (trainer.args is args) == (args_deepspeed == "zero2")  # the same config: the arguments are kept
