@@ -20,7 +20,6 @@ from .deepspeed import callbacks as deepspeed_callbacks
 from .evaluation.bleu import BleuEvalCallback, BleuEvalConfig
 from .evaluation.zero_eval import plain_eval_without_engine
 from .memory.measure import MemoryPlanCallback
-from .ranks import shared_outcome
 from .saving import checkpoints, resume
 from .saving import zero as saving
 from .schedule import ResumedScheduleCallback
@@ -96,18 +95,14 @@ class _HfExtTrainerMixin:
     # --- training, saving and resume (hf_ext.saving, hf_ext.peft) ---
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         runtime.prepare_run(self.args)
-        # each rank finds the checkpoint on its own, and the main one cleans up: every rank goes on, or none does
-        with shared_outcome(f"finding the checkpoint to resume from in {self.args.output_dir}"):
-            resume_from_checkpoint = checkpoints.resolve_resume_from_checkpoint(self, resume_from_checkpoint)
-            if self.args.should_save:
-                checkpoints.remove_leftovers(self.args.output_dir)
         if self.deepspeed is not None and self.optimizer is None:  # an engine from evaluate(): inference only
             self._drop_inference_engine()
         deepspeed_callbacks.reopen_step_keys(self)  # an evaluate() before train() may have filled them for inference
         fsdp.reshard(self.model)  # FSDP2 after an evaluation: the optimizer must see the sharded parameters
-        universal = resume.prepare_resume(self, resume_from_checkpoint)  # written on another number of ranks
-        with resume.deepspeed_resume(self, resume_from_checkpoint, universal):
-            return super().train(resume_from_checkpoint, *args, **kwargs)
+        self.resume_plan = plan = resume.plan_resume(self, resume_from_checkpoint)  # decided once, on every rank
+        resume.apply_resume_plan(self, plan)
+        with resume.peft_state_under_deepspeed(self, plan):
+            return super().train(plan.resume_from_checkpoint, *args, **kwargs)
 
     def evaluation_loop(self, *args, **kwargs):
         fsdp.shard_for_evaluation(self)  # FSDP2 before any training: stock would refuse to prepare the model alone
@@ -127,8 +122,9 @@ class _HfExtTrainerMixin:
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         # Private override: the stock loader only knows per-rank optimizer files; an hf-ext PEFT checkpoint holds
-        # the trainable state by parameter name, loadable on any world size (hf_ext.peft).
-        if peft.is_trainable_state_checkpoint(checkpoint):
+        # the trainable state by parameter name, loadable on any world size (hf_ext.peft). The resume plan says which.
+        plan = getattr(self, "resume_plan", None)
+        if plan is not None and plan.kind == "peft" and checkpoint is not None:
             return peft.load_trainable_state(self, checkpoint)
         return super()._load_optimizer_and_scheduler(checkpoint)
 

@@ -10,7 +10,12 @@ optimizer state whole, and ``load_universal`` re-partitions it for the ranks tha
   and the original is never written to;
 * keeps the global batch by setting the gradient accumulation (or refuses with the arithmetic and a fix), so that the
   sampler hands every optimizer step the same samples as on the old world size and the schedule's steps match;
-* loads the converted checkpoint into the engine transformers started, and says all of it in one log line.
+* has transformers load the converted directory (it also holds links to the checkpoint's trainer state, RNG and
+  scheduler files) with DeepSpeed's own ``checkpoint.load_universal`` switched on in the config the engine starts
+  from, and says all of it in one log line.
+
+What a ``train()`` resumes is decided once, by :func:`plan_resume`, on every rank alike (:class:`ResumePlan`); the
+trainer then applies the plan (:func:`apply_resume_plan`) and hands ``ResumePlan.load_from`` to stock ``train``.
 
 hf-ext's PEFT checkpoints hold the trainable state by parameter name (:mod:`hf_ext.peft`) and need none of this.
 FSDP checkpoints (``SHARDED_STATE_DICT``) are resharded by torch.distributed.checkpoint as they load; there only the
@@ -34,6 +39,7 @@ from ..deepspeed.resolve import split_batch
 from ..peft import is_trainable_state_checkpoint
 from ..ranks import shared_outcome
 from ..sizes import MiB, dir_bytes
+from . import checkpoints
 from .atomic import replace_dir
 from .checkpoints import CHECKPOINT_MARKER, TMP_PREFIX, UNIVERSAL_SUFFIX
 
@@ -108,7 +114,13 @@ def cached_universal(checkpoint: ZeroCheckpoint) -> Path | None:
     same = marker.get("tag") == checkpoint.tag and marker.get("source") == _fingerprint(
         checkpoint.path / checkpoint.tag
     )
-    return out if same else None
+    return out if same and marker.get("trainer_files") == _trainer_files(checkpoint.path) else None
+
+
+def _trainer_files(checkpoint: Path) -> list[str]:
+    """The files beside the DeepSpeed state that ``train`` reads on a resume (trainer state, RNG, scheduler, scaler,
+    weights), linked into the conversion so that it is a checkpoint transformers resumes from as it is."""
+    return sorted(p.name for p in checkpoint.iterdir() if p.is_file() and p.name not in ("latest", CHECKPOINT_MARKER))
 
 
 def convert_to_universal(checkpoint: ZeroCheckpoint) -> tuple[Path, float]:
@@ -133,8 +145,11 @@ def convert_to_universal(checkpoint: ZeroCheckpoint) -> tuple[Path, float]:
             f"the world size that wrote it ({checkpoint.world_size})."
         )
     (tmp / LATEST_UNIVERSAL).write_text(checkpoint.tag)
+    files = _trainer_files(checkpoint.path)
+    for name in files:  # hard links: the checkpoint's own bytes, never a second copy (the same directory)
+        os.link(checkpoint.path / name, tmp / name)
     marker = {"tag": checkpoint.tag, "world_size": checkpoint.world_size, "seconds": round(seconds, 2),
-              "source": _fingerprint(checkpoint.path / checkpoint.tag)}  # fmt: skip
+              "source": _fingerprint(checkpoint.path / checkpoint.tag), "trainer_files": files}  # fmt: skip
     (tmp / UNIVERSAL_MARKER).write_text(json.dumps(marker, indent=1) + "\n")
     replace_dir(tmp, out)
     return out, seconds
@@ -149,17 +164,14 @@ def _filled_from_args(resolution, key: str) -> bool:
     return any(c.key == key and c.action in ("filled", "added") for c in resolution.changes)
 
 
-def keep_global_batch(trainer, checkpoint: ZeroCheckpoint) -> str:
-    """Set this run's gradient accumulation so that its global batch is the checkpoint's; a phrase for the log line.
-
-    The per-rank batch is left as asked. Raises ``ValueError`` with the arithmetic and a fix when the checkpoint's
-    global batch cannot be made on this world size with that micro-batch.
-    """
-    args = trainer.args
+def global_batch(args, checkpoint: ZeroCheckpoint) -> tuple[int | None, str]:
+    """The gradient accumulation that makes this run's global batch the checkpoint's (``None``: as asked), and a
+    phrase for the log line. The per-rank batch is left as asked. Raises ``ValueError`` with the arithmetic and a fix
+    when the checkpoint's global batch cannot be made on this world size with that micro-batch."""
     world, micro, accum = args.world_size, args.per_device_train_batch_size, args.gradient_accumulation_steps
     total = checkpoint.train_batch_size
     if not isinstance(total, int) or world * micro * accum == total:
-        return f"global batch {world * micro * accum} as before"
+        return None, f"global batch {world * micro * accum} as before"
     if total % (world * micro):
         if total % world:
             divisors = [str(d) for d in range(1, total + 1) if total % d == 0]
@@ -173,19 +185,33 @@ def keep_global_batch(trainer, checkpoint: ZeroCheckpoint) -> str:
             f"{world} ranks x micro-batch {micro} cannot make {total} with any gradient accumulation. Fix: {fix}."
         )
     new_accum = total // (world * micro)
-    _set_accumulation(trainer, new_accum, total)
-    return f"gradient accumulation {accum} -> {new_accum} keeps the global batch of {total}"
+    return new_accum, f"gradient accumulation {accum} -> {new_accum} keeps the global batch of {total}"
+
+
+def keep_global_batch(trainer, checkpoint: ZeroCheckpoint) -> str:
+    """Set this run's gradient accumulation so that its global batch is the checkpoint's (:func:`global_batch`);
+    returns the phrase for the log line."""
+    accumulation, phrase = global_batch(trainer.args, checkpoint)
+    if accumulation is not None:
+        _set_accumulation(trainer, accumulation, checkpoint.train_batch_size)
+    return phrase
+
+
+def _engine_configs(trainer) -> list[dict]:
+    """The DeepSpeed config dicts the engine will start from (the arguments' and the accelerator plugin's)."""
+    args = trainer.args
+    plugin = getattr(getattr(trainer.accelerator, "state", None), "deepspeed_plugin", None)
+    configs = {id(c): c for c in (getattr(getattr(args, "hf_deepspeed_config", None), "config", None),
+                                  getattr(getattr(plugin, "hf_ds_config", None), "config", None)) if c is not None}  # fmt: skip
+    return list(configs.values())
 
 
 def _set_accumulation(trainer, accumulation: int, total: int) -> None:
     """``gradient_accumulation_steps`` in the arguments and in the DeepSpeed config the engine will start from."""
     args = trainer.args
     resolution = getattr(args, "deepspeed_resolution", None)
-    plugin = getattr(getattr(trainer.accelerator, "state", None), "deepspeed_plugin", None)
-    configs = {id(c): c for c in (getattr(getattr(args, "hf_deepspeed_config", None), "config", None),
-                                  getattr(getattr(plugin, "hf_ds_config", None), "config", None)) if c is not None}  # fmt: skip
     wanted = {"gradient_accumulation_steps": accumulation, "train_batch_size": total}
-    for config in configs.values():
+    for config in _engine_configs(trainer):
         for key, value in wanted.items():
             if config.get(key, value) == value:
                 continue
@@ -211,72 +237,100 @@ def read_marked_checkpoint(path: str | Path) -> ZeroCheckpoint | None:
     return ZeroCheckpoint(Path(path), "", world, world * micro * accum, micro, accum)
 
 
-def prepare_fsdp_resume(trainer, checkpoint) -> None:
-    """An FSDP checkpoint on another number of ranks: torch.distributed.checkpoint reshards the model and optimizer
-    state as it loads them (accelerate's loaders use it), so only the global batch is kept here."""
-    found = read_marked_checkpoint(checkpoint)
+#: what a ``train()`` resumes: nothing; a checkpoint loaded as written (same world size, or no partitioned state);
+#: hf-ext's PEFT trainable state (by name, any world size); FSDP shards resharded as they load; a ZeRO checkpoint of
+#: another world size, loaded from its universal conversion
+RESUME_KINDS = ("fresh", "as_written", "peft", "fsdp_reshard", "universal")
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """What ``train()`` resumes, decided once before the engine starts (:func:`plan_resume`)."""
+
+    kind: str = "fresh"
+    checkpoint: Path | None = None  # the checkpoint resumed (``resume_from_checkpoint=True``: the newest complete)
+    load_from: Path | None = None  # what stock ``train`` loads: the checkpoint, or its universal conversion
+    written_on: ZeroCheckpoint | None = None  # the world size and batch of a checkpoint of another world size
+    accumulation: int | None = None  # the gradient accumulation that keeps its global batch (None: as asked)
+    batch: str = ""  # what happens to the global batch, for the log line
+    took: str = ""  # the universal conversion: done now (seconds) or earlier
+
+    def __post_init__(self):
+        assert self.kind in RESUME_KINDS, self.kind
+
+    @property
+    def resume_from_checkpoint(self) -> str | None:
+        return None if self.load_from is None else str(self.load_from)
+
+
+def plan_resume(trainer, resume_from_checkpoint) -> ResumePlan:
+    """Decide what ``train(resume_from_checkpoint)`` resumes; every rank calls it and gets the same plan (a failure
+    on any rank raises on all). On the saving process: leftovers of interrupted writes are removed first, and a
+    checkpoint of another world size is converted (once: the conversion is cached beside it)."""
     args = trainer.args
-    if found is None or found.world_size == args.world_size:
-        return
-    batch = keep_global_batch(trainer, found)
-    if args.should_save:
-        logger.info(f"Resuming {found.path.name} (written on {found.world_size} ranks) on {args.world_size}: the FSDP "
-                    f"shards are resharded as they load; {batch}.")  # fmt: skip
-
-
-def prepare_resume(trainer, checkpoint) -> Path | None:
-    """Before ``train`` starts the engine: when ``checkpoint`` was written on another number of ranks, keep the global
-    batch, convert it (once, on the process that saves) and return the converted directory; else ``None``.
-
-    Call on every rank: the others wait for the conversion.
-    """
-    if checkpoint is None or isinstance(checkpoint, bool):
-        return None
-    with shared_outcome(f"reading {checkpoint} to resume from"):  # each rank reads it on its own
-        if is_trainable_state_checkpoint(checkpoint):
-            return None  # PEFT checkpoints hold their state by name, for any world size
-        if getattr(trainer, "is_fsdp_enabled", False):
-            return prepare_fsdp_resume(trainer, checkpoint)
-        if not getattr(trainer, "is_deepspeed_enabled", False):
-            return None
-        found = read_zero_checkpoint(checkpoint)
-        args = trainer.args
-        if found is None or found.world_size == args.world_size:
-            return None
-        batch = keep_global_batch(trainer, found)
+    with shared_outcome(f"finding the checkpoint to resume from in {args.output_dir}"):
+        found = checkpoints.resolve_resume_from_checkpoint(trainer, resume_from_checkpoint)
+        if args.should_save:
+            checkpoints.remove_leftovers(args.output_dir)
+    if found is None or isinstance(found, bool):
+        return ResumePlan()
+    path = Path(found)
+    with shared_outcome(f"reading {path} to resume from"):  # each rank reads it on its own
+        if is_trainable_state_checkpoint(path):
+            return ResumePlan("peft", path, path)  # the trainable state by name, for any world size
+        fsdp = getattr(trainer, "is_fsdp_enabled", False)
+        if not fsdp and not getattr(trainer, "is_deepspeed_enabled", False):
+            return ResumePlan("as_written", path, path)
+        written = read_marked_checkpoint(path) if fsdp else read_zero_checkpoint(path)
+        if written is None or written.world_size == args.world_size:
+            return ResumePlan("as_written", path, path)
+        accumulation, batch = global_batch(args, written)
+    if fsdp:  # torch.distributed.checkpoint reshards the model and optimizer state as they load
+        return ResumePlan("fsdp_reshard", path, path, written, accumulation, batch)
     took = "converted earlier"
-    with shared_outcome(f"converting {found.path} to a universal checkpoint"):
-        if cached_universal(found) is None and args.should_save:
-            _, seconds = convert_to_universal(found)
+    with shared_outcome(f"converting {path} to a universal checkpoint"):
+        if cached_universal(written) is None and args.should_save:
+            _, seconds = convert_to_universal(written)
             took = f"converted in {seconds:.1f} s"
-    universal = cached_universal(found)
+    universal = cached_universal(written)
     if universal is None:
         raise RuntimeError(
-            f"The universal conversion of {found.path} is not there for this process: it failed on the saving process, "
-            f"or {found.path.parent} is not shared by every node. Put the run directory on a filesystem every node "
-            f"sees, or resume with the world size that wrote it ({found.world_size})."
+            f"The universal conversion of {path} is not there for this process: it failed on the saving process, "
+            f"or {path.parent} is not shared by every node. Put the run directory on a filesystem every node "
+            f"sees, or resume with the world size that wrote it ({written.world_size})."
         )
-    if args.should_log:
-        size = dir_bytes(universal) / MiB
-        logger.warning(
-            f"Resuming {found.path.name} (written on {_ranks(found.world_size)}) on {args.world_size}: loaded from the "
-            f"DeepSpeed universal checkpoint {universal.name} ({took}, {size:.0f} MiB); {batch}."
-        )
-    return universal
+    return ResumePlan("universal", path, universal, written, accumulation, batch, took)
+
+
+def apply_resume_plan(trainer, plan: ResumePlan) -> None:
+    """Before the engine starts: the gradient accumulation that keeps the checkpoint's global batch, and DeepSpeed's
+    ``checkpoint.load_universal`` for a universal conversion, in the arguments and the configs the engine starts
+    from; one log line for a resume on another world size."""
+    if plan.accumulation is not None:
+        _set_accumulation(trainer, plan.accumulation, plan.written_on.train_batch_size)
+    args = trainer.args
+    if plan.kind == "universal":
+        for config in _engine_configs(trainer):
+            config.setdefault("checkpoint", {})["load_universal"] = True
+        if args.should_log:
+            size = dir_bytes(plan.load_from) / MiB
+            logger.warning(
+                f"Resuming {plan.checkpoint.name} (written on {_ranks(plan.written_on.world_size)}) on "
+                f"{args.world_size}: loaded from the DeepSpeed universal checkpoint {plan.load_from.name} "
+                f"({plan.took}, {size:.0f} MiB); {plan.batch}."
+            )
+    elif plan.kind == "fsdp_reshard" and args.should_save:
+        logger.info(f"Resuming {plan.checkpoint.name} (written on {plan.written_on.world_size} ranks) on "
+                    f"{args.world_size}: the FSDP shards are resharded as they load; {plan.batch}.")  # fmt: skip
 
 
 @contextmanager
-def deepspeed_resume(trainer, checkpoint, universal: Path | None = None):
-    """While ``trainer.train`` runs: route transformers' DeepSpeed resume (``deepspeed_load_checkpoint``, a module
-    global of ``transformers.trainer``; no public hook replaces it) for the checkpoints it cannot load itself.
-
-    * an hf-ext PEFT checkpoint: skipped; :func:`hf_ext.peft.load_trainable_state` loads it right after, from
-      ``Trainer._load_optimizer_and_scheduler``;
-    * a checkpoint of another world size: loaded from its ``universal`` conversion with DeepSpeed's
-      ``load_universal`` switched on for that one call.
-    """
-    peft_state = getattr(trainer, "is_deepspeed_enabled", False) and is_trainable_state_checkpoint(checkpoint)
-    if not (peft_state or universal is not None):
+def peft_state_under_deepspeed(trainer, plan: ResumePlan):
+    """While ``trainer.train`` runs a PEFT resume under DeepSpeed: skip transformers' DeepSpeed load
+    (``deepspeed_load_checkpoint``, a module global of ``transformers.trainer`` with no public hook; it raises on a
+    directory without DeepSpeed's partitioned state). :func:`hf_ext.peft.load_trainable_state` loads the state right
+    after it, from ``Trainer._load_optimizer_and_scheduler``."""
+    if plan.kind != "peft" or not getattr(trainer, "is_deepspeed_enabled", False):
         yield
         return
     import transformers.trainer as hf_trainer
@@ -284,17 +338,7 @@ def deepspeed_resume(trainer, checkpoint, universal: Path | None = None):
     original = hf_trainer.deepspeed_load_checkpoint
 
     def load(engine, path, *args, **kwargs):
-        if is_trainable_state_checkpoint(path):
-            return None
-        if universal is not None and Path(path) == Path(checkpoint):
-            ds_config = engine._config  # the parsed config; load_checkpoint reads load_universal_checkpoint from it
-            before = ds_config.load_universal_checkpoint
-            ds_config.load_universal_checkpoint = True
-            try:
-                return original(engine, str(universal), *args, **kwargs)
-            finally:
-                ds_config.load_universal_checkpoint = before
-        return original(engine, path, *args, **kwargs)
+        return None if Path(path) == plan.load_from else original(engine, path, *args, **kwargs)
 
     hf_trainer.deepspeed_load_checkpoint = load
     try:

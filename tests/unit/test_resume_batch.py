@@ -76,7 +76,7 @@ def test_an_accumulation_fixed_by_the_config_is_named_with_its_fix(tmp_path):
 
 def test_fsdp_checkpoint_marker_keeps_the_global_batch_or_refuses(tmp_path):
     from hf_ext.saving import checkpoints
-    from hf_ext.saving.resume import prepare_fsdp_resume, read_marked_checkpoint
+    from hf_ext.saving.resume import apply_resume_plan, plan_resume, read_marked_checkpoint
 
     checkpoint = tmp_path / "checkpoint-4"
     checkpoint.mkdir()
@@ -85,12 +85,16 @@ def test_fsdp_checkpoint_marker_keeps_the_global_batch_or_refuses(tmp_path):
 
     def fsdp_trainer(micro: int):
         args = hf_ext.TrainingArguments(str(tmp_path / "out"), per_device_train_batch_size=micro, report_to=[])
-        return SimpleNamespace(args=args, accelerator=SimpleNamespace(state=None))
+        return SimpleNamespace(args=args, accelerator=SimpleNamespace(state=None), is_fsdp_enabled=True)
 
     trainer = fsdp_trainer(micro=2)  # the 2-rank command line, now on this process's 1 rank
-    prepare_fsdp_resume(trainer, checkpoint)
+    plan = plan_resume(trainer, str(checkpoint))
+    assert (plan.kind, plan.load_from, plan.accumulation) == ("fsdp_reshard", checkpoint, 2)
+    assert trainer.args.gradient_accumulation_steps == 1  # deciding changes nothing
+    apply_resume_plan(trainer, plan)
     assert trainer.args.gradient_accumulation_steps == 2  # 1 x 2 x 2 = 4
     with pytest.raises(ValueError, match=r"Fix: pass --per_device_train_batch_size 2 --gradient_accumulation_steps 2"):
-        prepare_fsdp_resume(fsdp_trainer(micro=3), checkpoint)
+        plan_resume(fsdp_trainer(micro=3), str(checkpoint))
     (checkpoint / checkpoints.CHECKPOINT_MARKER).write_text('{"complete": true, "global_step": 4}')  # older marker
     assert read_marked_checkpoint(checkpoint) is None
+    assert plan_resume(fsdp_trainer(micro=3), str(checkpoint)).kind == "as_written"
