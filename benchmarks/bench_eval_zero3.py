@@ -110,9 +110,9 @@ def worker(opts) -> None:
     result = {"path": opts.path, "rank": args.process_index, "seconds": round(seconds, 3),
               "peak_extra_rss_bytes": rss.extra, "rss_before_bytes": rss.base, "generations": generations}  # fmt: skip
     if opts.path != "stock":
-        result["generation_path"] = trainer.bleu_eval_callback.last_stats.get("path")
+        result["generation_path"] = trainer.bleu_eval_callback.last_evaluation.stats.get("path")
         result["generation_seconds"] = metrics["eval_gen_runtime"]  # the rest: the loss pass and scoring
-        result["gather_seconds"] = trainer.bleu_eval_callback.last_stats.get("gather_seconds")
+        result["gather_seconds"] = trainer.bleu_eval_callback.last_evaluation.stats.get("gather_seconds")
     harness.write_json(work / f"{opts.path}.rank{args.process_index}.json", result)
     hf_ext.end_distributed()
 

@@ -6,7 +6,7 @@ run), planned for DDP and ZeRO on 2 ranks, then trained under ZeRO-3 (``--config
 1. The planner (``hf-ext ds plan``'s ``run_plan``, budget = available RAM ÷ 2 ranks, fp32 as this CPU trains) for
    every configuration: DDP needs the whole model, its gradients and Adam's state on each rank; ZeRO-3 splits them.
    On a CPU-only host the ZeRO-3 rows are planned with the sizes hf-ext's presets run with there
-   (``hf_ext.deepspeed.resolve.CPU_ZERO3_GRANULARITY``).
+   (``hf_ext.memory.formulas.CPU_ZERO3_GRANULARITY``).
 2. A fresh 2-rank launch of the training worker (``benchmarks.worker --from_config``, micro-batch 1) under
    ``--config`` (an hf-ext preset) trains ``--steps`` steps with freed memory returned to the OS (as a planned run
    does) and reports each rank's peak resident memory above the process's own, beside the planner's row for it.

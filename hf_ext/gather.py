@@ -61,3 +61,41 @@ def sharding_of(model, reshard_after_forward: bool = True) -> dict | None:
             replicas *= size
     name = "hybrid_shard" if replicas > 1 else ("full_shard" if reshard_after_forward else "shard_grad_op")
     return {"sharding": name, "sharding_factor": factor, "replicas": replicas}
+
+
+def reshard(model) -> None:
+    """Every FSDP2 unit of ``model`` back to its shards. The root and tied units are not resharded after a forward:
+    after an evaluation or a generation their modules hold the gathered tensors, and an optimizer built then (the
+    ``train()`` after an eval-only call) would hold those instead of the sharded parameters.
+
+    A unit of several modules (the tied group) that ``generate`` entered through one module and left through another
+    stays "in forward", where torch's ``reshard()`` does nothing for a unit kept gathered after forward; that unit is
+    resharded with resharding-after-forward switched on for the call (torch's public setter), then off again.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules() if model is not None else ():
+        if not isinstance(module, FSDPModule):
+            continue
+        module.reshard()
+        if not all(is_dtensor(p) for p in module.parameters(recurse=False)):
+            module.set_reshard_after_forward(True, recurse=False)
+            module.reshard()
+            module.set_reshard_after_forward(False, recurse=False)
+
+
+@contextmanager
+def root_unsharded(model):
+    """For calls that enter an FSDP2 model below its root: ``generate`` runs the encoder (and the embeddings) of an
+    encoder-decoder model directly, which the root unit's forward hook never sees, so the parameters outside every
+    wrapped layer would stay sharded there. Gathers the root unit for the length of the context, reshards after."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    model.unshard()
+    try:
+        yield
+    finally:
+        reshard(model)  # the root and every unit generate() left gathered

@@ -151,7 +151,7 @@ class Seq2SeqTrainer(_HfExtTrainerMixin, _Seq2SeqTrainer):
     """:class:`transformers.Seq2SeqTrainer` plus ``deepspeed=``, ``generation_min_length`` and the BLEU eval.
 
     Every evaluation also generates and logs ``eval_bleu``, ``eval_chrf``, ``eval_gen_len`` and sample generations
-    (:class:`~hf_ext.bleu_eval.BleuEvalCallback`, switched off by ``generation_eval=False``). Eval-only runs work on
+    (:class:`~hf_ext.evaluation.bleu.BleuEvalCallback`, switched off by ``generation_eval=False``). Eval-only runs work on
     ZeRO-1/2 too.
     """
 
@@ -181,22 +181,18 @@ class Seq2SeqTrainer(_HfExtTrainerMixin, _Seq2SeqTrainer):
         runtime.prepare_run(self.args)
         gen_kwargs = self._with_min_length(gen_kwargs)
         callback = getattr(self, "bleu_eval_callback", None)
-        if callback is not None:
-            callback.call_gen_kwargs = dict(gen_kwargs)
-        try:
-            gathered = (
-                callback.gathered_for_evaluation(self.args, self.model) if callback else contextlib.nullcontext()
-            )
-            with plain_eval_without_engine(self), gathered:  # ZeRO-3: one gathered copy for loss pass and generation
+        # the BLEU eval sees this call's generate() kwargs; under ZeRO-3 it holds one gathered copy for the whole call
+        call = callback.evaluation_call(self.args, self.model, gen_kwargs) if callback else contextlib.nullcontext()
+        with plain_eval_without_engine(self), call as self._evaluation_call:
+            try:
                 return super().evaluate(*args, **gen_kwargs)
-        finally:
-            if callback is not None:
-                callback.call_gen_kwargs = {}
+            finally:
+                self._evaluation_call = None
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
         # under ZeRO-3 the loss pass runs on the BLEU eval's gathered copy when it holds one: one gather per evaluation
-        callback = getattr(self, "bleu_eval_callback", None)
-        plain = callback.gathered_model if callback is not None else None
+        call = getattr(self, "_evaluation_call", None)
+        plain = call.model if call is not None else None
         return super().prediction_step(plain if plain is not None else model, inputs, prediction_loss_only,
                                        ignore_keys=ignore_keys, **gen_kwargs)  # fmt: skip
 

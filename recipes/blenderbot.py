@@ -40,10 +40,10 @@ from chat_e.models import BUILDERS, build_model
 from chat_e.plotting import plot_training_curves
 from chat_e.ui import SAMPLE_CHATS
 from hf_ext import Seq2SeqTrainer, Seq2SeqTrainingArguments
+from hf_ext.atomic import write_text_atomically
 from hf_ext.config_args import parse_args_with_config
 from hf_ext.model_info import model_class
 from hf_ext.runtime import end_distributed, prepare_run, run_summary
-from hf_ext.saving.atomic import write_text_atomically
 from hf_ext.saving.export import export
 
 logger = logging.getLogger("recipes.blenderbot")

@@ -34,9 +34,9 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, Data
 from chat_e.corpora import load_chatterbot_topics
 from chat_e.models import build
 from hf_ext import Trainer, TrainingArguments
+from hf_ext.atomic import write_text_atomically
 from hf_ext.config_args import parse_args_with_config
 from hf_ext.runtime import end_distributed, prepare_run, run_summary
-from hf_ext.saving.atomic import write_text_atomically
 
 logger = logging.getLogger("recipes.classification")
 

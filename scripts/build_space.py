@@ -15,7 +15,7 @@ import argparse
 import shutil
 from pathlib import Path
 
-from hf_ext.saving.atomic import atomic_directory
+from hf_ext.atomic import atomic_directory
 
 ROOT = Path(__file__).resolve().parents[1]
 SPACE_FILES = ("app.py", "README.md", "requirements.txt")

@@ -14,8 +14,8 @@ import argparse
 import json
 import sys
 
-from ..deepspeed.errors import DeepSpeedConfigError
 from ..deepspeed.resolve import explain_deepspeed_config
+from ..errors import DeepSpeedConfigError
 from ..training_args import TrainingArguments
 from .common import quiet_logging
 from .plan import plan_command_parser

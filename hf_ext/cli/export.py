@@ -7,7 +7,7 @@ import argparse
 import logging
 import sys
 
-from ..saving.atomic import write_failure
+from ..atomic import write_failure
 from ..saving.export import DTYPES, export
 
 EXPORT_HELP = "Write a serving-ready model (weights, config, generation config, tokenizer) from a run or checkpoint."

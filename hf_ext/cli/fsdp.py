@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from ..deepspeed.errors import FsdpConfigError
+from ..errors import FsdpConfigError
 from ..fsdp.config import resolve_accelerate_config, resolve_fsdp
 from ..runtime import has_accelerator
 

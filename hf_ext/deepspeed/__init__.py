@@ -2,8 +2,8 @@
 ``"auto"`` against TrainingArguments and the model, validate with DeepSpeed's own config models, report every problem
 at once with its fix."""
 
+from ..errors import Change, DeepSpeedConfigError, Problem
 from .callbacks import ResolvedDeepSpeedConfigCallback, attach_to_trainer, reopen_step_keys, write_resolved_config
-from .errors import Change, DeepSpeedConfigError, Problem
 from .load import PRESET_DIR, PRESETS, preset_path
 from .resolve import (
     RESOLVED_CONFIG_NAME,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from ..saving.atomic import write_text_atomically
+from ..atomic import write_text_atomically
 from .resolve import RESOLVED_CONFIG_NAME, STEP_KEYS, fill_model_keys, node_of, walk
 
 logger = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ import json
 import re
 from pathlib import Path
 
-from .errors import DeepSpeedConfigError, Problem, Report, short
+from ..errors import DeepSpeedConfigError, Problem, Report, short
 from .normalize import as_bool
 
 PRESET_DIR = Path(__file__).parent / "presets"

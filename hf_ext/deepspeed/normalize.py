@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import math
 
+from ..errors import Report, short
 from . import schema
-from .errors import Report, short
 
 GATHER_KEY = "stage3_gather_16bit_weights_on_model_save"
 GATHER_ALIASES = ("stage3_gather_fp16_weights_on_model_save", "gather_16bit_weights_on_model_save")

@@ -20,19 +20,23 @@ and also what it leaves to crash late or to go silently wrong:
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..batching import split_batch
+from ..errors import Change, DeepSpeedConfigError, Problem, Report, short
 from ..memory import auto
-from ..memory.formulas import Plan
+from ..memory.formulas import CPU_ZERO3_GRANULARITY, CPU_ZERO3_KEYS, Plan
 from ..model_info import hidden_size_buckets, hidden_size_of
 from ..runtime import Hardware, local_world_size
 from ..sizes import gb
 from . import schema
-from .errors import Change, DeepSpeedConfigError, Problem, Report, logger, short
 from .load import describe, load, preset_name
 from .normalize import GATHER_KEY, normalize
+
+logger = logging.getLogger("hf_ext.deepspeed")
 
 RESOLVED_CONFIG_NAME = "deepspeed_config.resolved.json"
 HIDDEN_SIZE_KEYS = tuple(f"zero_optimization.{key}" for key in hidden_size_buckets(1))
@@ -403,14 +407,6 @@ def _apply_memory_plan(config: dict, plan, keys: list[str], report: Report, sour
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
-def split_batch(total: int, world: int, micro: int) -> tuple[int, int]:
-    """The micro-batch (the largest divisor of ``total / world`` up to ``micro``) and accumulation that give a global
-    batch of ``total`` on ``world`` ranks; ``total`` must be a multiple of ``world``."""
-    per_rank = total // world
-    new_micro = max(d for d in range(1, min(micro, per_rank) + 1) if per_rank % d == 0)
-    return new_micro, per_rank // new_micro
-
-
 def _batch_arithmetic(config: dict, args, world: int, report: Report) -> bool:
     """An explicit ``train_batch_size`` that world x micro-batch x accumulation cannot give, as one problem stating
     the arithmetic and the settings that satisfy it (one fix, not one mismatch after another). True if reported."""
@@ -568,14 +564,6 @@ def _gather_default(config: dict, report: Report):
             f"zero_optimization.{GATHER_KEY} is not true: under ZeRO-3, save_model() will not write usable weights "
             "(only the DeepSpeed checkpoint). Set it to true to save a loadable model."
         )
-
-
-#: ZeRO-3 granularity of hf-ext's presets on a CPU-only host (elements): the size of one optimizer-step sub-group
-#: and the most gathered parameters kept alive. The GPU values (1e9, transformers' documented ones) keep the whole
-#: model gathered between uses and step the optimizer over the whole partition at once, which on CPU costs up to the
-#: full model plus two partition-sized temporaries of RAM per rank (docs/benchmarks.md, "Memory").
-CPU_ZERO3_GRANULARITY = 10_000_000
-CPU_ZERO3_KEYS = ("sub_group_size", "stage3_max_live_parameters", "stage3_max_reuse_distance")
 
 
 def _cpu_zero3_preset(config: dict, report: Report):

@@ -15,7 +15,7 @@ import io
 import re
 import typing
 
-from .errors import short
+from ..errors import short
 
 # Sections that DeepSpeedConfig reads through helpers that never touch the top-level dict by key, or that the engine
 # reads later (``engine._config._param_dict``): known to DeepSpeed even though parsing a minimal config skips them.

@@ -34,11 +34,11 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from ..fsdp.engine import root_unsharded
+from ..gather import root_unsharded
 from ..ranks import shared_outcome
 from ..runtime import local_world_size
-from ..training_args import GenerationEvalArguments
 from .gathered import GenerationPath, choose_generation_path, gathered_copy, is_partitioned_model
+from .settings import GenerationEvalArguments
 
 logger = logging.getLogger(__name__)
 
@@ -268,6 +268,27 @@ def generate_in_order(
 
 
 # ---------------------------------------------------------------------------------------------- the callback
+@dataclass
+class EvaluationCall:
+    """One ``evaluate()`` call in progress: its generate() kwargs and, under ZeRO-3, the gathered copy held for it
+    (``None`` when the model is not partitioned or the copy does not fit), its path and the seconds it took."""
+
+    gen_kwargs: dict
+    model: torch.nn.Module | None = None
+    path: GenerationPath | None = None
+    gather_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class GenerationReport:
+    """What one evaluation generated: its metrics, every row (index, context (main process), generation, reference)
+    and this rank's generation stats (``calls``, ``batches``, ``widths``, ``path``, ``gather_seconds``)."""
+
+    metrics: dict
+    rows: list[dict]
+    stats: dict
+
+
 class BleuEvalCallback(TrainerCallback):
     """Generation eval at every evaluation: ``eval_bleu``, ``eval_chrf``, ``eval_gen_len`` and sample generations.
 
@@ -286,22 +307,16 @@ class BleuEvalCallback(TrainerCallback):
     def __init__(self, config: BleuEvalConfig | None = None, tokenizer=None, **overrides):
         self.config = replace(config or BleuEvalConfig(), **overrides)
         self.tokenizer = tokenizer
-        #: generate() kwargs of the current ``evaluate(**gen_kwargs)`` call (set by hf_ext.Seq2SeqTrainer).
-        self.call_gen_kwargs: dict = {}
-        #: every row of the last evaluation (all ranks), and this rank's generation stats
-        self.last_rows: list[dict] = []
-        self.last_stats: dict = {}
+        #: what the last evaluation generated and how (:class:`GenerationReport`), ``None`` before the first
+        self.last_evaluation: GenerationReport | None = None
         self._tb_writer = None
         self._logged_path = None
-        #: the gathered copy of a ZeRO-3 model while :meth:`gathered_for_evaluation` holds one, and its path
-        self.gathered_model = None
-        self._path: GenerationPath | None = None
-        #: seconds the last gathered copy took to build (decision included)
-        self.gather_seconds = 0.0
+        self._call: EvaluationCall | None = None  # the evaluate() call in progress (evaluation_call)
 
     # --------------------------------------------------------------------------------- settings
-    def generation_kwargs(self, args, model=None) -> dict:
-        """generate() kwargs: this call's > the config > the training arguments > the model's generation_config."""
+    def generation_kwargs(self, args, model=None, call: dict | None = None) -> dict:
+        """generate() kwargs: the ``evaluate(**gen_kwargs)`` call's (``call``) > the config > the training arguments >
+        the model's generation_config."""
         kwargs = {}
         for name, kwarg in GENERATION_KWARGS.items():
             value = getattr(self.config, name)
@@ -309,7 +324,7 @@ class BleuEvalCallback(TrainerCallback):
                 value = getattr(args, name, None)
             if value is not None:
                 kwargs[kwarg] = value
-        call = {k: v for k, v in self.call_gen_kwargs.items() if v is not None}
+        call = {k: v for k, v in (call or {}).items() if v is not None}
         if "max_new_tokens" in call:
             kwargs.pop("max_length", None)
         if "min_new_tokens" in call:
@@ -324,33 +339,32 @@ class BleuEvalCallback(TrainerCallback):
 
     @contextmanager
     def generation_model(self, args, model):
-        """``(module, path)`` to generate with: under ZeRO-3 a gathered copy when :meth:`zero3_path` says so (the
-        one :meth:`gathered_for_evaluation` holds, else one built here), otherwise ``model`` itself."""
-        if self.gathered_model is not None:
-            yield self.gathered_model, self._path
+        """``(module, path, gather_seconds)`` to generate with: under ZeRO-3 a gathered copy when :meth:`zero3_path`
+        says so (the one the current :meth:`evaluation_call` holds, else one built here), otherwise ``model``."""
+        if self._call is not None and self._call.model is not None:
+            yield self._call.model, self._call.path, self._call.gather_seconds
             return
         start = time.time()
         path = self.zero3_path(args, model)
         if path is not None and path.gathered:
             with gathered_copy(model) as plain:
-                self.gather_seconds = time.time() - start
-                yield plain, path
+                yield plain, path, time.time() - start
         else:
             with root_unsharded(model):  # FSDP2: generate() enters the model below its root unit
-                yield model, path
+                yield model, path, 0.0
 
     @contextmanager
-    def gathered_for_evaluation(self, args, model):
-        """Hold one gathered copy for a whole ``evaluate()``: :class:`hf_ext.Seq2SeqTrainer` runs its loss pass on it
-        too, so that the weights are gathered once per evaluation, not once per loss batch and again per decoding
-        step. Yields the copy, or ``None`` where the model is not partitioned or the copy does not fit."""
-        with self.generation_model(args, model) as (plain, path):
-            self._path = path
-            self.gathered_model = plain if plain is not model else None
+    def evaluation_call(self, args, model, gen_kwargs: dict | None = None):
+        """One ``evaluate(**gen_kwargs)`` call, as :class:`hf_ext.Seq2SeqTrainer` makes it: the call's generate()
+        kwargs reach the generation, and under ZeRO-3 one gathered copy is held for the whole call, so that the loss
+        pass runs on it too (``EvaluationCall.model``) and the weights are gathered once per evaluation, not once per
+        loss batch and again per decoding step. Yields the :class:`EvaluationCall`."""
+        with self.generation_model(args, model) as (plain, path, seconds):
+            self._call = EvaluationCall(dict(gen_kwargs or {}), plain if plain is not model else None, path, seconds)
             try:
-                yield self.gathered_model
+                yield self._call
             finally:
-                self.gathered_model = None
+                self._call = None
 
     def zero3_path(self, args, model) -> GenerationPath | None:
         """For a ZeRO-3 model: gather the weights once or per decoding step (the same choice on every rank, logged
@@ -395,25 +409,27 @@ class BleuEvalCallback(TrainerCallback):
             last.update(new)
 
     def evaluate_generations(self, args, state, model, tokenizer, dataset, prefix: str = "eval") -> dict:
-        """Generate for ``dataset``, score, log the samples; returns the ``{prefix}_*`` metrics."""
+        """Generate for ``dataset``, score, log the samples; returns the ``{prefix}_*`` metrics (the whole record:
+        :attr:`last_evaluation`)."""
         rows = _rows(dataset)
         if not rows:
             return {}
         was_training = model.training
         model.eval()
         start = time.time()
-        generate = partial(generate_in_order, tokenizer=tokenizer, rows=rows, gen_kwargs=self.generation_kwargs(args, model),
+        call = self._call.gen_kwargs if self._call is not None else None
+        generate = partial(generate_in_order, tokenizer=tokenizer, rows=rows, gen_kwargs=self.generation_kwargs(args, model, call),
                            batch_size=self.batch_size(args), bucket=self.config.generation_bucket_by_length,
                            device=args.device)  # fmt: skip
         try:
-            with self.generation_model(args, model) as (plain, path):
+            with self.generation_model(args, model) as (plain, path, seconds):
                 hyps, gen_lens, stats = generate(plain, synced_gpus=False if plain is not model else None)
         finally:
             model.train(was_training)
         runtime = time.time() - start
         stats["path"] = path.name if path is not None else "plain"
         if path is not None and path.gathered:
-            stats["gather_seconds"] = round(self.gather_seconds, 3)
+            stats["gather_seconds"] = round(seconds, 3)
         refs = [_decode_labels(tokenizer, r["labels"]) if "labels" in r else "" for r in rows]
         scores = compute_bleu_chrf(hyps, refs)
         new = {
@@ -422,13 +438,13 @@ class BleuEvalCallback(TrainerCallback):
             f"{prefix}_gen_len": sum(gen_lens) / len(gen_lens),
             f"{prefix}_gen_runtime": round(runtime, 4),
         }
-        self.last_stats = stats
-        self.last_rows = [
+        shown = [
             {"index": i, "context": None, "generation": h, "reference": r} for i, (h, r) in enumerate(zip(hyps, refs))
         ]
+        self.last_evaluation = GenerationReport(new, shown, stats)
         if state.is_world_process_zero:
             encoder_decoder = _is_encoder_decoder(model)
-            for row, r in zip(self.last_rows, rows):
+            for row, r in zip(shown, rows):
                 row["context"] = tokenizer.decode(prompt_ids(r, encoder_decoder), skip_special_tokens=True).strip()
             self.log_samples(args, state, prefix, new)
         return new
@@ -436,7 +452,8 @@ class BleuEvalCallback(TrainerCallback):
     # --------------------------------------------------------------------------------- outputs (rank 0)
     def log_samples(self, args, state, prefix: str, new_metrics: dict) -> None:
         step = state.global_step
-        shown = self.last_rows[: self.config.log_samples]
+        rows = self.last_evaluation.rows
+        shown = rows[: self.config.log_samples]
         if shown:
             scores = f"bleu {new_metrics[f'{prefix}_bleu']:.2f}, chrf {new_metrics[f'{prefix}_chrf']:.2f}"
             print(f"\n=== {prefix} generations at step {step} ({scores}) ===\n{format_samples_table(shown)}\n")
@@ -445,7 +462,7 @@ class BleuEvalCallback(TrainerCallback):
             path = Path(args.output_dir) / "generations" / f"step-{step}{suffix}.jsonl"
             path.parent.mkdir(parents=True, exist_ok=True)
             with path.open("w", encoding="utf-8") as f:
-                for row in self.last_rows:
+                for row in rows:
                     f.write(json.dumps({"step": step, **row}, ensure_ascii=False) + "\n")
         report_to = args.report_to if isinstance(args.report_to, list) else [args.report_to]
         if "tensorboard" in report_to or "all" in report_to:

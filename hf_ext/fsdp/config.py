@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..deepspeed.errors import Change, FsdpConfigError, Problem
+from ..errors import Change, FsdpConfigError, Problem
 
 PRESETS = ("full_shard", "hybrid_shard", "no_shard")
 #: ``fsdp`` words stock transformers accepts (``transformers.trainer_utils.FSDPOption``)

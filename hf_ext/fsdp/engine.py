@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
-from contextlib import contextmanager
 
-from ..deepspeed.errors import FsdpConfigError
+from ..errors import FsdpConfigError
 from .config import FSDP1_ON_CPU
 
 logger = logging.getLogger(__name__)
@@ -86,7 +85,7 @@ def shard_for_evaluation(trainer) -> None:
     Stock ``evaluation_loop`` passes the model alone to ``Accelerator.prepare``, which refuses FSDP2 without an
     optimizer ("a model and optimizer must be passed together"). Sharded here with accelerate's own
     ``fsdp2_prepare_model``, a later ``train()`` finds it sharded and accelerate only maps the optimizer onto its
-    parameters (after :func:`reshard`).
+    parameters (after :func:`hf_ext.gather.reshard`).
     """
     from torch.distributed.fsdp import FSDPModule
 
@@ -98,46 +97,6 @@ def shard_for_evaluation(trainer) -> None:
     trainer.accelerator._models.append(model)  # what prepare() records; stock evaluation_loop reads it
     trainer.model = trainer.model_wrapped = model
     logger.info("Evaluating before training under FSDP2: the model is sharded now, as training would shard it.")
-
-
-def reshard(model) -> None:
-    """Every FSDP2 unit of ``model`` back to its shards. The root and tied units are not resharded after a forward:
-    after an evaluation or a generation their modules hold the gathered tensors, and an optimizer built then (the
-    ``train()`` after an eval-only call) would hold those instead of the sharded parameters.
-
-    A unit of several modules (the tied group) that ``generate`` entered through one module and left through another
-    stays "in forward", where torch's ``reshard()`` does nothing for a unit kept gathered after forward; that unit is
-    resharded with resharding-after-forward switched on for the call (torch's public setter), then off again.
-    """
-    from torch.distributed.fsdp import FSDPModule
-
-    from ..gather import is_dtensor
-
-    for module in model.modules() if model is not None else ():
-        if not isinstance(module, FSDPModule):
-            continue
-        module.reshard()
-        if not all(is_dtensor(p) for p in module.parameters(recurse=False)):
-            module.set_reshard_after_forward(True, recurse=False)
-            module.reshard()
-            module.set_reshard_after_forward(False, recurse=False)
-
-
-@contextmanager
-def root_unsharded(model):
-    """For calls that enter an FSDP2 model below its root: ``generate`` runs the encoder (and the embeddings) of an
-    encoder-decoder model directly, which the root unit's forward hook never sees, so the parameters outside every
-    wrapped layer would stay sharded there. Gathers the root unit for the length of the context, reshards after."""
-    from torch.distributed.fsdp import FSDPModule
-
-    if not isinstance(model, FSDPModule):
-        yield
-        return
-    model.unshard()
-    try:
-        yield
-    finally:
-        reshard(model)  # the root and every unit generate() left gathered
 
 
 def wrap_repeated_layers(plugin, model) -> None:

@@ -64,6 +64,14 @@ ERROR_FLOOR = 64 * MiB
 #: Room kept beside a gathered copy of the weights for generation itself (activations, the beams' caches), as a
 #: share of the copy.
 GATHERED_EVAL_HEADROOM = 0.25
+
+#: ZeRO-3 granularity of hf-ext's presets on a CPU-only host (elements): the size of one optimizer-step sub-group
+#: and the most gathered parameters kept alive. The GPU values (1e9, transformers' documented ones) keep the whole
+#: model gathered between uses and step the optimizer over the whole partition at once, which on CPU costs up to the
+#: full model plus two partition-sized temporaries of RAM per rank (docs/benchmarks.md, "Memory").
+CPU_ZERO3_GRANULARITY = 10_000_000
+CPU_ZERO3_KEYS = ("sub_group_size", "stage3_max_live_parameters", "stage3_max_reuse_distance")
+
 PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OPTIMIZER_BYTES = {"fp32": 8, "bf16": 12, "fp16": 12}  # Adam m + v (+ fp32 master under mixed precision)
 FP32 = 4

@@ -38,9 +38,7 @@ def run_plan(model, world_size: int, memory_per_device=None, seq_len: int = 128,
     budget = parse_bytes(memory_per_device) if memory_per_device else detect_budget(device, local_ranks)
     facts, profile = from_measurement(measure(model, seq_len, checkpointing))
     if zero is None and device == "cpu":  # what hf-ext's ZeRO-3 presets run with on a CPU-only host
-        from ..deepspeed.resolve import CPU_ZERO3_GRANULARITY, CPU_ZERO3_KEYS
-
-        zero = {key: CPU_ZERO3_GRANULARITY for key in CPU_ZERO3_KEYS}
+        zero = {key: formulas.CPU_ZERO3_GRANULARITY for key in formulas.CPU_ZERO3_KEYS}
     zero = dict(zero or {})
     common = dict(precision=precision, device=device, baseline=baseline)
     rows = []

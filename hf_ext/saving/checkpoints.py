@@ -10,9 +10,9 @@ import re
 import shutil
 from pathlib import Path
 
+from .. import atomic
 from ..peft import is_peft_model, save_trainable_state
 from ..ranks import shared_outcome
-from . import atomic
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def write_marker(path: str | Path, **info) -> None:
 
 def remove_leftovers(run_dir: str | Path) -> None:
     """Remove what interrupted writes left in and beside ``run_dir`` (main process, before a run writes anything):
-    a staged or set-aside final save (:func:`hf_ext.saving.atomic.recover`), ``tmp-checkpoint-N`` (and its universal
+    a staged or set-aside final save (:func:`hf_ext.atomic.recover`), ``tmp-checkpoint-N`` (and its universal
     conversion's) directories, and a ``checkpoint-N`` swap cut between its two renames (finished or undone)."""
     run_dir = Path(run_dir)
     atomic.recover(run_dir)

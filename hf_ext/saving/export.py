@@ -17,8 +17,8 @@ import logging
 import shutil
 from pathlib import Path
 
+from ..atomic import atomic_directory, work_path
 from ..model_info import model_class
-from .atomic import atomic_directory, work_path
 from .checkpoints import last_complete_checkpoint
 from .model_dir import model_dir_kind
 from .writer import is_weight_file, verify_saved_weights

@@ -35,12 +35,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..deepspeed.resolve import split_batch
+from ..atomic import replace_dir
+from ..batching import split_batch
 from ..peft import is_trainable_state_checkpoint
 from ..ranks import shared_outcome
 from ..sizes import MiB, dir_bytes
 from . import checkpoints
-from .atomic import replace_dir
 from .checkpoints import CHECKPOINT_MARKER, TMP_PREFIX, UNIVERSAL_SUFFIX
 
 logger = logging.getLogger(__name__)

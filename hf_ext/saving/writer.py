@@ -209,7 +209,7 @@ def write_entries(
     metadata: dict[str, str] | None = None,
 ) -> list[Path]:
     """Write ``entries`` as safetensors shards (+ index when more than one) into ``output_dir``, which should be a
-    fresh directory (:mod:`hf_ext.saving.atomic` stages one). Call on every rank under ZeRO-3 or FSDP.
+    fresh directory (:mod:`hf_ext.atomic` stages one). Call on every rank under ZeRO-3 or FSDP.
 
     Non-main ranks only join the gathers. A write error on the main rank (a full disk) stops the writing but not the
     gathers the other ranks are in; when the entries are sharded (a collective call), every rank then raises
@@ -291,8 +291,8 @@ def save_streaming(
     Must be called on every rank when the model is ZeRO-3 partitioned. Values are the gathered parameters, cast to
     ``dtype`` when given (else stored in their own dtype). Tied parameters are stored once and re-tied on load.
     """
+    from .. import atomic
     from ..ranks import shared_outcome
-    from . import atomic
 
     with shared_outcome(f"preparing the save into {output_dir}"):
         staged = atomic.begin(output_dir) if is_main else atomic.staged_path(output_dir)

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
+from .. import atomic
 from ..fsdp.engine import save_dtype as fsdp_save_dtype
 from ..peft import is_peft_model, save_adapter
 from ..ranks import shared_outcome
-from . import atomic
 from .writer import (
     DEFAULT_MAX_SHARD_SIZE,
     TensorEntry,
@@ -94,7 +94,7 @@ def _stored_dtype(entries: list[TensorEntry]) -> torch.dtype | None:
 
 def save_trainer_model(trainer, output_dir: str | Path, *, checkpoint: bool = False) -> None:
     """``Trainer.save_model`` on every rank: a loadable ``output_dir`` whatever the ZeRO stage, written
-    all-or-nothing (:mod:`hf_ext.saving.atomic`): staged beside ``output_dir`` and swapped in once complete, so that
+    all-or-nothing (:mod:`hf_ext.atomic`): staged beside ``output_dir`` and swapped in once complete, so that
     ``output_dir`` holds the complete old save or the complete new one at every instant. A ``checkpoint`` is written
     straight into its directory, which the checkpoint save stages as a whole (:mod:`hf_ext.saving.checkpoints`).
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_ext.saving import atomic
+from hf_ext import atomic
 
 from ..conftest import ROOT, free_port, launch_env
 from .test_saving_distributed import SCRIPT, assert_equal_weights, train

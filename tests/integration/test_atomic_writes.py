@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformers import BlenderbotForConditionalGeneration
 
-from hf_ext.saving import atomic
+from hf_ext import atomic
 
 from ..conftest import ROOT, launch_env
 

@@ -109,11 +109,8 @@ def test_generation_settings_precedence(single_rank):
     callback = single_rank["trainer"].bleu_eval_callback
     args = single_rank["trainer"].args
     assert callback.generation_kwargs(args) == {"num_beams": 1, "max_length": 24, "min_length": 1}
-    callback.call_gen_kwargs = {"max_new_tokens": 5, "min_length": 2}
-    try:
-        assert callback.generation_kwargs(args) == {"num_beams": 1, "max_new_tokens": 5, "min_length": 2}
-    finally:
-        callback.call_gen_kwargs = {}
+    call = {"max_new_tokens": 5, "min_length": 2}
+    assert callback.generation_kwargs(args, call=call) == {"num_beams": 1, "max_new_tokens": 5, "min_length": 2}
     assert BleuEvalCallback(generation_num_beams=3).generation_kwargs(args)["num_beams"] == 3
     assert callback.batch_size(args) == 4
 

@@ -1,4 +1,4 @@
-"""The all-or-nothing directory swap (hf_ext.saving.atomic) in each state an interrupted write can leave."""
+"""The all-or-nothing directory swap (hf_ext.atomic) in each state an interrupted write can leave."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from hf_ext.saving import atomic
+from hf_ext import atomic
 from hf_ext.saving.writer import is_weight_file
 
 

@@ -209,5 +209,5 @@ def test_decoder_only_lengths_count_new_tokens():
     assert causal == {"num_beams": 1, "max_new_tokens": 24, "min_new_tokens": 2}
     seq2seq = callback.generation_kwargs(args, Model(BlenderbotConfig()))
     assert seq2seq == {"num_beams": 1, "max_length": 24, "min_length": 2}
-    callback.call_gen_kwargs = {"max_new_tokens": 10}  # an explicit new-token limit of the call wins
-    assert callback.generation_kwargs(args, Model(LlamaConfig()))["max_new_tokens"] == 10
+    call = {"max_new_tokens": 10}  # an explicit new-token limit of the call wins
+    assert callback.generation_kwargs(args, Model(LlamaConfig()), call)["max_new_tokens"] == 10

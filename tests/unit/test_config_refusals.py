@@ -289,9 +289,9 @@ def test_another_tools_config_is_one_line(tmp_path):
 
 def test_every_vendored_config_still_has_its_outcome_after_these_rules():
     # the corpus test (test_deepspeed_corpus.py) checks outcomes; here: no corpus file is called foreign
-    from hf_ext.deepspeed.errors import Report
     from hf_ext.deepspeed.load import load
     from hf_ext.deepspeed.resolve import _not_deepspeed
+    from hf_ext.errors import Report
 
     for path in sorted(p for p in CORPUS.glob("*.json") if p.name != "EXPECTED.json"):
         assert _not_deepspeed(load(str(path), Report()), str(path)) is None, path.name

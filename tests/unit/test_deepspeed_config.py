@@ -23,7 +23,8 @@ from hf_ext import (
     resolve_deepspeed_config,
 )
 from hf_ext.deepspeed.normalize import normalize
-from hf_ext.deepspeed.resolve import CPU_ZERO3_GRANULARITY, CPU_ZERO3_KEYS, Hardware, fill_model_keys, get_value
+from hf_ext.deepspeed.resolve import Hardware, fill_model_keys, get_value
+from hf_ext.memory.formulas import CPU_ZERO3_GRANULARITY, CPU_ZERO3_KEYS
 
 from ..conftest import walk
 from ..ds_support import deepspeed_accepts, make_args, single_line_problems

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hf_ext.deepspeed.errors import FsdpConfigError
+from hf_ext.errors import FsdpConfigError
 from hf_ext.fsdp.config import resolve_fsdp
 
 from ..conftest import ROOT

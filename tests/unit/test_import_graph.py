@@ -131,3 +131,125 @@ def test_hf_ext_needs_no_product_dependency():
         t.split(".")[0] for module, targets in graph().items() if module.split(".")[0] == "hf_ext" for t in targets
     }
     assert used & product_only == set()
+
+
+# --- the package-level DAG, and docs/architecture.md written from it -------------------------------------------------
+
+#: the building blocks every feature may use
+FOUNDATIONS = {"sizes", "errors", "atomic", "batching", "ranks", "gather", "model_info", "schedule", "runtime"}
+#: one folder (or module) per feature
+FEATURES = {"memory", "peft", "fsdp", "deepspeed", "saving", "evaluation"}
+#: the only imports from one feature into another, each with its reason
+FEATURE_EDGES = {
+    ("deepspeed", "memory"): 'the resolver asks the planner to fill an "auto" stage, offload or micro-batch',
+    ("evaluation", "memory"): "a gathered ZeRO-3 eval needs the plan's headroom for its copy",
+    ("saving", "peft"): "a final save of a PEFT model writes the adapter (and checkpoints its trainable state)",
+    ("saving", "fsdp"): "an FSDP2 save writes in the dtype the FSDP mixed-precision policy computes in",
+}
+#: the settings (every hf-ext setting a field; YAML + flags), and what composes everything
+SETTINGS = {"training_args", "config_args"}
+COMPOSITION = {"trainer", "cli"}
+DOC = ROOT / "docs" / "architecture.md"
+BEGIN, END = "<!-- import-graph: begin (written by tests/unit/test_import_graph.py) -->", "<!-- import-graph: end -->"
+
+
+def unit_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "hf_ext" and len(parts) > 1 else parts[0]
+
+
+def unit_graph() -> dict[str, set[str]]:
+    """hf_ext's top-level modules and packages, and chat_e as one unit: who imports whom."""
+    units: dict[str, set[str]] = {}
+    for module, targets in graph().items():
+        if module == "hf_ext":
+            continue  # its lazy exports name modules as strings
+        unit = unit_of(module)
+        deps = {unit_of(t) for t in targets if t.split(".")[0] in PACKAGES and t != "hf_ext"}
+        units.setdefault(unit, set()).update(deps - {unit})
+    return units
+
+
+def test_every_unit_has_a_place_in_the_layers():
+    assert set(unit_graph()) == FOUNDATIONS | FEATURES | SETTINGS | COMPOSITION | {"chat_e"}
+
+
+def test_the_packages_form_a_dag_where_features_never_import_settings_or_each_other_sideways():
+    units = unit_graph()
+    assert find_cycle(units) is None
+    wrong = []
+    for unit, deps in units.items():
+        for dep in deps:
+            if unit in FOUNDATIONS and dep not in FOUNDATIONS:
+                wrong.append(f"foundation {unit} imports {dep}")
+            if unit in FEATURES | {"chat_e"} and dep in SETTINGS | COMPOSITION:
+                wrong.append(f"{unit} imports the settings or the trainer ({dep})")
+            if unit in FEATURES and dep in FEATURES and (unit, dep) not in FEATURE_EDGES:
+                wrong.append(f"feature {unit} imports feature {dep} sideways")
+    assert wrong == []
+    unused = [edge for edge in FEATURE_EDGES if edge[1] not in units[edge[0]]]
+    assert unused == []  # a listed reason with no import behind it has gone stale
+
+
+def _depths(units: dict[str, set[str]]) -> dict[str, int]:
+    depth: dict[str, int] = {}
+
+    def of(unit: str) -> int:
+        if unit not in depth:
+            depth[unit] = 1 + max((of(d) for d in units[unit]), default=-1)
+        return depth[unit]
+
+    for unit in units:
+        of(unit)
+    return depth
+
+
+def _summary(unit: str) -> str:
+    path = ROOT / "hf_ext" / unit if unit != "chat_e" else ROOT / "chat_e"
+    path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    first = " ".join(doc.split("\n\n")[0].split())
+    return first.split(": ")[0].split(". ")[0].rstrip(".").replace("``", "`")
+
+
+def _lines(unit: str) -> int:
+    path = ROOT / "hf_ext" / unit if unit != "chat_e" else ROOT / "chat_e"
+    files = sorted(path.rglob("*.py")) if path.is_dir() else [path.with_suffix(".py")]
+    return sum(len(f.read_text().splitlines()) for f in files)
+
+
+def architecture_block() -> str:
+    """The import graph as docs/architecture.md shows it: one row per unit, lowest layer first."""
+    units = unit_graph()
+    depth = _depths(units)
+    kinds = [("foundation", FOUNDATIONS), ("feature", FEATURES), ("settings", SETTINGS), ("composition", COMPOSITION)]
+    rows = ["| unit | kind | layer | lines | imports (hf-ext) | what it owns |", "|---|---|---:|---:|---|---|"]
+    for unit in sorted(units, key=lambda u: (depth[u], u)):
+        kind = next((name for name, members in kinds if unit in members), "product")
+        name = (
+            "`chat_e/`"
+            if unit == "chat_e"
+            else f"`hf_ext/{unit}{'/' if (ROOT / 'hf_ext' / unit).is_dir() else '.py'}`"
+        )
+        deps = ", ".join(sorted(units[unit])) or "—"
+        rows.append(f"| {name} | {kind} | {depth[unit]} | {_lines(unit)} | {deps} | {_summary(unit)} |")
+    edges = "\n".join(f"* `{a}` → `{b}`: {why}" for (a, b), why in sorted(FEATURE_EDGES.items()))
+    return "\n".join([BEGIN, "", *rows, "", "The only imports between features:", "", edges, "", END])
+
+
+def test_architecture_doc_shows_the_import_graph_of_the_code():
+    text = DOC.read_text()
+    assert BEGIN in text and END in text, f"{DOC} lost its import-graph markers"
+    shown = text[text.index(BEGIN) : text.index(END) + len(END)]
+    assert shown == architecture_block(), "docs/architecture.md is stale: run python -m tests.unit.test_import_graph"
+
+
+if __name__ == "__main__":  # rewrite docs/architecture.md's import graph from the code
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    from hf_ext.atomic import write_text_atomically
+
+    text = DOC.read_text()
+    write_text_atomically(DOC, text[: text.index(BEGIN)] + architecture_block() + text[text.index(END) + len(END) :])
+    print(f"wrote the import graph into {DOC}")

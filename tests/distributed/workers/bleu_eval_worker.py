@@ -98,7 +98,7 @@ def main() -> None:
     callback = trainer.bleu_eval_callback
     result = {"rank": args.process_index, "world_size": args.world_size, "stage": cli.stage}
     result["eval_only"] = trainer.evaluate()
-    result["eval_only_stats"] = callback.last_stats
+    result["eval_only_stats"] = callback.last_evaluation.stats
     result["eval_only_generations"] = [r["generation"] for r in callback.last_rows]
     result["engine_after_eval_only"] = trainer.deepspeed is not None
     if cli.train_steps:
@@ -111,7 +111,7 @@ def main() -> None:
             torch.save(weights, out / "after_train.pt")
         result["final"] = trainer.evaluate(**({"num_beams": cli.final_beams} if cli.final_beams else {}))
         result["final_generations"] = [r["generation"] for r in callback.last_rows]
-        result["final_stats"] = callback.last_stats
+        result["final_stats"] = callback.last_evaluation.stats
     (out / f"result-rank{args.process_index}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     if torch.distributed.is_initialized():
         torch.distributed.barrier()

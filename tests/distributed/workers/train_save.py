@@ -122,7 +122,8 @@ class SaveEvents:
         import builtins
         import pathlib
 
-        from hf_ext.saving import atomic, writer, zero
+        from hf_ext import atomic
+        from hf_ext.saving import writer, zero
 
         def before(module, name, label):
             original = getattr(module, name)

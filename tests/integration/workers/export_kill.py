@@ -14,8 +14,8 @@ import sys
 
 import transformers.modeling_utils as modeling_utils
 
+from hf_ext import atomic
 from hf_ext.cli import main as cli_main
-from hf_ext.saving import atomic
 
 EVENTS: list[str] = []
 

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass, field
 from typing import Any
-
-logger = logging.getLogger("hf_ext.deepspeed")
 
 
 @dataclass
