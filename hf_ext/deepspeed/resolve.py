@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -270,15 +271,44 @@ def _valid(config: dict, key: str, report: Report, source: str = "") -> bool:
     return False
 
 
-def _fill(config, report, key, value, source, args_field=None, args_fix=None, add=False, match=True):
-    """Replace ``"auto"`` at ``key`` by ``value``; add it when missing and ``add``; else compare when ``match``."""
+@dataclass(frozen=True)
+class FillRule:
+    """How one config key is filled from the arguments: its value, where the value comes from (said in the record
+    and in a mismatch), the ``TrainingArguments`` fields a mismatch's fix sets (to the config's value), whether a
+    missing key is added, and whether an explicit value must match (else it is left as the user wrote it)."""
+
+    key: str
+    value: Callable  # (args, world size) -> the value
+    source: str | Callable  # text, or (args, world size) -> text
+    fields: tuple[str, ...] = ()  # the argument(s) behind the value, in the order of a list value
+    add: bool = False
+    match: bool = True
+    needs: str | None = None  # a section (dotted key) that must be a dict for the rule to apply
+    called: str | None = None  # what a mismatch calls the value (default: its fields)
+
+    def source_of(self, args, world: int) -> str:
+        return self.source(args, world) if callable(self.source) else self.source
+
+    def args_fix(self, current) -> dict:
+        """The flags that make the arguments say what the config says (none when no argument sets the value)."""
+        if len(self.fields) == 1:
+            return {self.fields[0]: current}
+        if self.fields and isinstance(current, list) and len(current) == len(self.fields):
+            return dict(zip(self.fields, current))
+        return {}
+
+
+def _fill(config: dict, report: Report, rule: FillRule, value, source: str, match: bool = True) -> None:
+    """Replace ``"auto"`` at ``rule.key`` by ``value``; add it when missing and ``rule.add``; else compare when the
+    rule (and ``match``) asks for it."""
+    key = rule.key
     if any(problem.key == key for problem in report.problems):
         return  # said once, by whoever knew why (a param the constructor lacks, say)
-    node, leaf = node_of(config, key, create=add)
+    node, leaf = node_of(config, key, create=rule.add)
     if node is None or not _valid(config, key, report, source):
         return
     if leaf not in node:
-        if add:
+        if rule.add:
             node[leaf] = value
             report.change(key, value, f"{source} (missing in the config)", "added")
         return
@@ -286,12 +316,14 @@ def _fill(config, report, key, value, source, args_field=None, args_fix=None, ad
     if current == "auto":
         node[leaf] = value
         report.change(key, value, source)
-    elif match and not _same(current, value):
+    elif rule.match and match and not _same(current, value):
         fix = f'set {key} to "auto"'
+        args_fix = rule.args_fix(current)
         if args_fix:
             flags = " ".join(f"--{k} {short(v)}" for k, v in args_fix.items())
             fix += f", or pass {flags}"
-        report.problem(key, f"is {short(current)} but {args_field} is {short(value)}", fix, args_fix)
+        named = rule.called or (rule.fields[0] if len(rule.fields) == 1 else f"[{', '.join(rule.fields)}]")
+        report.problem(key, f"is {short(current)} but {named} is {short(value)}", fix, args_fix or None)
 
 
 def _stage(config: dict) -> int:
@@ -438,43 +470,63 @@ def _batch_arithmetic(config: dict, args, world: int, report: Report) -> bool:
     return True
 
 
+def _from_args(name: str):
+    return lambda args, world: getattr(args, name)
+
+
+#: the keys filled from TrainingArguments, in order: value, source, the argument(s) a mismatch's fix sets
+ARG_RULES = (
+    FillRule("train_micro_batch_size_per_gpu", _from_args("per_device_train_batch_size"),
+             "TrainingArguments.per_device_train_batch_size", ("per_device_train_batch_size",), add=True),
+    FillRule("gradient_accumulation_steps", _from_args("gradient_accumulation_steps"),
+             "TrainingArguments.gradient_accumulation_steps", ("gradient_accumulation_steps",), add=True),
+    FillRule("train_batch_size",
+             lambda args, world: world * args.per_device_train_batch_size * args.gradient_accumulation_steps,
+             lambda args, world: f"world size {world} x per_device_train_batch_size {args.per_device_train_batch_size}"
+                                 f" x gradient_accumulation_steps {args.gradient_accumulation_steps}", add=True,
+             called="world_size x per_device_train_batch_size x gradient_accumulation_steps"),
+    FillRule("gradient_clipping", _from_args("max_grad_norm"), "TrainingArguments.max_grad_norm",
+             ("max_grad_norm",), add=True),
+    FillRule("optimizer.params.lr", _from_args("learning_rate"), "TrainingArguments.learning_rate",
+             ("learning_rate",), needs="optimizer.params"),
+    FillRule("optimizer.params.betas", lambda args, world: [args.adam_beta1, args.adam_beta2],
+             "TrainingArguments.adam_beta1/adam_beta2", ("adam_beta1", "adam_beta2"), needs="optimizer.params"),
+    FillRule("optimizer.params.eps", _from_args("adam_epsilon"), "TrainingArguments.adam_epsilon",
+             ("adam_epsilon",), needs="optimizer.params"),
+    FillRule("optimizer.params.weight_decay", _from_args("weight_decay"), "TrainingArguments.weight_decay",
+             ("weight_decay",), needs="optimizer.params"),
+    FillRule("scheduler.params.warmup_min_lr", lambda args, world: 0, "0, as transformers does", match=False,
+             needs="scheduler.params"),
+    FillRule("scheduler.params.warmup_max_lr", _from_args("learning_rate"), "TrainingArguments.learning_rate",
+             ("learning_rate",), needs="scheduler.params"),
+)  # fmt: skip
+#: the keys filled from the number of training steps (at train start, or from max_steps)
+STEP_RULES = (
+    FillRule("scheduler.params.total_num_steps", lambda args, steps: steps, "number of training steps",
+             needs="scheduler.params", called="the number of training steps"),
+    FillRule("scheduler.params.warmup_num_steps", lambda args, steps: max(1, args.get_warmup_steps(steps)),
+             "TrainingArguments warmup (at least 1)", ("warmup_steps",), needs="scheduler.params",
+             called="TrainingArguments warmup"),
+)  # fmt: skip
+
+
+def _apply_rules(config: dict, args, world: int, report: Report, rules, match: bool = True) -> None:
+    for rule in rules:
+        if rule.needs is None or isinstance(get_value(config, rule.needs), dict):
+            _fill(config, report, rule, rule.value(args, world), rule.source_of(args, world), match)
+
+
 def _fill_from_args(config: dict, args, world: int, report: Report):
-    micro, accum = args.per_device_train_batch_size, args.gradient_accumulation_steps
-    match = not _batch_arithmetic(config, args, world, report)  # else said once, with the arithmetic
-    _fill(config, report, "train_micro_batch_size_per_gpu", micro, "TrainingArguments.per_device_train_batch_size",
-          "per_device_train_batch_size", {"per_device_train_batch_size": get_value(config, "train_micro_batch_size_per_gpu")}, add=True, match=match)  # fmt: skip
-    _fill(config, report, "gradient_accumulation_steps", accum, "TrainingArguments.gradient_accumulation_steps",
-          "gradient_accumulation_steps", {"gradient_accumulation_steps": config.get("gradient_accumulation_steps")}, add=True, match=match)  # fmt: skip
-    _fill(config, report, "train_batch_size", world * micro * accum,
-          f"world size {world} x per_device_train_batch_size {micro} x gradient_accumulation_steps {accum}",
-          "world_size x per_device_train_batch_size x gradient_accumulation_steps", add=True, match=match)  # fmt: skip
-    _fill(config, report, "gradient_clipping", args.max_grad_norm, "TrainingArguments.max_grad_norm",
-          "max_grad_norm", {"max_grad_norm": config.get("gradient_clipping")}, add=True)  # fmt: skip
+    matched = not _batch_arithmetic(config, args, world, report)  # else said once, with the arithmetic
+    _apply_rules(config, args, world, report, ARG_RULES[:3], match=matched)
+    _apply_rules(config, args, world, report, ARG_RULES[3:])
     if "zero_optimization" not in config:
         config["zero_optimization"] = {"stage": 0}
         report.change("zero_optimization.stage", 0, "DeepSpeed's default (accelerate refuses a config without it)", "added")  # fmt: skip
-    params = get_value(config, "optimizer.params")
-    lr = args.learning_rate
-    if isinstance(params, dict):
-        _fill(config, report, "optimizer.params.lr", lr, "TrainingArguments.learning_rate", "learning_rate",
-              {"learning_rate": params.get("lr")})  # fmt: skip
-        betas = params.get("betas")
-        beta_fix = {"adam_beta1": betas[0], "adam_beta2": betas[1]} if isinstance(betas, list) and len(betas) == 2 else None  # fmt: skip
-        _fill(config, report, "optimizer.params.betas", [args.adam_beta1, args.adam_beta2],
-              "TrainingArguments.adam_beta1/adam_beta2", "[adam_beta1, adam_beta2]", beta_fix)  # fmt: skip
-        _fill(config, report, "optimizer.params.eps", args.adam_epsilon, "TrainingArguments.adam_epsilon",
-              "adam_epsilon", {"adam_epsilon": params.get("eps")})  # fmt: skip
-        _fill(config, report, "optimizer.params.weight_decay", args.weight_decay, "TrainingArguments.weight_decay",
-              "weight_decay", {"weight_decay": params.get("weight_decay")})  # fmt: skip
-    if isinstance(get_value(config, "scheduler.params"), dict):
-        _fill(config, report, "scheduler.params.warmup_min_lr", 0, "0, as transformers does", match=False)
-        _fill(config, report, "scheduler.params.warmup_max_lr", lr, "TrainingArguments.learning_rate",
-              "learning_rate", {"learning_rate": get_value(config, "scheduler.params.warmup_max_lr")})  # fmt: skip
     _schedule_choice(config, args, report)
     if getattr(args, "save_on_each_node", False):
-        _fill(
-            config, report, "checkpoint.use_node_local_storage", True, "TrainingArguments.save_on_each_node", add=True
-        )
+        rule = FillRule("checkpoint.use_node_local_storage", lambda args, world: True, "", ("save_on_each_node",), add=True)
+        _fill(config, report, rule, True, "TrainingArguments.save_on_each_node")
 
 
 #: The transformers schedule each DeepSpeed scheduler runs (after its warmup).
@@ -598,13 +650,7 @@ def fill_model_keys(config: dict, model) -> list[Change]:
 
 
 def _fill_steps(config: dict, args, steps: int, report: Report):
-    if not isinstance(get_value(config, "scheduler.params"), dict):
-        return
-    _fill(config, report, "scheduler.params.total_num_steps", steps, "number of training steps",
-          "the number of training steps")  # fmt: skip
-    warmup = max(1, args.get_warmup_steps(steps))
-    _fill(config, report, "scheduler.params.warmup_num_steps", warmup, "TrainingArguments warmup (at least 1)",
-          "TrainingArguments warmup", {"warmup_steps": get_value(config, "scheduler.params.warmup_num_steps")})  # fmt: skip
+    _apply_rules(config, args, steps, report, STEP_RULES)
 
 
 def walk(node, prefix=""):
