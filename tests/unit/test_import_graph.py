@@ -212,18 +212,12 @@ def _summary(unit: str) -> str:
     return first.split(": ")[0].split(". ")[0].rstrip(".").replace("``", "`")
 
 
-def _lines(unit: str) -> int:
-    path = ROOT / "hf_ext" / unit if unit != "chat_e" else ROOT / "chat_e"
-    files = sorted(path.rglob("*.py")) if path.is_dir() else [path.with_suffix(".py")]
-    return sum(len(f.read_text().splitlines()) for f in files)
-
-
 def architecture_block() -> str:
     """The import graph as docs/architecture.md shows it: one row per unit, lowest layer first."""
     units = unit_graph()
     depth = _depths(units)
     kinds = [("foundation", FOUNDATIONS), ("feature", FEATURES), ("settings", SETTINGS), ("composition", COMPOSITION)]
-    rows = ["| unit | kind | layer | lines | imports (hf-ext) | what it owns |", "|---|---|---:|---:|---|---|"]
+    rows = ["| unit | kind | layer | imports (hf-ext) | what it owns |", "|---|---|---:|---|---|"]
     for unit in sorted(units, key=lambda u: (depth[u], u)):
         kind = next((name for name, members in kinds if unit in members), "product")
         name = (
@@ -232,7 +226,7 @@ def architecture_block() -> str:
             else f"`hf_ext/{unit}{'/' if (ROOT / 'hf_ext' / unit).is_dir() else '.py'}`"
         )
         deps = ", ".join(sorted(units[unit])) or "—"
-        rows.append(f"| {name} | {kind} | {depth[unit]} | {_lines(unit)} | {deps} | {_summary(unit)} |")
+        rows.append(f"| {name} | {kind} | {depth[unit]} | {deps} | {_summary(unit)} |")
     edges = "\n".join(f"* `{a}` → `{b}`: {why}" for (a, b), why in sorted(FEATURE_EDGES.items()))
     return "\n".join([BEGIN, "", *rows, "", "The only imports between features:", "", edges, "", END])
 
