@@ -114,7 +114,7 @@ class Candidate:
 #: ``no_shard`` is DDP
 FSDP_FULL_SHARD = Candidate(3, fsdp=True)
 
-#: the engines ``hf-ext ds plan`` chooses among for a micro-batch (README, "Which engine?"), least sharded first:
+#: the engines ``hf-ext ds plan`` chooses among for a micro-batch (docs/memory.md, "Which engine?"), least sharded first:
 #: DDP, ZeRO-1, ZeRO-2 (+ offload on GPU hosts), ZeRO-3, FSDP full shard, ZeRO-3 + offloads
 ENGINES = (
     Candidate(0, ddp=True),

@@ -120,7 +120,7 @@ def format_table(result: dict) -> str:
         else "* nothing fits: lower --seq_len, add --gradient_checkpointing or ranks, or raise --memory_per_device"
     )
     footer += (f"\nengine for micro-batch {result['engine_micro_batch']}: {result['engine'] or 'none fits'} (the least "
-               "sharded that fits it; README, \"Which engine?\")")  # fmt: skip
+               "sharded that fits it; docs/memory.md, \"Which engine?\")")  # fmt: skip
     footer += f"\nstated error band: ±{band['relative']:.0%} + {gb(band['absolute_bytes'])} of the prediction"
     footer += ("\ngathered eval: the extra peak of a ZeRO-3 generation eval that gathers the weights once "
                "(generation_gather_weights); (no): it falls back to per-token gathers")  # fmt: skip

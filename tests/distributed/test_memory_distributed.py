@@ -55,7 +55,7 @@ def test_measured_peak_within_error_band(tmp_path, medium_model_dir, config):
     results = _launch(tmp_path, medium_model_dir, cfg, "--release_freed_memory", "on")  # as when the planner plans
     assert results[0]["zero_optimization"] == results[1]["zero_optimization"]
     plan = _predicted(medium_model_dir, results[0]["zero_optimization"])
-    low, high = plan.band  # the stated band, ±15 % + 64 MiB: about ±30 % at this model's size (README says so)
+    low, high = plan.band  # the stated band, ±15 % + 64 MiB: about ±30 % at this model's size (docs/memory.md says so)
     for r in results:
         print(f"{config} rank {r['rank']}: measured {r['increment_bytes'] / 2**20:.0f} MiB, band "
               f"{low / 2**20:.0f}..{high / 2**20:.0f} MiB (±{(high - low) / 2 / plan.total_bytes:.0%})")  # fmt: skip

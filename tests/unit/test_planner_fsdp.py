@@ -70,7 +70,7 @@ def test_ddp_under_mixed_precision_keeps_fp32_states():
 
 
 def test_engine_for_a_micro_batch_is_the_least_sharded_that_fits():
-    """README "Which engine?": DDP while the whole model, its gradients and Adam fit; then ZeRO-1, ZeRO-2, ZeRO-3,
+    """docs/memory.md, "Which engine?": DDP while the whole model, its gradients and Adam fit; then ZeRO-1, ZeRO-2, ZeRO-3,
     FSDP full shard; offloads last (and never on a CPU-only host, where they save nothing)."""
 
     # fine-tuning from a checkpoint (fp32 safetensors, 4 bytes per parameter): on a CPU host ZeRO-1/2 keep the file's
