@@ -101,3 +101,36 @@ def layer_sizes(model) -> list[int]:
             inside = prefix + "."
             sizes.append(sum(p.numel() for p in module.parameters()))
     return sizes
+
+
+#: what ``Trainer._save`` names the pickled arguments beside a model's weights
+TRAINING_ARGS_NAME = "training_args.bin"
+
+
+def unwrapped_class(model) -> type:
+    """The model's own class: FSDP2 makes ``FSDP<Name>`` classes deriving from ``FSDPModule`` and the model's."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = type(model)
+    if issubclass(cls, FSDPModule):
+        return next(base for base in cls.__bases__ if not issubclass(base, FSDPModule))
+    return cls
+
+
+def save_beside_weights(out, model, processing_class=None, training_args=None, config: bool = True) -> None:
+    """The files a model directory holds beside its weights, as ``save_pretrained`` and ``Trainer._save`` write them:
+    ``config.json`` (``config=False``: an adapter directory has its own), ``generation_config.json`` for a model that
+    generates, the tokenizer's (or processor's) files, and ``training_args.bin`` (when ``training_args`` are given)."""
+    import torch
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if config and getattr(model, "config", None) is not None:
+        model.config.save_pretrained(out)
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None and getattr(model, "can_generate", lambda: False)():
+        generation_config.save_pretrained(out)
+    if processing_class is not None:
+        processing_class.save_pretrained(out)
+    if training_args is not None:
+        torch.save(training_args, out / TRAINING_ARGS_NAME)

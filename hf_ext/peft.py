@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from .gather import full_values, gathered, is_dtensor, is_partitioned
+from .model_info import save_beside_weights
 from .ranks import shared_outcome
 from .schedule import inner_scheduler
 
@@ -68,12 +69,7 @@ def save_adapter(trainer, output_dir: str | Path) -> None:
             out.mkdir(parents=True, exist_ok=True)
             model.save_pretrained(str(out), state_dict=state_dict, safe_serialization=True)
             verify_adapter(out)
-            base = model.get_base_model()
-            if trainer.processing_class is not None:
-                trainer.processing_class.save_pretrained(out)
-            torch.save(trainer.args, out / "training_args.bin")
-            if getattr(base, "generation_config", None) is not None and base.can_generate():
-                base.generation_config.save_pretrained(out)
+            save_beside_weights(out, model.get_base_model(), trainer.processing_class, trainer.args, config=False)
 
 
 def verify_adapter(output_dir: str | Path) -> dict[str, tuple[int, ...]]:

@@ -99,6 +99,19 @@ def local_world_size() -> int:
     return 1
 
 
+def local_rank() -> int | None:
+    """This process's rank on its node (``LOCAL_RANK``, set by every launcher); ``None`` when run as a plain script."""
+    value = os.environ.get("LOCAL_RANK", "")
+    return int(value) if value.isdigit() else None
+
+
+def host_memory_per_rank(local_ranks: int) -> int:
+    """The host's available RAM, shared by the ``local_ranks`` processes on this node: a CPU rank's share."""
+    import psutil
+
+    return int(psutil.virtual_memory().available // max(1, local_ranks))
+
+
 def usable_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))

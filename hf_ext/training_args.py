@@ -33,6 +33,7 @@ from .runtime import (
     local_world_size,
     start_deepspeed_comm,
 )
+from .saving.writer import DEFAULT_MAX_SHARD_SIZE
 from .sizes import parse_bytes
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,8 @@ class HfExtArguments:
                   "Default: on when the memory planner plans the run, off otherwise."},
     )  # fmt: skip
     save_max_shard_size: str = field(
-        default="5GB", metadata={"help": "Largest safetensors shard written by save_model (e.g. 200MB, 5GB, 1GiB)."}
+        default=DEFAULT_MAX_SHARD_SIZE,
+        metadata={"help": "Largest safetensors shard written by save_model (e.g. 200MB, 5GB, 1GiB)."},
     )
     save_gather_size: str = field(
         default="256MiB",

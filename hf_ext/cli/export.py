@@ -9,6 +9,7 @@ import sys
 
 from ..atomic import write_failure
 from ..saving.export import DTYPES, export
+from ..saving.writer import DEFAULT_MAX_SHARD_SIZE
 
 EXPORT_HELP = "Write a serving-ready model (weights, config, generation config, tokenizer) from a run or checkpoint."
 
@@ -20,7 +21,11 @@ def export_command_parser(subparsers):
     parser.add_argument("--merge", action="store_true", help="merge a PEFT adapter into its base model")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="weights dtype (default: as stored)")
     parser.add_argument("--base_model", default=None, help="base model of an adapter (default: from adapter_config)")
-    parser.add_argument("--max_shard_size", default="5GB", help="largest safetensors shard (default: 5GB)")
+    parser.add_argument(
+        "--max_shard_size",
+        default=DEFAULT_MAX_SHARD_SIZE,
+        help=f"largest safetensors shard (default: {DEFAULT_MAX_SHARD_SIZE})",
+    )
     parser.set_defaults(func=export_command)
     return parser
 

@@ -525,7 +525,9 @@ def _fill_from_args(config: dict, args, world: int, report: Report):
         report.change("zero_optimization.stage", 0, "DeepSpeed's default (accelerate refuses a config without it)", "added")  # fmt: skip
     _schedule_choice(config, args, report)
     if getattr(args, "save_on_each_node", False):
-        rule = FillRule("checkpoint.use_node_local_storage", lambda args, world: True, "", ("save_on_each_node",), add=True)
+        rule = FillRule(
+            "checkpoint.use_node_local_storage", lambda args, world: True, "", ("save_on_each_node",), add=True
+        )
         _fill(config, report, rule, True, "TrainingArguments.save_on_each_node")
 
 

@@ -23,6 +23,7 @@ import torch
 
 from .. import gather
 from ..memory.formulas import GATHERED_EVAL_HEADROOM
+from ..runtime import host_memory_per_rank
 
 logger = logging.getLogger(__name__)
 
@@ -65,10 +66,7 @@ def _free_bytes(device: torch.device, local_ranks: int) -> tuple[int, str]:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free), f"free on {device}"
-    import psutil
-
-    available = psutil.virtual_memory().available
-    return int(available // max(1, local_ranks)), f"host RAM available / {local_ranks} local ranks"
+    return host_memory_per_rank(local_ranks), f"host RAM available / {local_ranks} local ranks"
 
 
 def choose_generation_path(model, setting: str, plan=None, device=None, local_ranks: int = 1) -> GenerationPath:

@@ -24,6 +24,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..runtime import host_memory_per_rank, local_rank
 from ..sizes import gb, parse_bytes
 from . import formulas
 from .measure import current_rss
@@ -56,11 +57,8 @@ def detect_budget(device: str, local_ranks: int) -> int:
     if device != "cpu":
         import torch
 
-        index = int(os.environ.get("LOCAL_RANK", "0") or 0)
-        return int(torch.cuda.get_device_properties(index).total_memory)
-    import psutil
-
-    return int(psutil.virtual_memory().available // max(1, local_ranks))
+        return int(torch.cuda.get_device_properties(local_rank() or 0).total_memory)
+    return host_memory_per_rank(local_ranks)
 
 
 def process_baseline(device: str) -> int:
@@ -70,7 +68,7 @@ def process_baseline(device: str) -> int:
 
 def _shared_file(key: str) -> Path | None:
     """A file all local ranks of this launch agree on (``None`` when not under a launcher)."""
-    if "LOCAL_RANK" not in os.environ:
+    if local_rank() is None:
         return None
     launch = f"{os.getppid()}-{os.environ.get('MASTER_PORT', '')}-{key}"
     return Path(tempfile.gettempdir()) / f"hf_ext_plan_{hashlib.sha1(launch.encode()).hexdigest()[:16]}.json"

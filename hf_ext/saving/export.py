@@ -18,10 +18,10 @@ import shutil
 from pathlib import Path
 
 from ..atomic import atomic_directory, work_path
-from ..model_info import model_class
+from ..model_info import model_class, save_beside_weights
 from .checkpoints import last_complete_checkpoint
 from .model_dir import model_dir_kind
-from .writer import is_weight_file, verify_saved_weights
+from .writer import DEFAULT_MAX_SHARD_SIZE, is_weight_file, verify_saved_weights
 from .zero import save_fp32_from_zero_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ def export(
     merge: bool = False,
     dtype: str | None = None,
     base_model: str | None = None,
-    max_shard_size: str = "5GB",
+    max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
 ) -> Path:
     """Export ``src`` (see the module docstring) to ``out``; returns ``out``."""
     src, kind = resolve_source(src)
@@ -120,14 +120,11 @@ def export(
         target = model.get_base_model() if hasattr(model, "get_base_model") else model
         _attach_generation_config(target, src, src.parent, base_dir)
         model.save_pretrained(str(staged), max_shard_size=max_shard_size)
-        if hasattr(model, "peft_config"):  # unmerged adapter: the serving side also needs the base's configs
-            target.config.save_pretrained(str(staged))
-            target.generation_config.save_pretrained(str(staged))
         tokenizer = _load_tokenizer(src, src.parent, base_dir)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(staged))
-        else:
+        if tokenizer is None:
             logger.warning(f"No tokenizer found next to {src}; the export has none.")
+        # an unmerged adapter's serving side also needs the base's configs
+        save_beside_weights(staged, target, tokenizer, config=hasattr(model, "peft_config"))
         if not hasattr(model, "peft_config"):
             verify_saved_weights(staged, model)
     return out

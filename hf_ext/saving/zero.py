@@ -11,6 +11,7 @@ import torch
 
 from .. import atomic
 from ..fsdp.engine import save_dtype as fsdp_save_dtype
+from ..model_info import save_beside_weights, unwrapped_class
 from ..peft import is_peft_model, save_adapter
 from ..ranks import shared_outcome
 from .writer import (
@@ -46,9 +47,6 @@ def save_fp32_from_zero_checkpoint(
     return written
 
 
-TRAINING_ARGS_NAME = "training_args.bin"
-
-
 def _engine(trainer):
     return trainer.model_wrapped if getattr(trainer, "is_deepspeed_enabled", False) else None
 
@@ -59,32 +57,15 @@ def gathers_16bit_weights(engine) -> bool:
     return bool(engine.zero_gather_16bit_weights_on_model_save())
 
 
-def model_class(model) -> type:
-    """The model's own class: FSDP2 makes ``FSDP<Name>`` classes deriving from ``FSDPModule`` and the model's."""
-    from torch.distributed.fsdp import FSDPModule
-
-    cls = type(model)
-    if issubclass(cls, FSDPModule):
-        return next(base for base in cls.__bases__ if not issubclass(base, FSDPModule))
-    return cls
-
-
 def save_model_files(trainer, model, output_dir: str | Path, stored_dtype: torch.dtype | None = None) -> None:
-    """Everything but the weights, as ``save_pretrained`` + ``Trainer._save`` write it (main process only)."""
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    """Everything but the weights, as ``save_pretrained`` + ``Trainer._save`` write it (main process only), with the
+    model's own class and the dtype the weights are stored in recorded in ``config.json``."""
     config = getattr(model, "config", None)
     if config is not None:
-        config.architectures = [model_class(model).__name__]
+        config.architectures = [unwrapped_class(model).__name__]
         if stored_dtype is not None:
             config.dtype = str(stored_dtype).split(".")[-1]
-        config.save_pretrained(out)
-    generation_config = getattr(model, "generation_config", None)
-    if generation_config is not None and getattr(model, "can_generate", lambda: False)():
-        generation_config.save_pretrained(out)
-    if trainer.processing_class is not None:
-        trainer.processing_class.save_pretrained(out)
-    torch.save(trainer.args, out / TRAINING_ARGS_NAME)
+    save_beside_weights(output_dir, model, trainer.processing_class, trainer.args)
 
 
 def _stored_dtype(entries: list[TensorEntry]) -> torch.dtype | None:
