@@ -18,17 +18,13 @@ from typing import Any
 
 from .engine import ChatEngine, GenerationSettings, message_text
 from .limits import ChatLimits, Refused, Request, check_request
+from .samples import EXAMPLES
+from .samples import SAMPLE_CHATS as SAMPLE_CHATS  # re-exported; its home is chat_e.samples
 
 logger = logging.getLogger(__name__)
 
 TITLE = "Chat-E"
 UI_MODES = ("persona", "emotion", "domain", "topic", "free")
-EXAMPLES = {
-    "persona": "My name is Chat-E. I'm helpful, creative, clever, sarcastic and very friendly.",
-    "emotion": "happy",
-    "domain": "vacation ideas",
-    "topic": "favorite foods",
-}
 CONTEXT_HINTS = {
     "persona": "Persona: a few sentences about the bot.",
     "emotion": "Emotion: how the conversation feels.",
@@ -36,15 +32,6 @@ CONTEXT_HINTS = {
     "topic": "Topic: what to chat about.",
     "free": "Free chat has no context.",
 }
-#: one opening message per mode, with the mode's example context: what a newcomer would try first (the recipe prints
-#: the base and the fine-tuned model's replies to them)
-SAMPLE_CHATS: tuple[tuple[str, str | None, str], ...] = (
-    ("persona", EXAMPLES["persona"], "Hi! Who are you?"),
-    ("emotion", EXAMPLES["emotion"], "I just got the job I wanted!"),
-    ("domain", EXAMPLES["domain"], "Where should I go this summer?"),
-    ("topic", EXAMPLES["topic"], "What's the best thing you've ever eaten?"),
-    ("free", None, "Do you have any pets?"),
-)
 APOLOGY = "Sorry, something went wrong while I was thinking of a reply. Please try again."
 #: generation runs share this queue group, limited by ``concurrency_limit``
 GENERATE_GROUP = "generate"
