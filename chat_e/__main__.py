@@ -14,6 +14,7 @@ from hf_ext.saving.model_dir import describe_model_dir
 
 from .guard import API_KEY_ENV, AUTH_ENV, exposure_warning, parse_auth
 from .limits import ChatLimits
+from .settings import SETTINGS, setting_type
 
 logger = logging.getLogger("chat-e")
 
@@ -69,12 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"{f.metadata['help']} (default {f.default:,}).",
         )
     group = parser.add_argument_group("generation defaults (the model's generation_config when not given)")
-    group.add_argument("--num_beams", "--num-beams", type=int, default=None)
-    group.add_argument("--do_sample", "--do-sample", action=argparse.BooleanOptionalAction, default=None)
-    group.add_argument("--temperature", type=float, default=None)
-    group.add_argument("--top_p", "--top-p", type=float, default=None)
-    group.add_argument("--max_new_tokens", "--max-new-tokens", type=int, default=None)
-    group.add_argument("--min_new_tokens", "--min-new-tokens", type=int, default=None)
+    for f in SETTINGS:
+        flags = dict.fromkeys((f"--{f.name}", f"--{f.name.replace('_', '-')}"))  # one flag when there is no _
+        if setting_type(f) is bool:
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=None, help=f.metadata["help"])
+        else:
+            group.add_argument(*flags, type=setting_type(f), default=None, help=f.metadata["help"])
     return parser
 
 
@@ -137,12 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     except ModelLoadError as err:
         print(f"chat-e: error: {err}", file=sys.stderr)
         return 2
-    overrides = {
-        k: getattr(args, k)
-        for k in ("num_beams", "do_sample", "temperature", "top_p", "max_new_tokens", "min_new_tokens")
-        if getattr(args, k) is not None
-    }
-    settings = engine.default_settings().replace(**overrides)
+    settings = engine.default_settings().replace(**{f.name: getattr(args, f.name) for f in SETTINGS})
     # large request bodies (up to the body limit) come and go: glibc would keep their memory in its heap, its mmap
     # threshold adapting upward, and the server's resident memory would ratchet up under big requests
     return_freed_memory_to_os(threshold=256 * 1024)

@@ -22,7 +22,6 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ from hf_ext.saving.model_dir import ModelDirError as ModelLoadError
 from hf_ext.saving.model_dir import describe_model_dir
 
 from .dialogue import MODES, encode_history, family_of, format_context
+from .settings import GenerationSettings
 
 logger = logging.getLogger(__name__)
 
@@ -44,45 +44,6 @@ MAX_HISTORY_TURNS = 128
 MAX_CAUSAL_INPUT_TOKENS = 512
 DTYPES = ("fp32", "bf16")
 QUANTIZE = ("none", "int8")
-
-
-@dataclass
-class GenerationSettings:
-    """Per-reply generation settings; :meth:`ChatEngine.default_settings` fills them from the model's defaults."""
-
-    num_beams: int = field(default=10, metadata={"help": "Beams for beam search; 1 streams token by token."})
-    do_sample: bool = field(default=False, metadata={"help": "Sample instead of searching for the likeliest reply."})
-    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (only with do_sample)."})
-    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass (only with do_sample)."})
-    max_new_tokens: int = field(default=59, metadata={"help": "Longest reply in tokens."})
-    min_new_tokens: int = field(default=19, metadata={"help": "Shortest reply in tokens."})
-
-    @classmethod
-    def from_generation_config(cls, config, is_encoder_decoder: bool = True) -> GenerationSettings:
-        """A model's defaults as settings. An encoder-decoder's ``max_length`` counts the decoder start token; a
-        decoder-only model's counts the prompt too, so only its ``max_new_tokens`` / ``min_new_tokens`` apply."""
-        if is_encoder_decoder:
-            max_new = config.max_new_tokens or max(int(config.max_length or 60) - 1, 1)
-            min_new = (
-                config.min_new_tokens if config.min_new_tokens is not None else max(int(config.min_length or 0) - 1, 0)
-            )
-        else:
-            max_new, min_new = config.max_new_tokens or 48, config.min_new_tokens or 0
-        return cls(
-            num_beams=int(config.num_beams or 1),
-            do_sample=bool(config.do_sample),
-            temperature=float(config.temperature if config.temperature is not None else 1.0),
-            top_p=float(config.top_p if config.top_p is not None else 1.0),
-            max_new_tokens=int(max_new),
-            min_new_tokens=int(min_new),
-        )
-
-    def replace(self, **overrides) -> GenerationSettings:
-        names = {f.name for f in fields(self)}
-        unknown = sorted(set(overrides) - names)
-        if unknown:
-            raise TypeError(f"Unknown generation setting(s) {unknown}; choose from {sorted(names)}.")
-        return GenerationSettings(**{**asdict(self), **{k: v for k, v in overrides.items() if v is not None}})
 
 
 def normalize_mode(mode: str | None) -> str:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .engine import MAX_MESSAGE_CHARS, message_text, normalize_mode
+from .settings import SETTINGS, setting_type
 
 #: roles of a ``{"role", "content"}`` history message
 ROLES = ("user", "assistant", "system")
@@ -219,15 +220,18 @@ def _check_history(history: Any, limits: ChatLimits, text: Callable[[Any], str],
 
 
 def _check_settings(settings: Mapping[str, Any], ranges: Mapping[str, tuple[float, float]]) -> dict[str, Any]:
+    kinds = {f.name: setting_type(f) for f in SETTINGS}
     checked = {}
     for name, value in settings.items():
-        if name == "do_sample":
+        if name not in kinds:
+            raise Refused(f"{_kind(name)} is not a generation setting; they are {', '.join(kinds)}.")
+        if kinds[name] is bool:
             if not isinstance(value, bool):
-                raise Refused(f"do_sample should be true or false, not {_kind(value)}.")
+                raise Refused(f"{name} should be true or false, not {_kind(value)}.")
             checked[name] = value
             continue
         low, high = ranges[name]
-        integral = isinstance(low, int) and isinstance(high, int)
+        integral = kinds[name] is int
         number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         if not number or not low <= value <= high or (integral and value != int(value)):
             what = "a whole number" if integral else "a number"

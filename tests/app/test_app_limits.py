@@ -47,6 +47,7 @@ def test_defaults_and_impossible_combinations():
         (dict(settings={"num_beams": True}, ranges={"num_beams": (1, 10)}), "not a boolean"),
         (dict(settings={"top_p": float("nan")}, ranges={"top_p": (0.05, 1.0)}), "top_p should be a number"),
         (dict(settings={"do_sample": 1}), "do_sample should be true or false, not a number."),
+        (dict(settings={"beams": 3}), "'beams' is not a generation setting; they are num_beams, do_sample,"),
     ],
 )
 def test_each_field_is_refused_with_what_to_change(fields, refusal):
