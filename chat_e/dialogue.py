@@ -36,6 +36,8 @@ HEADER_TEMPLATES: dict[str, str] = {
     "domain": "domain: {}",
 }
 MODES: tuple[str, ...] = (*HEADER_TEMPLATES, "none")
+#: the UI's and the API's names of the modes that differ from :data:`MODES`' (free chat has no header)
+MODE_ALIASES: dict[str, str] = {"free": "none", "": "none"}
 #: model families: an encoder-decoder gets the MuDoConv string, a decoder-only model its chat template
 FAMILIES: tuple[str, ...] = ("seq2seq", "causal")
 #: label id that the loss ignores (transformers' convention)
@@ -43,6 +45,16 @@ IGNORE_INDEX = -100
 
 _HEADER_RE = re.compile(r"^(your persona:|topic:|context:|domain:)")
 _TURN_SPLIT_RE = re.compile(r"\s*</s>\s*<s>\s*")
+
+
+def normalize_mode(mode: str | None) -> str:
+    """A UI or API mode name (``persona``, ``emotion``, ``domain``, ``topic``, ``free``/``none``, any case) -> one of
+    :data:`MODES`, the names :class:`chat_e.engine.ChatEngine` and :func:`make_header` take."""
+    mode = (mode or "").strip().lower()
+    mode = MODE_ALIASES.get(mode, mode)
+    if mode not in MODES:
+        raise ValueError(f"Unknown context mode {mode!r}; choose one of persona, emotion, domain, topic or free.")
+    return mode
 
 
 def make_header(mode: str = "none", context: str | None = None) -> str:

@@ -1,11 +1,14 @@
-"""Chat-E's Gradio UI: a thin layer that lays out Blocks and wires events to a :class:`~app.engine.ChatEngine`.
+"""Chat-E's Gradio UI: a thin layer that lays out Blocks and wires events to a :class:`chat_e.engine.ChatEngine`.
 
 Everything a reply depends on travels with the request (the session's chat, the context mode, the settings), so
 sessions never share a history. Messages are shown as text: they are HTML-escaped for display and unescaped (an
 exact inverse) before they reach the model.
 
 Every event that can reach the model takes its inputs raw (``preprocess=False``) and checks them first, with
-:func:`chat_e.limits.check_request`: one rule per field for the UI and the API alike, a refusal a ``gr.Error``.
+:func:`chat_e.limits.check_request`: one rule per field for the UI and the API alike, a refusal a ``gr.Error``. What
+it returns is what the engine takes: the chat window's messages made plain turns (:mod:`chat_e.messages`), the mode
+normalized, the settings in their ranges. The generation settings' controls, their order and ranges come from their
+declaration, :class:`chat_e.settings.GenerationSettings`.
 """
 
 from __future__ import annotations
@@ -14,13 +17,16 @@ import functools
 import html
 import inspect
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .engine import ChatEngine, message_text
 from .limits import ChatLimits, Refused, Request, check_request
+from .messages import message_text
 from .samples import EXAMPLES
 from .samples import SAMPLE_CHATS as SAMPLE_CHATS  # re-exported; its home is chat_e.samples
 from .settings import SETTING_NAMES, SETTINGS, GenerationSettings, setting_ranges
+
+if TYPE_CHECKING:
+    from .engine import ChatEngine
 
 logger = logging.getLogger(__name__)
 
@@ -319,7 +325,7 @@ def build_app(
 def checked_chat_model(model):
     """The chat window's data model (``model``), its refusal of a malformed chat a ``gr.Error`` that says what a chat
     is. Gradio checks a chat against it before any handler runs (``preprocess=False`` included)."""
-    import pydantic
+    import pydantic  # comes with gradio, which only serving needs
 
     class CheckedChat(model):
         @classmethod

@@ -1,5 +1,5 @@
-"""Each of Chat-E's generation settings declared once: the CLI flags and the UI controls are built from the
-declaration."""
+"""Chat-E's seams without a model: a chat's shapes made plain turns (chat_e.messages), the mode names, and each
+generation setting declared once (the CLI flags and the UI controls are built from the declaration)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,58 @@ import argparse
 import pytest
 
 from chat_e.__main__ import build_parser
+from chat_e.dialogue import MODES, normalize_mode
+from chat_e.messages import MAX_HISTORY_TURNS, MAX_MESSAGE_CHARS, chat_turns, history_turns, message_text
 from chat_e.settings import SETTING_NAMES, GenerationSettings, setting_ranges
 
+HISTORY = ["hello, who are you?", "I am a bot. And you?", "a person who likes cats"]
 #: the generation settings, written out: a setting added to (or dropped from) the declaration must show up here
 DECLARED = ["num_beams", "do_sample", "temperature", "top_p", "max_new_tokens", "min_new_tokens"]
+
+
+# ---- a chat's shapes -> plain turns ---------------------------------------------------------------------------------
+
+
+def test_history_formats_give_the_same_turns():
+    as_messages = [
+        {"role": "system", "content": "not a turn"},
+        {"role": "user", "content": HISTORY[0]},
+        {"role": "assistant", "content": [{"type": "text", "text": HISTORY[1]}]},  # gradio 6's normalized content
+        {"role": "user", "content": "a person"},
+        {"role": "user", "content": "who likes  cats"},  # same speaker twice: one MuDoConv turn
+        {"role": "assistant", "content": "   "},
+    ]
+    assert history_turns(as_messages) == [HISTORY[0], HISTORY[1], "a person who likes cats"]
+    assert history_turns([[HISTORY[0], HISTORY[1]], [HISTORY[2], None]]) == HISTORY
+    assert history_turns(HISTORY) == HISTORY
+    assert history_turns(None) == []
+
+
+def test_chat_turns_clean_cut_and_keep_the_newest():
+    message, turns = chat_turns("  what\n do you\tlike? ", [" hi ", {"role": "user", "content": "x" * 3000}])
+    assert message == "what do you like?"
+    assert turns == ["hi", "x" * MAX_MESSAGE_CHARS]
+    assert chat_turns("y" * 2500, [])[0] == "y" * MAX_MESSAGE_CHARS
+    # the newest message is a turn of its own, even after a user's message
+    assert chat_turns("again", [{"role": "user", "content": "first"}]) == ("again", ["first"])
+    many = [f"turn {i}" for i in range(MAX_HISTORY_TURNS + 5)]
+    assert history_turns(many) == many[-MAX_HISTORY_TURNS:]
+    assert message_text([{"type": "text", "text": "a"}, {"file": "x.png"}, "b"]) == "a b"
+
+
+@pytest.mark.parametrize(
+    "name, mode",
+    [("persona", "persona"), ("Emotion", "emotion"), (" domain ", "domain"), ("topic", "topic")]
+    + [("free", "none"), ("none", "none"), ("", "none"), (None, "none")],
+)
+def test_mode_names(name, mode):
+    assert normalize_mode(name) == mode in MODES
+    assert normalize_mode(mode) == mode  # a normalized name stays
+
+
+def test_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="Unknown context mode 'pirate'; choose one of persona, emotion, domain"):
+        normalize_mode("pirate")
 
 
 # ---- each generation setting declared once ---------------------------------------------------------------------------
