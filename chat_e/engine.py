@@ -87,6 +87,11 @@ class _Cancelled:
 class ChatEngine:
     """A dialogue model, its tokenizer and generation defaults, and its family's context format.
 
+    A chat reaches it as plain turns -- the user's newest ``message`` and the earlier ``history``, strings oldest first,
+    speakers alternating -- and a context mode name. It trusts them: no message shapes are read and no text is
+    cleaned or cut here. Chat-E's server makes them so once per request (:func:`chat_e.limits.check_request`, by
+    :mod:`chat_e.messages`' rules); only what exceeds the model's window is cut, by :mod:`chat_e.dialogue`.
+
     Args:
         model: an encoder-decoder (MuDoConv inputs) or a decoder-only chat model (chat-template inputs).
         tokenizer: its tokenizer.
