@@ -131,7 +131,7 @@ def encode_context(
     the header) is still too long, its oldest tokens are cut. The header is kept (cut to half the budget at most).
     """
     prefix, suffix = _special_affixes(tokenizer)
-    turns = [clean_turn(t) for t in turns if clean_turn(t)] or [""]
+    turns = [t for t in map(clean_turn, turns) if t] or [""]
     ids = _encode(tokenizer, join_context(turns, header))
     if max_length is None:
         return [*prefix, *ids, *suffix]
@@ -214,7 +214,7 @@ def encode_chat_prompt(tokenizer, turns: Sequence[str], header: str = "", max_le
     """Chat-template prompt ids (ending with the generation prompt) for ``header`` + ``turns``, at most
     ``max_length`` long, truncated on the left like :func:`encode_context`: whole oldest turns first; then the
     header's end (it keeps at most half the budget) and the newest turn's oldest tokens."""
-    turns = [clean_turn(t) for t in turns if clean_turn(t)] or [""]
+    turns = [t for t in map(clean_turn, turns) if t] or [""]
 
     def encode(kept: Sequence[str], head: str) -> list[int]:
         return _encode(tokenizer, _render(tokenizer, chat_messages(kept, head), add_generation_prompt=True))
