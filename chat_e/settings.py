@@ -3,7 +3,9 @@
 A field's type, default and metadata say everything the rest of Chat-E needs: ``chat-e``'s flags
 (:func:`chat_e.__main__.build_parser`), the UI's controls and their order, the ``respond`` endpoint's parameters
 (:func:`chat_e.ui.build_app`) and the ranges a request's settings are checked against
-(:func:`chat_e.limits.check_request`). A setting added here appears in all of them.
+(:func:`chat_e.limits.check_request`). A setting added here appears in all of them; how it reaches ``generate``
+is the engine's to say (``ChatEngine._generation_config``), and how a model's defaults fill it,
+:meth:`GenerationSettings.from_generation_config`'s.
 
 No torch and no Gradio here: ``chat-e --help`` and the UI's module import it.
 """
