@@ -1,10 +1,17 @@
-"""``chat-e --model DIR`` (or ``python -m chat_e --model DIR``): serve a fine-tuned BlenderBot with the Chat-E UI."""
+"""``chat-e --model DIR`` (or ``python -m chat_e --model DIR``): serve a dialogue model with the Chat-E UI and its
+``chat`` API endpoint.
+
+Both families are served: an encoder-decoder (BlenderBot) and a decoder-only chat model (such as SmolLM2), from a
+recipe's output dir, an exported merge or a PEFT adapter dir. The generation flags are
+:class:`chat_e.settings.GenerationSettings`' fields, the limits' flags :class:`chat_e.limits.ChatLimits`'.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import socket
 import sys
 from dataclasses import fields
 
@@ -12,8 +19,9 @@ from hf_ext.runtime import return_freed_memory_to_os, usable_cores
 from hf_ext.saving.model_dir import ModelDirError as ModelLoadError
 from hf_ext.saving.model_dir import describe_model_dir
 
-from .guard import API_KEY_ENV, AUTH_ENV, exposure_warning, parse_auth
+from .guard import API_KEY_ENV, AUTH_ENV, RequestGuard, exposure_warning, parse_auth
 from .limits import ChatLimits
+from .settings import SETTINGS, setting_type
 
 logger = logging.getLogger("chat-e")
 
@@ -21,8 +29,9 @@ logger = logging.getLogger("chat-e")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="chat-e",
-        description="Serve a fine-tuned BlenderBot (a recipe's output dir, exported merge, or PEFT adapter dir) with "
-        "the Chat-E Gradio UI and its `chat` API endpoint.",
+        description="Serve a dialogue model -- an encoder-decoder (BlenderBot) or a decoder-only chat model (such as "
+        "SmolLM2): a recipe's output dir, an exported merge, or a PEFT adapter dir -- with the Chat-E Gradio UI and "
+        "its `chat` API endpoint.",
     )
     parser.add_argument("--model", required=True, help="Model directory: config.json or adapter_config.json in it.")
     parser.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1: this machine only).")
@@ -69,12 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"{f.metadata['help']} (default {f.default:,}).",
         )
     group = parser.add_argument_group("generation defaults (the model's generation_config when not given)")
-    group.add_argument("--num_beams", "--num-beams", type=int, default=None)
-    group.add_argument("--do_sample", "--do-sample", action=argparse.BooleanOptionalAction, default=None)
-    group.add_argument("--temperature", type=float, default=None)
-    group.add_argument("--top_p", "--top-p", type=float, default=None)
-    group.add_argument("--max_new_tokens", "--max-new-tokens", type=int, default=None)
-    group.add_argument("--min_new_tokens", "--min-new-tokens", type=int, default=None)
+    for f in SETTINGS:
+        flags = dict.fromkeys((f"--{f.name}", f"--{f.name.replace('_', '-')}"))  # one flag when there is no _
+        if setting_type(f) is bool:
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=None, help=f.metadata["help"])
+        else:
+            group.add_argument(*flags, type=setting_type(f), default=None, help=f.metadata["help"])
     return parser
 
 
@@ -120,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"chat-e: error: {err}", file=sys.stderr)
         return 2
 
+    # the heavy imports, once the arguments and the model directory are known to be good
     import torch
 
     from .engine import ChatEngine
@@ -137,12 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     except ModelLoadError as err:
         print(f"chat-e: error: {err}", file=sys.stderr)
         return 2
-    overrides = {
-        k: getattr(args, k)
-        for k in ("num_beams", "do_sample", "temperature", "top_p", "max_new_tokens", "min_new_tokens")
-        if getattr(args, k) is not None
-    }
-    settings = engine.default_settings().replace(**overrides)
+    settings = engine.default_settings().replace(**{f.name: getattr(args, f.name) for f in SETTINGS})
     # large request bodies (up to the body limit) come and go: glibc would keep their memory in its heap, its mmap
     # threshold adapting upward, and the server's resident memory would ratchet up under big requests
     return_freed_memory_to_os(threshold=256 * 1024)
@@ -172,16 +177,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def guard_middleware(max_body_bytes: int, api_key: str | None):
     """:class:`~chat_e.guard.RequestGuard` as a Starlette middleware entry for the Gradio app's ``app_kwargs``."""
-    from starlette.middleware import Middleware
-
-    from .guard import RequestGuard
+    from starlette.middleware import Middleware  # comes with gradio, which only serving needs
 
     return Middleware(RequestGuard, max_body_bytes=max_body_bytes, api_key=api_key)
 
 
 def _free_port(host: str) -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]

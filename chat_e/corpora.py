@@ -21,13 +21,14 @@ import json
 import logging
 import random
 import re
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
 import datasets
+import yaml
 
 from .dialogue import clean_turn, encode_example, format_context
 
@@ -83,8 +84,6 @@ class DataArguments:
 # ---------------------------------------------------------------------------------------------- chatterbot corpus
 def chatterbot_conversations(language: str = "english") -> list[dict]:
     """Every conversation of the installed ``chatterbot-corpus``: ``{"category", "turns"}``, in file order."""
-    import yaml
-
     try:
         import chatterbot_corpus
     except ImportError as err:  # pragma: no cover - a declared dependency
@@ -204,8 +203,6 @@ def load_chatterbot_topics(
     Categories with fewer than :data:`TOPIC_MIN_CONVERSATIONS` conversations are left out; larger ones are sampled
     down to :data:`TOPIC_MAX_CONVERSATIONS` (seeded).
     """
-    from collections import defaultdict
-
     by_topic: dict[str, list[dict]] = defaultdict(list)
     for conv in chatterbot_conversations():
         by_topic[conv["category"]].append(conv)

@@ -36,6 +36,8 @@ HEADER_TEMPLATES: dict[str, str] = {
     "domain": "domain: {}",
 }
 MODES: tuple[str, ...] = (*HEADER_TEMPLATES, "none")
+#: the UI's and the API's names of the modes that differ from :data:`MODES`' (free chat has no header)
+MODE_ALIASES: dict[str, str] = {"free": "none", "": "none"}
 #: model families: an encoder-decoder gets the MuDoConv string, a decoder-only model its chat template
 FAMILIES: tuple[str, ...] = ("seq2seq", "causal")
 #: label id that the loss ignores (transformers' convention)
@@ -43,6 +45,16 @@ IGNORE_INDEX = -100
 
 _HEADER_RE = re.compile(r"^(your persona:|topic:|context:|domain:)")
 _TURN_SPLIT_RE = re.compile(r"\s*</s>\s*<s>\s*")
+
+
+def normalize_mode(mode: str | None) -> str:
+    """A UI or API mode name (``persona``, ``emotion``, ``domain``, ``topic``, ``free``/``none``, any case) -> one of
+    :data:`MODES`, the names :class:`chat_e.engine.ChatEngine` and :func:`make_header` take."""
+    mode = (mode or "").strip().lower()
+    mode = MODE_ALIASES.get(mode, mode)
+    if mode not in MODES:
+        raise ValueError(f"Unknown context mode {mode!r}; choose one of persona, emotion, domain, topic or free.")
+    return mode
 
 
 def make_header(mode: str = "none", context: str | None = None) -> str:
@@ -119,7 +131,7 @@ def encode_context(
     the header) is still too long, its oldest tokens are cut. The header is kept (cut to half the budget at most).
     """
     prefix, suffix = _special_affixes(tokenizer)
-    turns = [clean_turn(t) for t in turns if clean_turn(t)] or [""]
+    turns = [t for t in map(clean_turn, turns) if t] or [""]
     ids = _encode(tokenizer, join_context(turns, header))
     if max_length is None:
         return [*prefix, *ids, *suffix]
@@ -202,7 +214,7 @@ def encode_chat_prompt(tokenizer, turns: Sequence[str], header: str = "", max_le
     """Chat-template prompt ids (ending with the generation prompt) for ``header`` + ``turns``, at most
     ``max_length`` long, truncated on the left like :func:`encode_context`: whole oldest turns first; then the
     header's end (it keeps at most half the budget) and the newest turn's oldest tokens."""
-    turns = [clean_turn(t) for t in turns if clean_turn(t)] or [""]
+    turns = [t for t in map(clean_turn, turns) if t] or [""]
 
     def encode(kept: Sequence[str], head: str) -> list[int]:
         return _encode(tokenizer, _render(tokenizer, chat_messages(kept, head), add_generation_prompt=True))

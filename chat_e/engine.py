@@ -3,7 +3,10 @@
 Both model families are served: an encoder-decoder (BlenderBot) reads the MuDoConv string, a decoder-only chat model
 (SmolLM2-135M-Instruct) its chat template with the persona/emotion/domain/topic header as the system message.
 
-No Gradio here: the UI (:mod:`chat_e.ui`) is a thin layer over this module, which is tested on its own.
+The engine takes a chat as plain turns: the user's newest message and the earlier turns as strings, oldest first,
+speakers alternating. It neither reads message shapes nor cleans text: the UI (:mod:`chat_e.ui`) and the ``chat``
+API endpoint hand it what :func:`chat_e.limits.check_request` made of a request (with :mod:`chat_e.messages`), once
+per reply. No Gradio here: the UI is a thin layer over this module, which is tested on its own.
 
 The context is built by :mod:`chat_e.dialogue` -- the same code that prepares the training data -- so what the bot
 sees at serving time is exactly what it was trained on::
@@ -21,123 +24,27 @@ import logging
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+from transformers import AutoConfig, AutoTokenizer, StoppingCriteriaList, TextIteratorStreamer
+
+from hf_ext.model_info import model_class as config_class
 from hf_ext.saving.model_dir import ModelDirError as ModelLoadError
 from hf_ext.saving.model_dir import describe_model_dir
 
-from .dialogue import MODES, encode_history, family_of, format_context
+from .dialogue import encode_history, family_of, format_context, normalize_mode
+from .settings import GenerationSettings
 
 logger = logging.getLogger(__name__)
 
-#: UI names of the context modes -> :data:`chat_e.dialogue.MODES` (free chat has no header).
-MODE_ALIASES: dict[str, str] = {"free": "none", "": "none"}
-#: Longest message (characters) that is kept; longer ones are cut, the model only sees its last 128 tokens anyway.
-MAX_MESSAGE_CHARS = 2000
-#: Newest turns of a history that are considered (a turn is at least one token, and the window is 128 tokens).
-MAX_HISTORY_TURNS = 128
 #: Longest input of a decoder-only model: its newest tokens (its position window is far longer than a chat needs, and
 #: a CPU pays for every prompt token on every reply)
 MAX_CAUSAL_INPUT_TOKENS = 512
 DTYPES = ("fp32", "bf16")
 QUANTIZE = ("none", "int8")
-
-
-@dataclass
-class GenerationSettings:
-    """Per-reply generation settings; :meth:`ChatEngine.default_settings` fills them from the model's defaults."""
-
-    num_beams: int = field(default=10, metadata={"help": "Beams for beam search; 1 streams token by token."})
-    do_sample: bool = field(default=False, metadata={"help": "Sample instead of searching for the likeliest reply."})
-    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (only with do_sample)."})
-    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass (only with do_sample)."})
-    max_new_tokens: int = field(default=59, metadata={"help": "Longest reply in tokens."})
-    min_new_tokens: int = field(default=19, metadata={"help": "Shortest reply in tokens."})
-
-    @classmethod
-    def from_generation_config(cls, config, is_encoder_decoder: bool = True) -> GenerationSettings:
-        """A model's defaults as settings. An encoder-decoder's ``max_length`` counts the decoder start token; a
-        decoder-only model's counts the prompt too, so only its ``max_new_tokens`` / ``min_new_tokens`` apply."""
-        if is_encoder_decoder:
-            max_new = config.max_new_tokens or max(int(config.max_length or 60) - 1, 1)
-            min_new = (
-                config.min_new_tokens if config.min_new_tokens is not None else max(int(config.min_length or 0) - 1, 0)
-            )
-        else:
-            max_new, min_new = config.max_new_tokens or 48, config.min_new_tokens or 0
-        return cls(
-            num_beams=int(config.num_beams or 1),
-            do_sample=bool(config.do_sample),
-            temperature=float(config.temperature if config.temperature is not None else 1.0),
-            top_p=float(config.top_p if config.top_p is not None else 1.0),
-            max_new_tokens=int(max_new),
-            min_new_tokens=int(min_new),
-        )
-
-    def replace(self, **overrides) -> GenerationSettings:
-        names = {f.name for f in fields(self)}
-        unknown = sorted(set(overrides) - names)
-        if unknown:
-            raise TypeError(f"Unknown generation setting(s) {unknown}; choose from {sorted(names)}.")
-        return GenerationSettings(**{**asdict(self), **{k: v for k, v in overrides.items() if v is not None}})
-
-
-def normalize_mode(mode: str | None) -> str:
-    """A UI or API mode name (``persona``, ``emotion``, ``domain``, ``topic``, ``free``/``none``) -> dialogue mode."""
-    mode = MODE_ALIASES.get((mode or "").strip().lower(), (mode or "").strip().lower())
-    if mode not in MODES:
-        raise ValueError(f"Unknown context mode {mode!r}; choose one of persona, emotion, domain, topic or free.")
-    return mode
-
-
-def clip_message(message: str, limit: int = MAX_MESSAGE_CHARS) -> tuple[str, bool]:
-    """``message`` cut to ``limit`` characters, and whether it was cut."""
-    message = str(message or "")
-    return (message[:limit], True) if len(message) > limit else (message, False)
-
-
-def message_text(content: Any) -> str:
-    """The text of a chat message's content: a string, a ``{"text": ...}`` part, or a list of parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, Mapping):
-        return str(content.get("text") or content.get("content") or "") if "file" not in content else ""
-    if isinstance(content, Sequence):
-        return " ".join(t for t in (message_text(c) for c in content) if t)
-    return str(content)
-
-
-def history_turns(history: Sequence[Any] | None) -> list[str]:
-    """Turns (oldest first) from a history: strings, ``{"role", "content"}`` messages, or ``[user, bot]`` pairs.
-
-    Empty turns and system messages are dropped; consecutive messages of one speaker are joined into one turn, since
-    MuDoConv alternates speakers.
-    """
-    turns: list[tuple[str | None, str]] = []
-    for item in (history or [])[-2 * MAX_HISTORY_TURNS :]:
-        if isinstance(item, Mapping):
-            role = str(item.get("role") or "")
-            if role == "system":
-                continue
-            pieces = [(role, message_text(item.get("content")))]
-        elif isinstance(item, (list, tuple)):
-            pieces = [("user", message_text(item[0]) if item else ""), ("assistant", message_text(item[1:2]))]
-        else:
-            pieces = [(None, message_text(item))]
-        for role, text in pieces:
-            text = clip_message(" ".join(text.split()))[0]
-            if not text:
-                continue
-            if role is not None and turns and turns[-1][0] == role:
-                turns[-1] = (role, f"{turns[-1][1]} {text}")
-            else:
-                turns.append((role, text))
-    return [text for _, text in turns[-MAX_HISTORY_TURNS:]]
 
 
 def _has_tokenizer(path: Path) -> bool:
@@ -149,8 +56,6 @@ def int8_layers(model) -> set[str]:
     model's feed-forward layers only. Its attention projections and output head stay fp32: with them in int8,
     SmolLM2-135M-Instruct misses its end-of-turn token and runs on into junk (docs/benchmarks.md, "Chat-E serving:
     SmolLM2-135M-Instruct")."""
-    import torch
-
     skip = set()
     if family_of(model.config) == "causal":
         head = model.get_output_embeddings()
@@ -164,8 +69,6 @@ def int8_layers(model) -> set[str]:
 
 def quantize_int8(model):
     """Dynamic int8 quantization (weights int8, activations quantized on the fly) of :func:`int8_layers`."""
-    import torch
-
     with warnings.catch_warnings():  # torch.ao's eager quantization warns that it is moving to torchao
         warnings.simplefilter("ignore")
         return torch.ao.quantization.quantize_dynamic(model, int8_layers(model), dtype=torch.qint8)
@@ -178,13 +81,16 @@ class _Cancelled:
         self.event = event
 
     def __call__(self, input_ids, scores, **kwargs):
-        import torch
-
         return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
 
 
 class ChatEngine:
     """A dialogue model, its tokenizer and generation defaults, and its family's context format.
+
+    A chat reaches it as plain turns -- the user's newest ``message`` and the earlier ``history``, strings oldest first,
+    speakers alternating -- and a context mode name. It trusts them: no message shapes are read and no text is
+    cleaned or cut here. Chat-E's server makes them so once per request (:func:`chat_e.limits.check_request`, by
+    :mod:`chat_e.messages`' rules); only what exceeds the model's window is cut, by :mod:`chat_e.dialogue`.
 
     Args:
         model: an encoder-decoder (MuDoConv inputs) or a decoder-only chat model (chat-template inputs).
@@ -234,11 +140,6 @@ class ChatEngine:
         found = describe_model_dir(path)
         path = found["path"]
 
-        import torch
-        from transformers import AutoConfig, AutoTokenizer
-
-        from hf_ext.model_info import model_class as config_class
-
         def model_class(model_dir):
             return config_class(AutoConfig.from_pretrained(str(model_dir)))
 
@@ -246,7 +147,7 @@ class ChatEngine:
         started = time.perf_counter()
         try:
             if found["kind"] == "adapter":
-                from peft import PeftModel
+                from peft import PeftModel  # adapters only: peft's import is slow, and a merged model needs none
 
                 base = found["base"]
                 try:
@@ -304,22 +205,20 @@ class ChatEngine:
         return settings.replace(max_new_tokens=min(settings.max_new_tokens, self.max_positions - 1))
 
     @staticmethod
-    def turns(message: str | None, history: Sequence[Any] | None = None) -> list[str]:
-        """All turns so far, oldest first, with ``message`` (the user's newest) last."""
-        turns = history_turns(history)
-        if message is not None and " ".join(str(message).split()):
-            turns.append(" ".join(clip_message(message)[0].split()))
-        return turns
+    def turns(message: str | None, history: Sequence[str] = ()) -> list[str]:
+        """All turns so far, oldest first, with ``message`` (the user's newest) last (none when it is None or
+        empty)."""
+        return [*history, message] if message else list(history)
 
     def build_context(
-        self, message: str | None, history: Sequence[Any] | None = None, mode: str = "none", context: str | None = None
+        self, message: str | None, history: Sequence[str] = (), mode: str = "none", context: str | None = None
     ) -> str:
         """The MuDoConv ``texts`` string for this chat (before truncation and rendering), as
         :func:`chat_e.dialogue.format_context`."""
         return format_context(self.turns(message, history), normalize_mode(mode), context)
 
     def encode(
-        self, message: str | None, history: Sequence[Any] | None = None, mode: str = "none", context: str | None = None
+        self, message: str | None, history: Sequence[str] = (), mode: str = "none", context: str | None = None
     ) -> list[int]:
         """Model input ids, left-truncated to the model's window: the header and the newest turns stay."""
         turns = self.turns(message, history)
@@ -352,8 +251,6 @@ class ChatEngine:
         return config
 
     def _inputs(self, message, history, mode, context):
-        import torch
-
         ids = self.encode(message, history, mode, context)
         device = next(self.model.parameters(), torch.empty(0)).device
         input_ids = torch.tensor([ids], dtype=torch.long, device=device)
@@ -365,7 +262,7 @@ class ChatEngine:
     def chat(
         self,
         message: str,
-        history: Sequence[Any] | None = None,
+        history: Sequence[str] = (),
         mode: str = "none",
         context: str | None = None,
         settings: GenerationSettings | None = None,
@@ -373,15 +270,18 @@ class ChatEngine:
     ) -> str:
         """The bot's reply to ``message`` after ``history`` under a context ``mode``.
 
+        The engine trusts its inputs: text is passed to the model as given (neither cleaned nor cut here; what is
+        over the model's window is cut by :mod:`chat_e.dialogue`, oldest turns first). A server hands it what
+        :func:`chat_e.limits.check_request` made of a request; other callers give plain turns likewise.
+
         Args:
-            message: the user's newest message.
-            history: earlier turns (strings, ``{"role", "content"}`` messages or ``[user, bot]`` pairs), oldest first.
-            mode: ``persona``, ``emotion``, ``domain``, ``topic`` or ``free``/``none``.
-            context: the persona sentences, emotion or domain for the header.
+            message: the user's newest message: one turn, non-empty.
+            history: the earlier turns, oldest first, as strings: speakers alternate, the last is the bot's.
+            mode: a context mode, as :func:`chat_e.dialogue.normalize_mode` takes it (``persona``, ``emotion``,
+                ``domain``, ``topic``, or ``none``/``free``); another name is a ``ValueError``.
+            context: the persona sentences, emotion, domain or topic for the header.
             settings: generation settings (:meth:`default_settings` when None); keyword overrides win.
         """
-        import torch
-
         settings = self._settings(settings, overrides)
         inputs = self._inputs(message, history, mode, context)
         started = time.perf_counter()
@@ -399,19 +299,18 @@ class ChatEngine:
     def stream_chat(
         self,
         message: str,
-        history: Sequence[Any] | None = None,
+        history: Sequence[str] = (),
         mode: str = "none",
         context: str | None = None,
         settings: GenerationSettings | None = None,
         **overrides,
     ) -> Iterator[str]:
-        """Yield the reply in pieces as it is generated; their concatenation is what :meth:`chat` returns.
+        """Yield the reply in pieces as it is generated; their concatenation is what :meth:`chat` returns (the
+        arguments are :meth:`chat`'s).
 
         Beam search cannot stream (the best beam is only known at the end): with ``num_beams > 1`` the whole reply
         comes as one piece. Closing the iterator early stops generation.
         """
-        from transformers import StoppingCriteriaList, TextIteratorStreamer
-
         settings = self._settings(settings, overrides)
         if settings.num_beams > 1:
             yield self.chat(message, history, mode, context, settings)
@@ -423,8 +322,6 @@ class ChatEngine:
         lengths: list[int] = []
 
         def run():
-            import torch
-
             try:
                 with torch.inference_mode():
                     out = self.model.generate(

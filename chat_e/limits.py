@@ -12,7 +12,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .engine import MAX_MESSAGE_CHARS, message_text, normalize_mode
+from .dialogue import normalize_mode
+from .messages import MAX_MESSAGE_CHARS, Role, message_text, pieces, plain_turn, turns_of
+from .settings import SETTINGS, setting_type
 
 #: roles of a ``{"role", "content"}`` history message
 ROLES = ("user", "assistant", "system")
@@ -86,10 +88,11 @@ class ChatLimits:
 
 @dataclass
 class Request:
-    """A request's fields after :func:`check_request`: plain text, a known mode, settings in range."""
+    """A request's fields after :func:`check_request`, as :class:`~chat_e.engine.ChatEngine` takes them: the message
+    one plain turn, the history plain turns (:mod:`chat_e.messages`), a known mode, settings in range."""
 
     message: str | None = None
-    history: list | None = None
+    history: list[str] | None = None
     mode: str | None = None
     context: str | None = None
     settings: dict[str, Any] | None = None
@@ -120,14 +123,15 @@ def check_request(
         text: a history message content's text (the UI passes its display -> typed-text inverse).
 
     Returns:
-        The fields as the engine takes them: the history as plain-text messages, the mode normalized.
+        The fields as the engine takes them (it trusts them): the message and the history as plain turns, made so
+        here, once per request (:func:`chat_e.messages.chat_turns`'s rules); the mode normalized.
 
     Raises:
         Refused: the first field outside its limit or of the wrong type, with what to change.
     """
     checked = Request()
     if message is not _UNSET:
-        checked.message = _check_text("message", message, limits.max_message_chars, required=True)
+        checked.message = plain_turn(_check_text("message", message, limits.max_message_chars, required=True))
     if context is not _UNSET:
         checked.context = _check_text("context", context, limits.max_context_chars, required=False)
     if mode is not _UNSET:
@@ -164,7 +168,9 @@ def _check_mode(mode: Any) -> str:
         raise Refused(str(err)) from None
 
 
-def _check_history(history: Any, limits: ChatLimits, text: Callable[[Any], str], messages_only: bool = False) -> list:
+def _check_history(
+    history: Any, limits: ChatLimits, text: Callable[[Any], str], messages_only: bool = False
+) -> list[str]:
     if history is None:
         return []
     if not isinstance(history, (list, tuple)):
@@ -177,7 +183,7 @@ def _check_history(history: Any, limits: ChatLimits, text: Callable[[Any], str],
             f"The chat has {turns:,} earlier messages; Chat-E takes up to {limits.max_history_turns:,}. Start a new "
             "chat (Clear) or send fewer."
         )
-    plain: list = []
+    found: list[tuple[Role, str]] = []
     chars = 0
     for i, item in enumerate(history):
         if isinstance(item, Mapping):
@@ -198,36 +204,33 @@ def _check_history(history: Any, limits: ChatLimits, text: Callable[[Any], str],
                 f"history[{i}] should be a {{'role', 'content'}} message, a [user, bot] pair or a string, not "
                 f"{_kind(item)}."
             )
-        texts = []
         for content in contents:
             if not (content is None or isinstance(content, (str, list, tuple, Mapping))):
                 raise Refused(f"history[{i}] should hold text, not {_kind(content)}.")
-            texts.append(text(content))
-            chars += len(texts[-1])
-            if chars > limits.max_history_chars:
-                raise Refused(
-                    f"The chat's earlier messages are over {limits.max_history_chars:,} characters together, the "
-                    "most Chat-E takes. Start a new chat (Clear) or send fewer."
-                )
-        if isinstance(item, Mapping):
-            plain.append({"role": item["role"], "content": texts[0]})
-        elif isinstance(item, (list, tuple)):
-            plain.append(texts)
-        else:
-            plain.append(texts[0])
-    return plain
+        texts = pieces(item, text)
+        chars += sum(len(t) for _, t in texts)
+        if chars > limits.max_history_chars:
+            raise Refused(
+                f"The chat's earlier messages are over {limits.max_history_chars:,} characters together, the "
+                "most Chat-E takes. Start a new chat (Clear) or send fewer."
+            )
+        found += texts
+    return turns_of(found)
 
 
 def _check_settings(settings: Mapping[str, Any], ranges: Mapping[str, tuple[float, float]]) -> dict[str, Any]:
+    kinds = {f.name: setting_type(f) for f in SETTINGS}
     checked = {}
     for name, value in settings.items():
-        if name == "do_sample":
+        if name not in kinds:
+            raise Refused(f"{_kind(name)} is not a generation setting; they are {', '.join(kinds)}.")
+        if kinds[name] is bool:
             if not isinstance(value, bool):
-                raise Refused(f"do_sample should be true or false, not {_kind(value)}.")
+                raise Refused(f"{name} should be true or false, not {_kind(value)}.")
             checked[name] = value
             continue
         low, high = ranges[name]
-        integral = isinstance(low, int) and isinstance(high, int)
+        integral = kinds[name] is int
         number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         if not number or not low <= value <= high or (integral and value != int(value)):
             what = "a whole number" if integral else "a number"

@@ -1,11 +1,14 @@
-"""Chat-E's Gradio UI: a thin layer that lays out Blocks and wires events to a :class:`~app.engine.ChatEngine`.
+"""Chat-E's Gradio UI: a thin layer that lays out Blocks and wires events to a :class:`chat_e.engine.ChatEngine`.
 
 Everything a reply depends on travels with the request (the session's chat, the context mode, the settings), so
 sessions never share a history. Messages are shown as text: they are HTML-escaped for display and unescaped (an
 exact inverse) before they reach the model.
 
 Every event that can reach the model takes its inputs raw (``preprocess=False``) and checks them first, with
-:func:`chat_e.limits.check_request`: one rule per field for the UI and the API alike, a refusal a ``gr.Error``.
+:func:`chat_e.limits.check_request`: one rule per field for the UI and the API alike, a refusal a ``gr.Error``. What
+it returns is what the engine takes: the chat window's messages made plain turns (:mod:`chat_e.messages`), the mode
+normalized, the settings in their ranges. The generation settings' controls, their order and ranges come from their
+declaration, :class:`chat_e.settings.GenerationSettings`.
 """
 
 from __future__ import annotations
@@ -14,21 +17,21 @@ import functools
 import html
 import inspect
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .engine import ChatEngine, GenerationSettings, message_text
 from .limits import ChatLimits, Refused, Request, check_request
+from .messages import message_text
+from .samples import EXAMPLES
+from .samples import SAMPLE_CHATS as SAMPLE_CHATS  # re-exported; its home is chat_e.samples
+from .settings import SETTING_NAMES, SETTINGS, GenerationSettings, setting_ranges
+
+if TYPE_CHECKING:
+    from .engine import ChatEngine
 
 logger = logging.getLogger(__name__)
 
 TITLE = "Chat-E"
 UI_MODES = ("persona", "emotion", "domain", "topic", "free")
-EXAMPLES = {
-    "persona": "My name is Chat-E. I'm helpful, creative, clever, sarcastic and very friendly.",
-    "emotion": "happy",
-    "domain": "vacation ideas",
-    "topic": "favorite foods",
-}
 CONTEXT_HINTS = {
     "persona": "Persona: a few sentences about the bot.",
     "emotion": "Emotion: how the conversation feels.",
@@ -36,26 +39,14 @@ CONTEXT_HINTS = {
     "topic": "Topic: what to chat about.",
     "free": "Free chat has no context.",
 }
-#: one opening message per mode, with the mode's example context: what a newcomer would try first (the recipe prints
-#: the base and the fine-tuned model's replies to them)
-SAMPLE_CHATS: tuple[tuple[str, str | None, str], ...] = (
-    ("persona", EXAMPLES["persona"], "Hi! Who are you?"),
-    ("emotion", EXAMPLES["emotion"], "I just got the job I wanted!"),
-    ("domain", EXAMPLES["domain"], "Where should I go this summer?"),
-    ("topic", EXAMPLES["topic"], "What's the best thing you've ever eaten?"),
-    ("free", None, "Do you have any pets?"),
-)
 APOLOGY = "Sorry, something went wrong while I was thinking of a reply. Please try again."
 #: generation runs share this queue group, limited by ``concurrency_limit``
 GENERATE_GROUP = "generate"
 #: Send, Regenerate, Undo, Clear: locked with the message box while a reply is generated
 N_BUTTONS = 4
-#: generation settings the UI's sliders offer, as (lowest, highest); the token counts' highest is the model's
-SETTING_RANGES: dict[str, tuple[float, float]] = {
-    "num_beams": (1, 10),
-    "temperature": (0.05, 2.0),
-    "top_p": (0.05, 1.0),
-}
+#: what ``respond`` (the event and the endpoint) takes: the chat window, the mode, the context, then each declared
+#: generation setting in its order
+RESPOND_PARAMETERS: tuple[str, ...] = ("chat", "mode", "context", *SETTING_NAMES)
 
 
 def import_gradio():
@@ -86,10 +77,25 @@ def chat_messages(chat: list | None) -> list[dict]:
     return [{"role": m["role"], "content": message_text(m.get("content"))} for m in chat or [] if m.get("role")]
 
 
-def setting_ranges(engine: ChatEngine) -> dict[str, tuple[float, float]]:
-    """:data:`SETTING_RANGES` with the reply lengths the model's position window allows."""
-    max_tokens = engine.max_positions - 1
-    return {**SETTING_RANGES, "max_new_tokens": (1, max_tokens), "min_new_tokens": (0, max_tokens)}
+def engine_ranges(engine: ChatEngine) -> dict[str, tuple[float, float]]:
+    """The settings' slider ranges, reply lengths up to what the model's position window allows."""
+    return setting_ranges(engine.max_positions - 1)
+
+
+def setting_controls(settings: GenerationSettings, ranges: dict[str, tuple[float, float]]) -> list:
+    """One control per declared generation setting, in its order, showing ``settings``: a slider over its range
+    (its value brought into it), a checkbox for a bool. Call it inside a ``gr.Blocks``."""
+    gr = import_gradio()
+    controls = []
+    for f in SETTINGS:
+        value = getattr(settings, f.name)
+        if f.metadata["ui"] is None:
+            controls.append(gr.Checkbox(value=bool(value), label=f.name))
+            continue
+        low, high = ranges[f.name]
+        step = f.metadata["ui"][2]
+        controls.append(gr.Slider(low, high, value=min(max(value, low), high), step=step, label=f.name))
+    return controls
 
 
 # ---- handlers (plain functions of their inputs: no state is shared between sessions) --------------------------------
@@ -104,7 +110,7 @@ class Handlers:
         self.engine = engine
         self.settings = settings or engine.default_settings()
         self.limits = limits or ChatLimits()
-        self.ranges = setting_ranges(engine)
+        self.ranges = engine_ranges(engine)
 
     def check(self, where: str, **fields) -> Request:
         """:func:`~chat_e.limits.check_request` under this server's limits; a refusal is a ``gr.Error`` with its
@@ -124,39 +130,21 @@ class Handlers:
         chat.append({"role": "user", "content": to_display(message)})
         return gr.update(value="", interactive=False), chat, *[gr.update(interactive=False)] * N_BUTTONS
 
-    def respond(
-        self,
-        chat: Any,
-        mode: Any,
-        context: Any,
-        num_beams: Any,
-        do_sample: Any,
-        temperature: Any,
-        top_p: Any,
-        max_new_tokens: Any,
-        min_new_tokens: Any,
-    ):
-        """Stream the bot's reply to the last user message of the chat (nothing to do when there is none)."""
+    def respond(self, chat: Any, mode: Any, context: Any, *settings: Any):
+        """Stream the bot's reply to the last user message of the chat (nothing to do when there is none);
+        ``settings`` are the declared generation settings' values, in their order (:data:`RESPOND_PARAMETERS`)."""
         pending = isinstance(chat, list) and chat and isinstance(chat[-1], dict) and chat[-1].get("role") == "user"
         if not pending:
             self.check("respond", chat=chat)
             yield chat_messages(chat)
             return
-        settings = dict(
-            num_beams=num_beams,
-            do_sample=do_sample,
-            temperature=temperature,
-            top_p=top_p,
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=min_new_tokens,
-        )
         checked = self.check(
             "respond",
             message=from_display(chat[-1].get("content")),
             chat=chat[:-1],
             mode=mode,
             context=context,
-            settings=settings,
+            settings=dict(zip(SETTING_NAMES, settings, strict=True)),
             text=from_display,
         )
         settings = self.settings.replace(**checked.settings)
@@ -242,7 +230,6 @@ def build_app(
     handlers = Handlers(engine, settings, limits)
     s = handlers.settings
     ranges = handlers.ranges
-    max_tokens = ranges["max_new_tokens"][1]
     generate = dict(concurrency_limit=concurrency_limit, concurrency_id=GENERATE_GROUP)
     ui = dict(api_visibility="undocumented")
     raw = dict(preprocess=False)  # the handler checks its inputs itself (check_request)
@@ -278,24 +265,7 @@ def build_app(
                 )
                 with gr.Accordion("Generation settings", open=False, elem_id="settings"):
                     gr.Markdown("Replies stream token by token with 1 beam; beam search shows them when done.")
-                    num_beams = gr.Slider(*ranges["num_beams"], value=s.num_beams, step=1, label="num_beams")
-                    do_sample = gr.Checkbox(value=s.do_sample, label="do_sample")
-                    temperature = gr.Slider(
-                        *ranges["temperature"], value=s.temperature, step=0.05, label="temperature"
-                    )
-                    top_p = gr.Slider(*ranges["top_p"], value=s.top_p, step=0.05, label="top_p")
-                    max_new_tokens = gr.Slider(
-                        *ranges["max_new_tokens"],
-                        value=min(s.max_new_tokens, max_tokens),
-                        step=1,
-                        label="max_new_tokens",
-                    )
-                    min_new_tokens = gr.Slider(
-                        *ranges["min_new_tokens"],
-                        value=min(s.min_new_tokens, max_tokens),
-                        step=1,
-                        label="min_new_tokens",
-                    )
+                    settings_controls = setting_controls(s, ranges)
             with gr.Column(scale=3):
                 chatbot = gr.Chatbot(
                     label=TITLE,
@@ -321,17 +291,8 @@ def build_app(
                     undo = gr.Button("Undo", size="sm", elem_id="undo")
                     clear = gr.Button("Clear", size="sm", elem_id="clear")
 
-        reply_inputs = [
-            chatbot,
-            mode,
-            context,
-            num_beams,
-            do_sample,
-            temperature,
-            top_p,
-            max_new_tokens,
-            min_new_tokens,
-        ]
+        reply_inputs = [chatbot, mode, context, *settings_controls]
+        respond = named(handlers.respond, RESPOND_PARAMETERS)
         mode.change(handlers.mode_changed, [mode, context], [context], queue=False, **ui)
         buttons = [send, regenerate, undo, clear]
         assert len(buttons) == N_BUTTONS
@@ -344,12 +305,12 @@ def build_app(
             api_name="add_message",
             **raw,
             **ui,
-        ).then(handlers.respond, reply_inputs, [chatbot], api_name="respond", **raw, **generate, **ui).then(
+        ).then(respond, reply_inputs, [chatbot], api_name="respond", **raw, **generate, **ui).then(
             unlock, None, [message, *buttons], queue=False, **ui
         )
         gr.on([regenerate.click, chatbot.retry], lock, None, [message, *buttons], queue=False, **ui).then(
             handlers.regenerate, [chatbot], [chatbot], queue=False, **ui
-        ).then(handlers.respond, reply_inputs, [chatbot], **raw, **generate, **ui).then(
+        ).then(respond, reply_inputs, [chatbot], **raw, **generate, **ui).then(
             unlock, None, [message, *buttons], queue=False, **ui
         )
         gr.on([undo.click, chatbot.undo], handlers.undo, [chatbot], [chatbot, message], queue=False, **ui)
@@ -364,7 +325,7 @@ def build_app(
 def checked_chat_model(model):
     """The chat window's data model (``model``), its refusal of a malformed chat a ``gr.Error`` that says what a chat
     is. Gradio checks a chat against it before any handler runs (``preprocess=False`` included)."""
-    import pydantic
+    import pydantic  # comes with gradio, which only serving needs
 
     class CheckedChat(model):
         @classmethod
@@ -381,6 +342,20 @@ def checked_chat_model(model):
 
     CheckedChat.__name__ = model.__name__
     return CheckedChat
+
+
+def named(generator, parameters: tuple[str, ...]):
+    """``generator`` (a generator function taking ``*args``) with ``parameters`` as its signature, so Gradio names
+    the endpoint's parameters (and still streams it)."""
+
+    @functools.wraps(generator)
+    def call(*args):
+        yield from generator(*args)
+
+    call.__signature__ = inspect.Signature(
+        [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in parameters]
+    )
+    return call
 
 
 def typed(method):

@@ -38,7 +38,7 @@ from chat_e.corpora import DataArguments, load_dialogue_dataset, tokenize_datase
 from chat_e.dialogue import family_of, parse_header, parse_texts
 from chat_e.models import BUILDERS, build_model
 from chat_e.plotting import plot_training_curves
-from chat_e.ui import SAMPLE_CHATS
+from chat_e.samples import SAMPLE_CHATS
 from hf_ext import Seq2SeqTrainer, Seq2SeqTrainingArguments
 from hf_ext.atomic import write_text_atomically
 from hf_ext.config_args import parse_args_with_config

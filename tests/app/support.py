@@ -137,18 +137,25 @@ def serving(*servers: ChatEServer):
 @contextlib.contextmanager
 def served_engine(model_dir: Path):
     """The model as ``chat-e`` serves it (its default quantization, one thread, :data:`TEST_SETTINGS`) in this process,
-    to predict a test server's replies: yields ``chat(message, history, mode, context) -> reply``."""
+    to predict a test server's replies: yields ``chat(message, history, mode, context) -> reply``, the request
+    checked (and made plain turns) as the ``chat`` endpoint does it, under the default limits."""
     import torch
 
     from chat_e.__main__ import resolve_quantize
     from chat_e.engine import ChatEngine
+    from chat_e.limits import ChatLimits, check_request
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         engine = ChatEngine.from_pretrained(model_dir, quantize=resolve_quantize("auto", "fp32"))
         settings = engine.default_settings().replace(**TEST_SETTINGS)
-        yield lambda message, history, mode, context: engine.chat(message, history, mode, context, settings)
+
+        def chat(message, history, mode, context):
+            checked = check_request(ChatLimits(), message=message, history=history, mode=mode, context=context)
+            return engine.chat(checked.message, checked.history, checked.mode, checked.context, settings)
+
+        yield chat
     finally:
         torch.set_num_threads(threads)
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from chat_e.ui import APOLOGY, EXAMPLES
+from chat_e.samples import EXAMPLES
+from chat_e.ui import APOLOGY
 
 from .support import ChatEServer, served_engine, serving
 

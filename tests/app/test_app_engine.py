@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from chat_e import dialogue
-from chat_e.engine import ChatEngine, GenerationSettings, ModelLoadError, history_turns
+from chat_e.dialogue import normalize_mode
+from chat_e.engine import ChatEngine, GenerationSettings, ModelLoadError
 
 from .support import make_broken_model, make_sensitive_model, mudoconv_prompt, stock_seq2seq_reply
 
@@ -47,7 +48,9 @@ def sensitive(sensitive_dir) -> ChatEngine:
 def test_context_string_and_ids_per_mode(engine, ui_mode, mode, context):
     turns = [*HISTORY, "what do you like?"]
     expected = dialogue.format_context(turns, mode, context)
-    assert engine.build_context("what do you like?", HISTORY, ui_mode, context) == expected
+    assert normalize_mode(ui_mode) == normalize_mode(mode) == mode
+    for name in (ui_mode, mode):
+        assert engine.build_context("what do you like?", HISTORY, name, context) == expected
     header = dialogue.make_header(mode, context)
     assert (header != "") == (mode != "none") and expected.startswith(header)
     expected_ids = dialogue.encode_history(engine.tokenizer, turns, mode, context, 128)
@@ -57,21 +60,6 @@ def test_context_string_and_ids_per_mode(engine, ui_mode, mode, context):
 def test_unknown_mode_is_refused(engine):
     with pytest.raises(ValueError, match="persona, emotion, domain"):
         engine.build_context("hi", [], "pirate", "arr")
-
-
-def test_history_formats_give_the_same_turns():
-    as_messages = [
-        {"role": "system", "content": "not a turn"},
-        {"role": "user", "content": HISTORY[0]},
-        {"role": "assistant", "content": [{"type": "text", "text": HISTORY[1]}]},  # gradio 6's normalized content
-        {"role": "user", "content": "a person"},
-        {"role": "user", "content": "who likes  cats"},  # same speaker twice: one MuDoConv turn
-        {"role": "assistant", "content": "   "},
-    ]
-    assert history_turns(as_messages) == [HISTORY[0], HISTORY[1], "a person who likes cats"]
-    assert history_turns([[HISTORY[0], HISTORY[1]], [HISTORY[2], None]]) == HISTORY
-    assert history_turns(HISTORY) == HISTORY
-    assert history_turns(None) == []
 
 
 def test_truncation_keeps_header_and_newest_turn(engine):
@@ -86,10 +74,13 @@ def test_truncation_keeps_header_and_newest_turn(engine):
 
 
 def test_huge_message_is_cut_and_answered(engine, tiny_model_dir):
+    """The engine takes a message as given (the request edge cuts what it keeps); the window keeps its newest
+    tokens."""
     message = "word " * 20_000 + "the very end"
     ids = engine.encode(message, HISTORY, "domain", "vacation ideas")
     assert len(ids) <= 128
-    assert dialogue.make_header("domain", "vacation ideas") in engine.tokenizer.decode(ids)
+    text = engine.tokenizer.decode(ids, skip_special_tokens=True)
+    assert dialogue.make_header("domain", "vacation ideas") in text and text.rstrip().endswith("the very end")
     reply = engine.chat(message, HISTORY, "domain", "vacation ideas", **GREEDY)
     assert reply and reply == stock_seq2seq_reply(tiny_model_dir, ids, **GREEDY)
 

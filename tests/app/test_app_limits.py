@@ -47,6 +47,7 @@ def test_defaults_and_impossible_combinations():
         (dict(settings={"num_beams": True}, ranges={"num_beams": (1, 10)}), "not a boolean"),
         (dict(settings={"top_p": float("nan")}, ranges={"top_p": (0.05, 1.0)}), "top_p should be a number"),
         (dict(settings={"do_sample": 1}), "do_sample should be true or false, not a number."),
+        (dict(settings={"beams": 3}), "'beams' is not a generation setting; they are num_beams, do_sample,"),
     ],
 )
 def test_each_field_is_refused_with_what_to_change(fields, refusal):
@@ -66,13 +67,16 @@ def test_what_passes_comes_back_as_the_engine_takes_it():
         context=None,
     )
     assert (checked.message, checked.mode, checked.context) == (f"{emoji} {rtl}", "none", "")
-    assert checked.history == [{"role": "user", "content": combining}, ["a", ""], "b"]
+    # plain turns: the user's two messages are one turn, the empty bot turn is dropped
+    assert checked.history == [f"{combining} a", "b"]
+    checked = check_request(LIMITS, message=" a\n  b ", history=[" x\t y ", [" ", "z "]])
+    assert (checked.message, checked.history) == ("a b", ["x y", "z"])
     assert check_request(LIMITS, message="x" * 10, context="y" * 8, history=["z" * 20]).message == "x" * 10
     checked = check_request(LIMITS, settings={"num_beams": 3.0, "do_sample": False}, ranges={"num_beams": (1, 10)})
     assert checked.settings == {"num_beams": 3, "do_sample": False} and type(checked.settings["num_beams"]) is int
     # the chat window's text is counted as typed: escaping for display costs nothing
     shown = [{"role": "user", "content": to_display("<&>" * 6)}]
-    assert check_request(LIMITS, chat=shown, text=from_display).history == [{"role": "user", "content": "<&>" * 6}]
+    assert check_request(LIMITS, chat=shown, text=from_display).history == ["<&>" * 6]
 
 
 class NoModel:
@@ -93,7 +97,7 @@ def test_handlers_refuse_before_the_engine_is_touched():
     import gradio as gr
 
     handlers = Handlers(NoModel(), limits=LIMITS)
-    huge = "c" * 4_000_000  # 11-34 s of tokenizing when the context was unbounded
+    huge = "c" * 4_000_000  # seconds of tokenizing, were the context unbounded
     with pytest.raises(gr.Error, match="The context is 4,000,000 characters long"):
         handlers.api_chat("hi", [], "persona", huge)
     with pytest.raises(gr.Error, match="The message is 4,000,000 characters long"):

@@ -23,8 +23,8 @@ import httpx
 import pytest
 from gradio_client.exceptions import AppError
 
-from chat_e.engine import message_text
 from chat_e.limits import ChatLimits
+from chat_e.messages import message_text
 from chat_e.ui import from_display, to_display
 
 from .support import TEST_SETTINGS, ChatEServer, served_engine, serving

@@ -1,0 +1,80 @@
+"""A chat as the UI and the API carry it, made into the plain turns :class:`chat_e.engine.ChatEngine` takes.
+
+A history arrives as ``{"role", "content"}`` messages (the content a string, a ``{"text": ...}`` part or a list of
+parts, as Gradio's chat window holds it), ``[user, bot]`` pairs or plain strings, oldest first.
+:func:`chat_turns` is the one place a chat is made plain for the model, once per reply (the UI's ``respond`` and the
+``chat`` API endpoint reach it through :func:`chat_e.limits.check_request`): every turn's whitespace is collapsed
+and it is cut to :data:`MAX_MESSAGE_CHARS`; empty turns and system messages are dropped, consecutive messages of one
+speaker are joined into one turn (MuDoConv alternates speakers), and the newest :data:`MAX_HISTORY_TURNS` are kept.
+
+No Gradio here (the limits use it); escaping text for display is the UI's (:mod:`chat_e.ui`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from .dialogue import clean_turn
+
+#: Longest turn (characters) that is kept; longer ones are cut, the model only sees its newest tokens anyway.
+MAX_MESSAGE_CHARS = 2000
+#: Newest turns of a history that are kept (a turn is at least one token, and BlenderBot's window is 128 tokens).
+MAX_HISTORY_TURNS = 128
+#: Who speaks a piece of a history: ``user``, ``assistant``, ``system`` or None (a plain string: turns alternate)
+Role = str | None
+
+
+def message_text(content: Any) -> str:
+    """The text of a chat message's content: a string, a ``{"text": ...}`` part, or a list of parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, Mapping):
+        return str(content.get("text") or content.get("content") or "") if "file" not in content else ""
+    if isinstance(content, Sequence):
+        return " ".join(t for t in (message_text(c) for c in content) if t)
+    return str(content)
+
+
+def pieces(item: Any, text: Callable[[Any], str] = message_text) -> list[tuple[Role, str]]:
+    """``(role, text)`` of one history item: a ``{"role", "content"}`` message, a ``[user, bot]`` pair (two pieces)
+    or a plain string (role None); ``text`` reads a content's text."""
+    if isinstance(item, Mapping):
+        return [(str(item.get("role") or ""), text(item.get("content")))]
+    if isinstance(item, (list, tuple)):
+        return [("user", text(item[0]) if item else ""), ("assistant", text(item[1]) if len(item) > 1 else "")]
+    return [(None, text(item))]
+
+
+def plain_turn(text: str) -> str:
+    """One turn as the model gets it: whitespace collapsed, cut to :data:`MAX_MESSAGE_CHARS`."""
+    return clean_turn(text)[:MAX_MESSAGE_CHARS]
+
+
+def turns_of(history: Iterable[tuple[Role, str]]) -> list[str]:
+    """Plain turns, oldest first, from a history's ``(role, text)`` pieces (see the module's docstring)."""
+    turns: list[tuple[Role, str]] = []
+    for role, text in history:
+        text = plain_turn(text)
+        if role == "system" or not text:
+            continue
+        if role is not None and turns and turns[-1][0] == role:
+            turns[-1] = (role, f"{turns[-1][1]} {text}")
+        else:
+            turns.append((role, text))
+    return [text for _, text in turns[-MAX_HISTORY_TURNS:]]
+
+
+def history_turns(history: Sequence[Any] | None, text: Callable[[Any], str] = message_text) -> list[str]:
+    """Plain turns, oldest first, from a history in any of the shapes above (None: none)."""
+    return turns_of(piece for item in history or [] for piece in pieces(item, text))
+
+
+def chat_turns(
+    message: str, history: Sequence[Any] | None, text: Callable[[Any], str] = message_text
+) -> tuple[str, list[str]]:
+    """The user's newest ``message`` and the earlier ``history`` as :class:`~chat_e.engine.ChatEngine` takes them:
+    one plain turn, and the plain turns before it (the message is never joined with them)."""
+    return plain_turn(message), history_turns(history, text)
