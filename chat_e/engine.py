@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoTokenizer, StoppingCriteriaList, TextIteratorStreamer
 
-from hf_ext.model_info import model_class as config_class
+from hf_ext.model_info import model_class
 from hf_ext.saving.model_dir import ModelDirError as ModelLoadError
 from hf_ext.saving.model_dir import describe_model_dir
 
@@ -140,9 +140,6 @@ class ChatEngine:
         found = describe_model_dir(path)
         path = found["path"]
 
-        def model_class(model_dir):
-            return config_class(AutoConfig.from_pretrained(str(model_dir)))
-
         torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
         started = time.perf_counter()
         try:
@@ -151,7 +148,9 @@ class ChatEngine:
 
                 base = found["base"]
                 try:
-                    model = model_class(base).from_pretrained(str(base), dtype=torch_dtype)
+                    model = model_class(AutoConfig.from_pretrained(str(base))).from_pretrained(
+                        str(base), dtype=torch_dtype
+                    )
                 except Exception as err:
                     raise ModelLoadError(
                         f"The adapter in {path} needs its base model {base}, which could not be loaded: "
@@ -160,7 +159,9 @@ class ChatEngine:
                 model = PeftModel.from_pretrained(model, str(path)).merge_and_unload()
                 tokenizer_dir = path if _has_tokenizer(path) else Path(str(base))
             else:
-                model = model_class(path).from_pretrained(str(path), dtype=torch_dtype)
+                model = model_class(AutoConfig.from_pretrained(str(path))).from_pretrained(
+                    str(path), dtype=torch_dtype
+                )
                 tokenizer_dir = path
             tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
         except ModelLoadError:

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 from .limits import ChatLimits, Refused, Request, check_request
 from .messages import message_text
 from .samples import EXAMPLES
-from .samples import SAMPLE_CHATS as SAMPLE_CHATS  # re-exported; its home is chat_e.samples
 from .settings import SETTING_NAMES, SETTINGS, GenerationSettings, setting_ranges
 
 if TYPE_CHECKING:

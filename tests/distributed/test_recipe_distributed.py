@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, BlenderbotForConditionalGeneration
 
-from chat_e.ui import SAMPLE_CHATS
+from chat_e.samples import SAMPLE_CHATS
 from hf_ext.runtime import has_accelerator, usable_cores
 
 from ..conftest import RECIPE, ROOT, TINY_YAML, launcher_cmd, run
