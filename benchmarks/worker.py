@@ -50,7 +50,7 @@ from transformers import AutoConfig, default_data_collator
 import hf_ext
 from benchmarks.harness import synthetic_dataset
 from hf_ext.deepspeed.resolve import load_deepspeed_config
-from hf_ext.memory.measure import MemoryPlanCallback, current_rss, peak_rss, reset_peak_rss
+from hf_ext.memory.measure import current_rss, peak_rss, reset_peak_rss
 from hf_ext.model_info import is_sequence_classifier, model_class, random_init_model
 from hf_ext.runtime import place_cpu_threads, run_summary, start_deepspeed_comm
 
@@ -287,10 +287,6 @@ def measured_run(opts) -> None:
     train_called = time.perf_counter()
     trainer.train()
     peak = peak_rss()
-    # hf-ext's MemoryPlanCallback restarts the kernel's peak at train start; it keeps the peak reached before
-    plan_callback = next((cb for cb in trainer.callback_handler.callbacks if isinstance(cb, MemoryPlanCallback)), None)
-    if plan_callback is not None:
-        peak = max(peak, plan_callback.peak_before_train)
     zero = (engine_config(args) or {}).get("zero_optimization", {})
     plan = getattr(args, "memory_plan", None)
     summary = run_summary(trainer)

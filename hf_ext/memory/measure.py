@@ -66,17 +66,14 @@ def accelerator_in_use() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
-def reset_peak() -> int:
-    """Start a peak measurement; returns the baseline (bytes in use now) the peak will be compared with."""
-    if accelerator_in_use():
-        torch.cuda.reset_peak_memory_stats()
-        return torch.cuda.memory_allocated()
-    reset_peak_rss()
-    return current_rss()
+def in_use() -> int:
+    """Bytes in use now: accelerator memory allocated on GPUs, resident set size on CPU."""
+    return torch.cuda.memory_allocated() if accelerator_in_use() else current_rss()
 
 
 def measured_peak() -> int:
-    """Peak bytes since :func:`reset_peak`: accelerator memory on GPUs, resident set size on CPU."""
+    """Peak bytes of this process (since its owner last reset the counter): accelerator memory on GPUs, resident set
+    size on CPU."""
     if accelerator_in_use():
         return torch.cuda.max_memory_allocated()
     return peak_rss()
@@ -85,17 +82,19 @@ def measured_peak() -> int:
 class MemoryPlanCallback(TrainerCallback):
     """Logs the memory plan (prediction per component) at train start and the measured per-rank peak at train end.
 
-    The peak is measured from train start (model loading does not count): resident set size on CPU, peak allocated
-    accelerator memory on GPUs; it is compared with the plan's total minus the process baseline. Results are kept in
-    ``self.result`` (and ``state.log_history`` gets ``memory_peak_gib`` / ``memory_predicted_gib``). Usable with
-    the stock :class:`transformers.Trainer` too: pass ``MemoryPlanCallback(plan)``, or with no plan to only
+    The peak is the process's own high-water mark (resident set size on CPU, peak allocated accelerator memory on
+    GPUs), read and never reset: the process's counters stay its owner's. When training raised it, the peak is
+    training's and is compared with the plan's total above the memory in use at train start; when an earlier phase
+    (model loading) peaked higher, training's peak is only known to lie below it, and the line says so. Results are
+    kept in ``self.result`` (and ``state.log_history`` gets ``memory_peak_gib`` / ``memory_predicted_gib``). Usable
+    with the stock :class:`transformers.Trainer` too: pass ``MemoryPlanCallback(plan)``, or with no plan to only
     measure.
     """
 
     def __init__(self, plan=None):
         self.plan = plan
         self.baseline = 0
-        self.peak_before_train = 0
+        self.peak_at_start = 0
         self.result: dict = {}
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -103,19 +102,21 @@ class MemoryPlanCallback(TrainerCallback):
             self.plan = getattr(args, "memory_plan", None)
         if self.plan is not None and state.is_world_process_zero:
             logger.info("Memory plan (per rank):\n" + self.plan.describe())
-        self.peak_before_train = measured_peak()  # model loading and engine set-up, for whoever measures those
-        self.baseline = reset_peak()
+        self.peak_at_start, self.baseline = measured_peak(), in_use()
 
     def on_train_end(self, args, state, control, **kwargs):
         peak = measured_peak()
-        self.result = {"peak_bytes": peak, "baseline_bytes": self.baseline, "increment_bytes": peak - self.baseline}
-        line = f"Measured peak memory on rank {args.process_index}: {gb(peak)} ({gb(peak - self.baseline)} above the "
-        line += f"{gb(self.baseline)} in use at train start)"
+        raised = peak > self.peak_at_start
+        self.result = {"peak_bytes": peak, "baseline_bytes": self.baseline, "increment_bytes": peak - self.baseline,
+                       "peak_during_training": raised}  # fmt: skip
+        during = "" if raised else f"at most; the peak of {gb(peak)} was reached before training, "
+        line = f"Measured peak memory on rank {args.process_index}: {gb(peak)} ({during}{gb(peak - self.baseline)} "
+        line += f"above the {gb(self.baseline)} in use at train start)"
         if self.plan is not None:
             predicted = self.plan.total_bytes
             self.result["predicted_bytes"] = predicted
             line += f"; planned {gb(predicted)} for model states + activations + buffers"
-            self.result["ratio"] = (peak - self.baseline) / predicted if predicted else None
+            self.result["ratio"] = (peak - self.baseline) / predicted if predicted and raised else None
         logger.info(line)
         if state.log_history is not None:
             entry = {"memory_peak_gib": round(peak / GiB, 4), "step": state.global_step}

@@ -18,7 +18,7 @@ import transformers
 from transformers import AutoModelForSeq2SeqLM, default_data_collator
 
 import hf_ext
-from hf_ext.memory.measure import MemoryPlanCallback, current_rss, peak_rss, reset_peak_rss
+from hf_ext.memory.measure import current_rss, peak_rss, reset_peak_rss
 from hf_ext.runtime import run_summary
 
 
@@ -70,10 +70,6 @@ def main() -> None:
     )
     trainer.train()
     peak = peak_rss()
-    # hf-ext's MemoryPlanCallback restarts the kernel's peak at train start; it keeps the peak reached before
-    plan_callback = next((cb for cb in trainer.callback_handler.callbacks if isinstance(cb, MemoryPlanCallback)), None)
-    if plan_callback is not None:
-        peak = max(peak, plan_callback.peak_before_train)
     summary = run_summary(trainer)
     zero = (getattr(getattr(args, "hf_deepspeed_config", None), "config", None) or {}).get("zero_optimization", {})
     result = {
