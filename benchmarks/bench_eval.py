@@ -132,7 +132,7 @@ def run_hf_ext(model, tokenizer, dataset, opts, workdir: Path, generation_batch_
     start = time.perf_counter()
     metrics = trainer.evaluate()
     seconds = time.perf_counter() - start
-    rows = trainer.bleu_eval_callback.last_rows
+    rows = trainer.bleu_eval_callback.last_evaluation.rows
     return {
         "seconds": seconds,
         "bleu": metrics["eval_bleu"],

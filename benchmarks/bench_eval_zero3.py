@@ -106,7 +106,7 @@ def worker(opts) -> None:
         metrics = trainer.evaluate()
         seconds = time.perf_counter() - start
     if opts.path != "stock":
-        generations = [row["generation"] for row in trainer.bleu_eval_callback.last_rows]
+        generations = [row["generation"] for row in trainer.bleu_eval_callback.last_evaluation.rows]
     result = {"path": opts.path, "rank": args.process_index, "seconds": round(seconds, 3),
               "peak_extra_rss_bytes": rss.extra, "rss_before_bytes": rss.base, "generations": generations}  # fmt: skip
     if opts.path != "stock":

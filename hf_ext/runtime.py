@@ -55,10 +55,7 @@ def launch_world_size() -> int:
 
 def has_accelerator() -> bool:
     """True when torch sees a GPU (CUDA/ROCm), XPU, MPS, HPU, NPU... — anything but the CPU."""
-    accelerator = getattr(torch, "accelerator", None)
-    if accelerator is not None and hasattr(accelerator, "is_available"):
-        return bool(accelerator.is_available())
-    return torch.cuda.is_available()  # pragma: no cover - torch < 2.6
+    return bool(torch.accelerator.is_available())
 
 
 @dataclass(frozen=True)
@@ -318,8 +315,8 @@ def _deepspeed_shm_path(rank: int) -> str | None:
 def release_deepspeed_shm_names() -> None:
     """Unlink the shared-memory files DeepSpeed's CPU comm op creates, once every rank has mapped them.
 
-    On CPU, DeepSpeed allocates a 66 MB ``/dev/shm/deepspeed_allreduce_buffer_*`` workspace per rank and never unlinks
-    it: every run leaks them into ``/dev/shm``, which is RAM (a 2-rank test suite leaks gigabytes). Once all ranks have
+    On CPU, DeepSpeed allocates a ``/dev/shm/deepspeed_allreduce_buffer_*`` workspace per rank and never unlinks it:
+    every run leaks them into ``/dev/shm``, which is RAM, and a test suite's many launches add up. Once all ranks have
     opened each other's workspaces the names are no longer needed; unlinking them keeps the mappings valid and lets
     the kernel free the memory when the processes exit, however they exit. Collective: call it on every rank.
     """
@@ -327,11 +324,8 @@ def release_deepspeed_shm_names() -> None:
     if _SHM_RELEASED:
         return
     import torch.distributed as dist
+    from deepspeed.comm import comm as ds_comm
 
-    try:
-        from deepspeed.comm import comm as ds_comm
-    except ImportError:  # pragma: no cover - DeepSpeed is a dependency
-        return
     backend = getattr(ds_comm, "cdb", None)
     if backend is None or getattr(backend, "shm_comm_op", None) is None or not dist.is_initialized():
         return

@@ -94,5 +94,5 @@ def evaluate_single_rank(eval_model_dir, tokenizer, tmp_path_factory) -> dict:
         processing_class=tokenizer,
     )
     metrics = trainer.evaluate()
-    rows = trainer.bleu_eval_callback.last_rows
+    rows = trainer.bleu_eval_callback.last_evaluation.rows
     return {"metrics": metrics, "generations": [r["generation"] for r in rows], "out": out, "trainer": trainer}

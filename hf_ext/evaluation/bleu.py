@@ -151,12 +151,9 @@ def _zero3_or_fsdp(model) -> bool:
 
     if is_deepspeed_zero3_enabled():
         return True
-    try:
-        from transformers.distributed.fsdp import is_fsdp_managed_module
+    from transformers.distributed.fsdp import is_fsdp_managed_module
 
-        return bool(is_fsdp_managed_module(model))
-    except ImportError:  # pragma: no cover - older transformers
-        return False
+    return bool(is_fsdp_managed_module(model))
 
 
 def _gather(local: list) -> list:
@@ -456,7 +453,7 @@ class BleuEvalCallback(TrainerCallback):
         shown = rows[: self.config.log_samples]
         if shown:
             scores = f"bleu {new_metrics[f'{prefix}_bleu']:.2f}, chrf {new_metrics[f'{prefix}_chrf']:.2f}"
-            print(f"\n=== {prefix} generations at step {step} ({scores}) ===\n{format_samples_table(shown)}\n")
+            logger.info(f"{prefix} generations at step {step} ({scores}):\n{format_samples_table(shown)}")
         if self.config.save_generations and args.output_dir:
             suffix = "" if prefix == "eval" else f"-{prefix}"
             path = Path(args.output_dir) / "generations" / f"step-{step}{suffix}.jsonl"

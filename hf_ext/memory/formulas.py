@@ -76,10 +76,8 @@ PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OPTIMIZER_BYTES = {"fp32": 8, "bf16": 12, "fp16": 12}  # Adam m + v (+ fp32 master under mixed precision)
 FP32 = 4
 #: per-rank runtime overhead above the process baseline with a near-empty model (Trainer, accelerate, the engine,
-#: communication, data loading), calibrated on CPU with 2 gloo ranks; the planner's error band is checked against
-#: measured peaks in tests/distributed and docs/benchmarks.md, "Memory". ZeRO-3's was 40 MiB: with its step's
-#: temporaries no longer added to the activations, every ZeRO-3 row measured since sat above the plan, by up to 170 MiB
-#: at 17M parameters (its first backward peaked at 454-505 MiB across runs, 332 planned) and by 40-90 MiB at 124M-617M.
+#: communication, data loading), calibrated on CPU with 2 gloo ranks against the measured peaks of tests/distributed
+#: and docs/benchmarks.md ("Planner calibration" says how each value was set).
 RUNTIME_OVERHEAD = {"ddp": 85 * MiB, 0: 20 * MiB, 1: 95 * MiB, 2: 95 * MiB, 3: 120 * MiB, "fsdp": 85 * MiB}
 GPU_RESERVE = 1 * GiB  # CUDA context + allocator fragmentation
 
@@ -288,8 +286,7 @@ def buffer_bytes(candidate: Candidate, facts: ModelFacts, world_size: int, preci
         out["fp32_master_copy"] = FP32 * t_part
     if candidate.stage in (1, 2) and (precision == "fp32" or not candidate.offload_optimizer):
         # the reduced gradient partition, flattened and cast to fp32 for the fp32 master partition's optimizer (kept
-        # twice in fp32 runs; with offload under mixed precision it is the host's fp32 gradients, counted there):
-        # measured on CPU at the 400M shape in fp32 and in bf16
+        # twice in fp32 runs; with offload under mixed precision it is the host's fp32 gradients, counted there)
         out["fp32_gradient_partition_copy"] = FP32 * t_part
     if candidate.stage in (1, 2) and s["contiguous_gradients"]:
         out["reduce_buckets"] = min(s["reduce_bucket_size"], facts.trainable) * p * (2 if s["overlap_comm"] else 1)
@@ -322,8 +319,7 @@ def step_transient_bytes(
     use torch AdamW, ``torch_adam``), so it counts where the host is the device's RAM (CPU-only host) and is 0 on
     accelerators. The offloaded path's other temporary, the fp64 norm of each gradient partition at the accumulation
     boundary (``_constant_buffered_norm2``: 8 bytes x the largest parameter partition), is never larger: a sub-group
-    holds at least that partition. Measured at GPT-2 124M on 2 CPU ranks: 147 MiB for both (the embedding's
-    19.3M-element partition, in a sub-group of its own)."""
+    holds at least that partition (docs/benchmarks.md, "Planner calibration")."""
     n = max(1, world_size)
     if candidate.fsdp:  # torch AdamW steps each local shard on its own: sqrt(v) and the quotient of the largest
         return 2 * FP32 * math.ceil(facts.largest_param / n)
@@ -339,9 +335,8 @@ def step_transient_bytes(
     partition = math.ceil(facts.trainable / n)
     if candidate.stage == 3:  # ZeRO-3 steps the optimizer one sub-group of the partition at a time
         return 2 * FP32 * largest_sub_group(facts, n, sub_group_size)
-    # ZeRO-1/2: torch AdamW's sqrt(v) of the one flat partition on CPU (measured 1 x 4 bytes x partition at the
-    # DeBERTa-v3-large shape trained from scratch; with from_pretrained the file's pages come on top, see
-    # checkpoint_pages_bytes); on accelerators also the flattened gradient beside it
+    # ZeRO-1/2: torch AdamW's sqrt(v) of the one flat partition on CPU (with from_pretrained the file's pages come on
+    # top, see checkpoint_pages_bytes); on accelerators also the flattened gradient beside it
     return (1 if device == "cpu" else 2) * FP32 * partition
 
 
@@ -387,23 +382,22 @@ class Plan:
     @property
     def device_bytes(self) -> int:
         buffers = sum(self.buffers.values())
-        # the weight file's pages stay mapped beside everything (no memory pressure in the measured runs)
+        # the weight file's pages stay mapped beside everything (the kernel keeps them while memory is not short)
         pages = self.checkpoint_pages
         if self.candidate.ddp and self.accumulation_steps == 1:
             # the Trainer frees the gradients (set_to_none) before each forward, so the activations grow into the
-            # room the gradients take in backward: measured flat up to activations ≈ gradients (400M shape, CPU)
+            # room the gradients take in backward
             rest = max(self.activations, self.states.grads + self.step_transient)
             return self.states.params + self.states.optimizer + buffers + pages + rest
         if self.candidate.ddp or self.candidate.stage == 3 or self.candidate.fsdp:
             # DDP with gradient accumulation (the next forward runs beside the gradients); ZeRO-3 steps its
-            # sub-groups after backward's epilogue (GPT-2 124M, CPU: the step's peak 147 MiB above the states, the
-            # backward peak 492 MiB above them and free of it, with and without offload); FSDP2 likewise
+            # sub-groups after backward's epilogue, when the activations are gone; FSDP2 likewise
             return self.states.device + buffers + pages + max(self.activations, self.step_transient)
         if self.candidate.stage in (1, 2):
             turns = self.gradient_partition_turns
             return self.states.device + buffers + pages - turns + max(self.activations, turns + self.step_transient)
-        # ZeRO-0: DeepSpeed's flattened gradients were measured on top of the activation peak (its hooks reduce
-        # while backward still runs)
+        # ZeRO-0: DeepSpeed's flattened gradients sit on top of the activation peak (its hooks reduce while
+        # backward still runs)
         return self.states.device + buffers + pages + self.activations + self.step_transient
 
     @property

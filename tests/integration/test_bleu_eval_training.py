@@ -3,6 +3,7 @@ speed, generation settings take precedence as documented, and the best LoRA adap
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -26,8 +27,9 @@ def test_model_has_varied_lengths(single_rank):
     assert len({len(g.split()) for g in single_rank["generations"]}) >= 3
 
 
-def test_stock_trainer_with_callback_equals_predict_with_generate(eval_model_dir, tokenizer, tmp_path, capsys):
+def test_stock_trainer_with_callback_equals_predict_with_generate(eval_model_dir, tokenizer, tmp_path, caplog):
     """The callback on the stock Seq2SeqTrainer gives the stock predict_with_generate path's generations and scores."""
+    caplog.set_level(logging.INFO, logger="hf_ext.evaluation.bleu")
     dataset = eval_dataset(tokenizer)
     model = BlenderbotForConditionalGeneration.from_pretrained(eval_model_dir)
     collator = DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100)
@@ -76,15 +78,15 @@ def test_stock_trainer_with_callback_equals_predict_with_generate(eval_model_dir
     )
     expected = stock.evaluate(min_length=GEN["min_length"])
 
-    assert [r["generation"] for r in callback.last_rows] == stock_hyps
+    assert [r["generation"] for r in callback.last_evaluation.rows] == stock_hyps
     for key in ("eval_bleu", "eval_chrf", "eval_gen_len", "eval_loss"):
         assert metrics[key] == pytest.approx(expected[key], rel=1e-9, abs=1e-9), key
     assert ours.state.log_history[-1]["eval_bleu"] == metrics["eval_bleu"]  # logged alongside eval_loss
     assert "eval_loss" in ours.state.log_history[-1]
 
-    # samples: the console table shows the first rows, the file holds every row in dataset order
-    printed = capsys.readouterr().out
-    assert "eval generations at step 0" in printed
+    # samples: the logged table shows the first rows, the file holds every row in dataset order
+    logged = "\n".join(r.getMessage() for r in caplog.records if r.name == "hf_ext.evaluation.bleu")
+    assert "eval generations at step 0" in logged
     rows = read_jsonl(tmp_path / "ours" / "generations" / "step-0.jsonl")
     assert [r["index"] for r in rows] == list(range(len(dataset)))
     assert [r["reference"] for r in rows] == decoded_labels(tokenizer, dataset)
@@ -92,7 +94,7 @@ def test_stock_trainer_with_callback_equals_predict_with_generate(eval_model_dir
     contexts = [tokenizer.decode(ids, skip_special_tokens=True).strip() for ids in dataset["input_ids"]]
     assert [r["context"] for r in rows] == contexts
     for row in rows[:4]:
-        assert row["reference"][:20] in printed
+        assert row["reference"][:20] in logged
 
 
 def test_bucketed_equals_unbucketed_greedy(eval_model_dir, tokenizer):
@@ -183,7 +185,7 @@ def test_decoder_only_eval_equals_stock_generate_per_row(tiny_chat_model_dir, tm
         processing_class=tokenizer,
     )
     metrics = trainer.evaluate()
-    rows = trainer.bleu_eval_callback.last_rows
+    rows = trainer.bleu_eval_callback.last_evaluation.rows
     expected = []
     for texts in raw["texts"]:
         ids = torch.tensor([encode_texts(tokenizer, texts, 128, family="causal")])

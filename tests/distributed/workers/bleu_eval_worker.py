@@ -99,7 +99,7 @@ def main() -> None:
     result = {"rank": args.process_index, "world_size": args.world_size, "stage": cli.stage}
     result["eval_only"] = trainer.evaluate()
     result["eval_only_stats"] = callback.last_evaluation.stats
-    result["eval_only_generations"] = [r["generation"] for r in callback.last_rows]
+    result["eval_only_generations"] = [r["generation"] for r in callback.last_evaluation.rows]
     result["engine_after_eval_only"] = trainer.deepspeed is not None
     if cli.train_steps:
         trainer.train()
@@ -110,7 +110,7 @@ def main() -> None:
         if args.process_index == 0:
             torch.save(weights, out / "after_train.pt")
         result["final"] = trainer.evaluate(**({"num_beams": cli.final_beams} if cli.final_beams else {}))
-        result["final_generations"] = [r["generation"] for r in callback.last_rows]
+        result["final_generations"] = [r["generation"] for r in callback.last_evaluation.rows]
         result["final_stats"] = callback.last_evaluation.stats
     (out / f"result-rank{args.process_index}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     if torch.distributed.is_initialized():
