@@ -28,7 +28,7 @@ _RE_TMP = re.compile(rf"^{TMP_PREFIX}{CHECKPOINT_PREFIX}-(\d+)(\{UNIVERSAL_SUFFI
 def is_complete_checkpoint(path: str | Path) -> bool:
     """A checkpoint is complete when hf-ext marked it so, or (written by stock code) it holds its trainer state."""
     path = Path(path)
-    return (path / CHECKPOINT_MARKER).is_file() or (path / "trainer_state.json").is_file()
+    return (path / CHECKPOINT_MARKER).is_file() or (path / TRAINER_STATE_NAME).is_file()
 
 
 def checkpoint_dirs(run_dir: str | Path) -> list[tuple[int, Path]]:

@@ -6,7 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..model_info import TRAINING_ARGS_NAME
+
 ADAPTER_CONFIG = "adapter_config.json"
+#: DeepSpeed's checkpoint: the file naming the newest tag (a ``global_stepN`` folder beside it)
+DEEPSPEED_TAG_FILE = "latest"
 WEIGHT_GLOBS = ("*.safetensors", "*.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
@@ -16,11 +20,11 @@ class ModelDirError(ValueError):
 
 def has_zero_checkpoint(path: str | Path) -> bool:
     """A DeepSpeed checkpoint (its ``latest`` tag file next to ``global_step*``)."""
-    return (Path(path) / "latest").is_file()
+    return (Path(path) / DEEPSPEED_TAG_FILE).is_file()
 
 
 def _has_weights(path: Path) -> bool:
-    return any(p.is_file() and p.name != "training_args.bin" for pattern in WEIGHT_GLOBS for p in path.glob(pattern))
+    return any(p.is_file() and p.name != TRAINING_ARGS_NAME for pattern in WEIGHT_GLOBS for p in path.glob(pattern))
 
 
 def model_dir_kind(path: str | Path) -> str | None:

@@ -42,11 +42,12 @@ from ..ranks import shared_outcome
 from ..sizes import MiB, dir_bytes
 from . import checkpoints
 from .checkpoints import CHECKPOINT_MARKER, TMP_PREFIX, UNIVERSAL_SUFFIX
+from .model_dir import DEEPSPEED_TAG_FILE
 
 logger = logging.getLogger(__name__)
 
 UNIVERSAL_MARKER = "hf_ext_universal.json"
-LATEST_UNIVERSAL = "latest_universal"  # the tag file DeepSpeed's load_universal reads instead of "latest"
+LATEST_UNIVERSAL = "latest_universal"  # the tag file DeepSpeed's load_universal reads instead of DEEPSPEED_TAG_FILE
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ def read_zero_checkpoint(path: str | Path) -> ZeroCheckpoint | None:
     import torch
 
     path = Path(path)
-    latest = path / "latest"
+    latest = path / DEEPSPEED_TAG_FILE
     if not latest.is_file():
         return None
     tag = latest.read_text().strip()
@@ -120,7 +121,9 @@ def cached_universal(checkpoint: ZeroCheckpoint) -> Path | None:
 def _trainer_files(checkpoint: Path) -> list[str]:
     """The files beside the DeepSpeed state that ``train`` reads on a resume (trainer state, RNG, scheduler, scaler,
     weights), linked into the conversion so that it is a checkpoint transformers resumes from as it is."""
-    return sorted(p.name for p in checkpoint.iterdir() if p.is_file() and p.name not in ("latest", CHECKPOINT_MARKER))
+    return sorted(
+        p.name for p in checkpoint.iterdir() if p.is_file() and p.name not in (DEEPSPEED_TAG_FILE, CHECKPOINT_MARKER)
+    )
 
 
 def convert_to_universal(checkpoint: ZeroCheckpoint) -> tuple[Path, float]:
