@@ -17,6 +17,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from huggingface_hub import snapshot_download
+
 MODEL_ENV = "CHAT_E_MODEL"
 ARGS_ENV = "CHAT_E_ARGS"
 
@@ -25,8 +27,6 @@ def local_model(name: str) -> str:
     """``name`` when it is a directory, else the local snapshot of the Hub repository ``name``."""
     if Path(name).is_dir():
         return name
-    from huggingface_hub import snapshot_download
-
     return snapshot_download(name)
 
 

@@ -130,10 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     # the heavy imports, once the arguments and the model directory are known to be good
-    import torch
+    import torch  # noqa: PLC0415 (heavy: only once the arguments and the model directory are checked)
 
-    from .engine import ChatEngine
-    from .ui import build_app, import_gradio, theme
+    from .engine import ChatEngine  # noqa: PLC0415 (heavy: only once the arguments and the model directory are checked)
+    from .ui import build_app, import_gradio, theme  # noqa: PLC0415 (heavy: only once the arguments and the model directory are checked)
 
     try:
         import_gradio()
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def guard_middleware(max_body_bytes: int, api_key: str | None):
     """:class:`~chat_e.guard.RequestGuard` as a Starlette middleware entry for the Gradio app's ``app_kwargs``."""
-    from starlette.middleware import Middleware  # comes with gradio, which only serving needs
+    from starlette.middleware import Middleware  # noqa: PLC0415 (optional extra: comes with gradio, which only serving needs)
 
     return Middleware(RequestGuard, max_body_bytes=max_body_bytes, api_key=api_key)
 

@@ -85,7 +85,7 @@ class DataArguments:
 def chatterbot_conversations(language: str = "english") -> list[dict]:
     """Every conversation of the installed ``chatterbot-corpus``: ``{"category", "turns"}``, in file order."""
     try:
-        import chatterbot_corpus
+        import chatterbot_corpus  # noqa: PLC0415 (optional extra: chat)
     except ImportError as err:  # pragma: no cover - a declared dependency
         raise ImportError("The offline corpus needs `pip install chatterbot-corpus`.") from err
     root = Path(chatterbot_corpus.__file__).parent / "data" / language
@@ -240,7 +240,7 @@ _URL_ONLY_RE = re.compile(r"(?:(?:https?://|www\.)\S+\s*)+", re.IGNORECASE)
 def chitchat_corpus() -> Mapping:
     """The installed BYU Chit-Chat Challenge corpus, read once per process (a 40 MB JSON file)."""
     try:
-        import chitchat_dataset
+        import chitchat_dataset  # noqa: PLC0415 (optional extra: chat)
     except ImportError as err:  # pragma: no cover - a declared dependency
         raise ImportError("The chitchat corpus needs `pip install chitchat-dataset`.") from err
     return chitchat_dataset.Dataset()

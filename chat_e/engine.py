@@ -144,7 +144,7 @@ class ChatEngine:
         started = time.perf_counter()
         try:
             if found["kind"] == "adapter":
-                from peft import PeftModel  # adapters only: peft's import is slow, and a merged model needs none
+                from peft import PeftModel  # noqa: PLC0415 (optional path: adapters only; peft's import is slow and a merged model needs none)
 
                 base = found["base"]
                 try:

@@ -14,10 +14,10 @@ PANELS = (
 
 def plot_training_curves(log_history: list[dict], path: str | Path, title: str | None = None) -> Path | None:
     """Plot train/eval loss, learning rate (and BLEU/chrF when logged) against the global step."""
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 (optional extra: chat)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 (optional extra: chat)
 
     series = {}
     for keys, _ in PANELS:

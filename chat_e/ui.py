@@ -19,6 +19,8 @@ import inspect
 import logging
 from typing import TYPE_CHECKING, Any
 
+import pydantic
+
 from .limits import ChatLimits, Refused, Request, check_request
 from .messages import message_text
 from .samples import EXAMPLES
@@ -50,7 +52,7 @@ RESPOND_PARAMETERS: tuple[str, ...] = ("chat", "mode", "context", *SETTING_NAMES
 
 def import_gradio():
     try:
-        import gradio
+        import gradio  # noqa: PLC0415 (optional extra: app)
     except ImportError as err:
         raise ImportError(
             "Chat-E needs gradio: pip install 'hf-ext[app]' (or pip install 'gradio>=6.31,<7')."
@@ -324,7 +326,6 @@ def build_app(
 def checked_chat_model(model):
     """The chat window's data model (``model``), its refusal of a malformed chat a ``gr.Error`` that says what a chat
     is. Gradio checks a chat against it before any handler runs (``preprocess=False`` included)."""
-    import pydantic  # comes with gradio, which only serving needs
 
     class CheckedChat(model):
         @classmethod

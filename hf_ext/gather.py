@@ -6,6 +6,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
 
 def is_partitioned(tensor) -> bool:
     """True for a ZeRO-3 partitioned parameter (its ``.shape`` is the local partition, ``ds_shape`` the full one)."""
@@ -14,8 +17,6 @@ def is_partitioned(tensor) -> bool:
 
 def is_dtensor(tensor) -> bool:
     """True for an FSDP2 (DTensor) parameter: ``.shape`` is the full shape, ``to_local()`` this rank's shard."""
-    from torch.distributed.tensor import DTensor
-
     return isinstance(tensor, DTensor)
 
 
@@ -31,7 +32,7 @@ def gathered(params: Iterable, modifier_rank: int | None = None):
     partitioned = [p for p in params if is_partitioned(p)]
     if not partitioned:
         return nullcontext()
-    import deepspeed
+    import deepspeed  # noqa: PLC0415 (slow, probes the accelerator: only where an engine runs)
 
     return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=modifier_rank)
 
@@ -48,8 +49,6 @@ def full_values(tensors: list) -> Iterator[list]:
 def sharding_of(model, reshard_after_forward: bool = True) -> dict | None:
     """How ``model``'s parameters are really laid out, read from its DTensors (``None``: not FSDP2): the ranks one
     parameter is split over and the copies of each shard."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
     param = next((p for p in model.parameters() if isinstance(p, DTensor)), None)
     if param is None:
         return None
@@ -72,8 +71,6 @@ def reshard(model) -> None:
     stays "in forward", where torch's ``reshard()`` does nothing for a unit kept gathered after forward; that unit is
     resharded with resharding-after-forward switched on for the call (torch's public setter), then off again.
     """
-    from torch.distributed.fsdp import FSDPModule
-
     for module in model.modules() if model is not None else ():
         if not isinstance(module, FSDPModule):
             continue
@@ -89,8 +86,6 @@ def root_unsharded(model):
     """For calls that enter an FSDP2 model below its root: ``generate`` runs the encoder (and the embeddings) of an
     encoder-decoder model directly, which the root unit's forward hook never sees, so the parameters outside every
     wrapped layer would stay sharded there. Gathers the root unit for the length of the context, reshards after."""
-    from torch.distributed.fsdp import FSDPModule
-
     if not isinstance(model, FSDPModule):
         yield
         return

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+import transformers
+from torch.distributed.fsdp import FSDPModule
+from transformers import AutoConfig, PretrainedConfig
+
 
 def hidden_size_of(model) -> int | None:
     """The hidden size transformers uses for the bucket sizes: ``hidden_size``, else ``max(hidden_sizes)``, also in
     ``text_config``. ``model`` is a model, a config, or a path / hub id."""
     if isinstance(model, (str, Path)):
-        from transformers import AutoConfig
-
         model = AutoConfig.from_pretrained(str(model))
     config = getattr(model, "config", model)
     for cfg in (config, getattr(config, "text_config", None)):
@@ -38,8 +41,6 @@ def hidden_size_buckets(hidden: int) -> dict[str, tuple[int, str]]:
 
 def model_class(config):
     """The transformers class named by ``config.architectures`` (first one transformers has), else ``AutoModel``."""
-    import transformers
-
     for name in getattr(config, "architectures", None) or ():
         if hasattr(transformers, name):
             return getattr(transformers, name)
@@ -54,9 +55,6 @@ def is_sequence_classifier(model) -> bool:
 def random_init_model(model_or_config, seed: int = 0):
     """A random-init model of the architecture ``model_or_config`` names (a config, a path or a hub id; only the
     config is read)."""
-    import torch
-    from transformers import AutoConfig, PretrainedConfig
-
     config = (
         model_or_config
         if isinstance(model_or_config, PretrainedConfig)
@@ -73,8 +71,6 @@ def layer_classes(model) -> list[str]:
     when it declares them, else the element class of every ``nn.ModuleList`` holding two or more modules of one class
     with parameters (BlenderBot's and DeBERTa-v2's layers: their models declare none, and accelerate then wraps the
     whole model as one unit, gathered whole for every forward and backward)."""
-    import torch
-
     declared = list(getattr(model, "_no_split_modules", None) or ())
     if declared:
         return declared
@@ -109,8 +105,6 @@ TRAINING_ARGS_NAME = "training_args.bin"
 
 def unwrapped_class(model) -> type:
     """The model's own class: FSDP2 makes ``FSDP<Name>`` classes deriving from ``FSDPModule`` and the model's."""
-    from torch.distributed.fsdp import FSDPModule
-
     cls = type(model)
     if issubclass(cls, FSDPModule):
         return next(base for base in cls.__bases__ if not issubclass(base, FSDPModule))
@@ -121,8 +115,6 @@ def save_beside_weights(out, model, processing_class=None, training_args=None, c
     """The files a model directory holds beside its weights, as ``save_pretrained`` and ``Trainer._save`` write them:
     ``config.json`` (``config=False``: an adapter directory has its own), ``generation_config.json`` for a model that
     generates, the tokenizer's (or processor's) files, and ``training_args.bin`` (when ``training_args`` are given)."""
-    import torch
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if config and getattr(model, "config", None) is not None:

@@ -20,6 +20,9 @@ import warnings
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch.distributed.tensor import distribute_tensor
 
 from .gather import full_values, gathered, is_dtensor, is_partitioned
 from .model_info import save_beside_weights
@@ -74,8 +77,6 @@ def save_adapter(trainer, output_dir: str | Path) -> None:
 
 def verify_adapter(output_dir: str | Path) -> dict[str, tuple[int, ...]]:
     """Refuse an adapter file that is missing, empty, or holds an empty or ``[0]``-shaped tensor."""
-    from safetensors import safe_open
-
     path = Path(output_dir) / ADAPTER_FILES[0]
     if not path.is_file():
         raise RuntimeError(f"No {ADAPTER_FILES[0]} was written to {output_dir}.")
@@ -117,7 +118,7 @@ def _optimizer_step(optimizer) -> int:
 
 def _full_state(optimizer, param, key: str) -> torch.Tensor | None:
     if _deepspeed_param(param):
-        from deepspeed.utils import safe_get_full_optimizer_state
+        from deepspeed.utils import safe_get_full_optimizer_state  # noqa: PLC0415 (slow, probes the accelerator: only where an engine runs)
 
         value = safe_get_full_optimizer_state(param, key)
     else:
@@ -129,7 +130,7 @@ def _full_state(optimizer, param, key: str) -> torch.Tensor | None:
 
 def _full_fp32(param) -> torch.Tensor:
     if _deepspeed_param(param):
-        from deepspeed.utils import safe_get_full_fp32_param
+        from deepspeed.utils import safe_get_full_fp32_param  # noqa: PLC0415 (slow, probes the accelerator: only where an engine runs)
 
         value = safe_get_full_fp32_param(param)
         if value is not None:
@@ -202,8 +203,6 @@ def _from_json(value, tensors: dict[str, torch.Tensor]):
 def write_trainable_state(state: dict, output_dir: str | Path) -> None:
     """Write ``state`` (``params``: name -> {``param``, ``exp_avg``, ``exp_avg_sq``} tensors; the rest numbers,
     strings, lists and dicts, tensors allowed) as :data:`TRAINABLE_STATE_NAME` and :data:`TRAINABLE_STATE_META`."""
-    from safetensors.torch import save_file
-
     tensors: dict[str, torch.Tensor] = {}
     meta = {k: _to_json(v, k, tensors) for k, v in state.items()}
     meta["format"] = TRAINABLE_STATE_FORMAT
@@ -215,8 +214,6 @@ def write_trainable_state(state: dict, output_dir: str | Path) -> None:
 def read_trainable_state(checkpoint: str | Path) -> dict:
     """The state :func:`write_trainable_state` wrote into ``checkpoint`` (or an older hf-ext's pickled file, read
     with ``weights_only=True``), its tensors on the CPU."""
-    from safetensors.torch import load_file
-
     path = Path(checkpoint)
     if not (path / TRAINABLE_STATE_META).is_file() and (path / LEGACY_TRAINABLE_STATE_NAME).is_file():
         return torch.load(path / LEGACY_TRAINABLE_STATE_NAME, map_location="cpu", weights_only=True)
@@ -253,8 +250,6 @@ def _copy_full(target: torch.Tensor, value: torch.Tensor) -> None:
     """``target`` (a plain tensor, or an FSDP2 DTensor: each rank keeps its own shard of ``value``) = ``value``."""
     value = value.to(target.dtype).reshape(target.shape)
     if is_dtensor(target):
-        from torch.distributed.tensor import distribute_tensor
-
         value = distribute_tensor(value.to(target.device), target.device_mesh, target.placements)
     with torch.no_grad():
         target.copy_(value)
@@ -264,14 +259,14 @@ def _set_param(param, value: torch.Tensor) -> None:
     with gathered([param], modifier_rank=0):  # ZeRO-3: full-shaped inside, scattered back on exit
         _copy_full(param.data, value)
     if _deepspeed_param(param):
-        from deepspeed.utils import safe_set_full_fp32_param
+        from deepspeed.utils import safe_set_full_fp32_param  # noqa: PLC0415 (slow, probes the accelerator: only where an engine runs)
 
         safe_set_full_fp32_param(param, value.to(torch.float32))
 
 
 def _set_state(optimizer, param, key: str, value: torch.Tensor) -> None:
     if _deepspeed_param(param):
-        from deepspeed.utils import safe_set_full_optimizer_state
+        from deepspeed.utils import safe_set_full_optimizer_state  # noqa: PLC0415 (slow, probes the accelerator: only where an engine runs)
 
         safe_set_full_optimizer_state(param, value, key)
     else:

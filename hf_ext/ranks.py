@@ -18,6 +18,7 @@ import datetime
 import logging
 
 import torch
+import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +31,6 @@ class RankFailure(RuntimeError):
 
 
 def _world():
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return dist
     return None

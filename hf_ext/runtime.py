@@ -9,11 +9,17 @@ training or evaluating.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import logging
 import os
+import sys
 from dataclasses import dataclass
 
+import psutil
 import torch
+import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
@@ -69,11 +75,11 @@ class Hardware:
     @classmethod
     def detect(cls, use_cpu: bool = False) -> Hardware:
         if use_cpu or not has_accelerator():
-            from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+            from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator  # noqa: PLC0415 (slow, probes the accelerator: only where the hardware is detected)
 
             accelerator = CPU_Accelerator()
         else:
-            from deepspeed.accelerator import get_accelerator
+            from deepspeed.accelerator import get_accelerator  # noqa: PLC0415 (slow, probes the accelerator: only where the hardware is detected)
 
             accelerator = get_accelerator()
         return cls(
@@ -104,8 +110,6 @@ def local_rank() -> int | None:
 
 def host_memory_per_rank(local_ranks: int) -> int:
     """The host's available RAM, shared by the ``local_ranks`` processes on this node: a CPU rank's share."""
-    import psutil
-
     return int(psutil.virtual_memory().available // max(1, local_ranks))
 
 
@@ -143,12 +147,10 @@ def start_deepspeed_comm() -> None:
     (``use_cpu``) accelerate starts torch.distributed but not DeepSpeed's comm, and ``zero.Init`` in
     ``from_pretrained`` would then see a world of one rank. Called from the same place, for the same reason.
     """
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()):
         return
-    import deepspeed
-    import deepspeed.comm as ds_comm
+    import deepspeed  # noqa: PLC0415 (slow, probes the accelerator: only where an engine runs)
+    import deepspeed.comm as ds_comm  # noqa: PLC0415 (slow, probes the accelerator: only where an engine runs)
 
     if not ds_comm.is_initialized():
         deepspeed.init_distributed(dist_backend=dist.get_backend())
@@ -177,9 +179,6 @@ def return_freed_memory_to_os(threshold: int = 64 * 1024) -> bool:
     faults: each such allocation starts from fresh pages. No effect (False) where glibc's ``mallopt`` is
     unavailable, or when the user set ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``.
     """
-    import ctypes
-    import ctypes.util
-
     if "MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
         return False
     try:
@@ -196,9 +195,6 @@ def return_freed_memory_to_os(threshold: int = 64 * 1024) -> bool:
 
 def trim_heap() -> None:
     """Hand the free memory at the top of glibc's heaps back to the OS (``malloc_trim``); a no-op elsewhere."""
-    import ctypes
-    import ctypes.util
-
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         libc.malloc_trim(0)
@@ -240,9 +236,7 @@ def prepare_run(args) -> RunSetup:
 def run_summary(trainer) -> dict:
     """Where and how a trainer ran: launcher, world size, nodes, ranks per node, engine, ZeRO stage or FSDP sharding,
     threads (for logs and checks)."""
-    import torch.distributed as dist
-
-    from .gather import sharding_of
+    from .gather import sharding_of  # noqa: PLC0415 (torch.distributed.fsdp, slow: kept off the chat-e --help path)
 
     engine = trainer.model_wrapped
     stage = getattr(engine, "zero_optimization_stage", None)
@@ -266,9 +260,6 @@ def run_summary(trainer) -> dict:
 
 def _deepspeed_engines() -> list:
     """The DeepSpeed engines alive in this process (a trainer's, TRL's reference model's...)."""
-    import gc
-    import sys
-
     engine_module = sys.modules.get("deepspeed.runtime.engine")
     if engine_module is None:
         return []
@@ -284,10 +275,6 @@ def end_distributed() -> None:
     finalization reaches them, while a peer may still talk to them, and a rank that finished cleanly can abort
     ("terminate called without an active exception", exit code -6), which the launcher reports as a failed run.
     """
-    import sys
-
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()):
         return
     release_deepspeed_shm_names()
@@ -323,8 +310,7 @@ def release_deepspeed_shm_names() -> None:
     global _SHM_RELEASED
     if _SHM_RELEASED:
         return
-    import torch.distributed as dist
-    from deepspeed.comm import comm as ds_comm
+    from deepspeed.comm import comm as ds_comm  # noqa: PLC0415 (slow, probes the accelerator: only where an engine runs)
 
     backend = getattr(ds_comm, "cdb", None)
     if backend is None or getattr(backend, "shm_comm_op", None) is None or not dist.is_initialized():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 
+from torch.optim.lr_scheduler import LambdaLR
 from transformers import TrainerCallback
 
 logger = logging.getLogger(__name__)
@@ -28,8 +29,6 @@ def inner_scheduler(scheduler):
 def scheduled_lrs(scheduler) -> list[float] | None:
     """The learning rate of each parameter group at the scheduler's current step, from the schedule itself (not from
     the optimizer): transformers' ``LambdaLR`` schedules and DeepSpeed's own schedulers; ``None`` for others."""
-    from torch.optim.lr_scheduler import LambdaLR
-
     if isinstance(scheduler, LambdaLR):
         return [base * f(scheduler.last_epoch) for f, base in zip(scheduler.lr_lambdas, scheduler.base_lrs)]
     if hasattr(scheduler, "last_batch_iteration") and callable(getattr(scheduler, "get_lr", None)):

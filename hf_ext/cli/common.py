@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+import transformers
+
 
 def quiet_logging() -> None:
     """Only errors from the libraries, so that a command's own output is what the user reads."""
@@ -11,6 +13,4 @@ def quiet_logging() -> None:
     logging.getLogger("DeepSpeed").addFilter(lambda record: record.levelno >= logging.ERROR)
     for name in ("hf_ext", "transformers", "accelerate"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    import transformers
-
     transformers.logging.set_verbosity_error()

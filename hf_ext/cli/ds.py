@@ -14,6 +14,8 @@ import argparse
 import json
 import sys
 
+from transformers import HfArgumentParser
+
 from ..deepspeed.resolve import explain_deepspeed_config
 from ..errors import DeepSpeedConfigError
 from ..training_args import TrainingArguments
@@ -71,8 +73,6 @@ def _usage(parser) -> int:
 
 def _training_args(extra: list[str]):
     """hf-ext TrainingArguments from the remaining command-line flags; ``None`` and a message on a bad flag."""
-    from transformers import HfArgumentParser
-
     parser = HfArgumentParser(TrainingArguments)
     try:
         (args, rest) = parser.parse_args_into_dataclasses(args=extra, return_remaining_strings=True)

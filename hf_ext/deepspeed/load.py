@@ -18,6 +18,8 @@ import json
 import re
 from pathlib import Path
 
+import yaml
+
 from ..errors import DeepSpeedConfigError, Problem, Report, short
 from .normalize import as_bool
 
@@ -252,8 +254,6 @@ def _find_relative(ref: str, base: Path) -> Path | None:
 @functools.cache
 def _yaml_loader():
     """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last one silently)."""
-    import yaml
-
     base = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's parser when PyYAML has it: 10x faster
 
     class Loader(base):
@@ -271,8 +271,6 @@ def _yaml_loader():
 
 
 def _load_yaml(path: Path, report: Report) -> dict:
-    import yaml
-
     text = read_text(path, report)
     try:
         data = yaml.load(text, Loader=_yaml_loader())  # noqa: S506 - a SafeLoader subclass
@@ -424,8 +422,6 @@ def accelerate_launch_config(env) -> str | dict | None:
     config_file = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
     if config_file and config_file != "none":
         return config_file
-    import yaml
-
     inline = {key: yaml.safe_load(env[name]) for key, name in _ACCELERATE_ENV.items() if env.get(name) is not None}
     data = {"mixed_precision": env.get("ACCELERATE_MIXED_PRECISION", "no"), "deepspeed_config": inline}
     report = Report()

@@ -20,11 +20,14 @@ and also what it leaves to crash late or to go silently wrong:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from ..batching import split_batch
 from ..errors import Change, DeepSpeedConfigError, Problem, Report, short
@@ -538,8 +541,6 @@ SCHEDULE_OF = {"WarmupLR": "constant_with_warmup", "WarmupDecayLR": "linear", "W
 def _schedule_choice(config: dict, args, report: Report):
     """A config ``scheduler`` section replaces the Trainer's schedule (transformers builds DeepSpeed's instead), so an
     ``lr_scheduler_type`` the user chose that differs from it would be silently ignored: say so."""
-    import dataclasses
-
     kind = get_value(config, "scheduler.type")
     asked = str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type))
     default = next((f.default for f in dataclasses.fields(args) if f.name == "lr_scheduler_type"), None)
@@ -731,14 +732,13 @@ def _nvme_paths(config: dict, report: Report):
 
 def _optimizer_names() -> tuple[set[str], set[str]]:
     """(names DeepSpeed matches case-insensitively, torch.optim names it looks up as written)."""
-    import torch
-    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS  # noqa: PLC0415 (slow, probes the accelerator: only where its config models are used)
 
     return set(DEEPSPEED_OPTIMIZERS), {n for n in dir(torch.optim) if n[0].isupper() and n != "Optimizer"}
 
 
 def _scheduler_names() -> tuple[set[str], set[str]]:
-    from deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES
+    from deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES  # noqa: PLC0415 (slow, probes the accelerator: only where its config models are used)
 
     return set(), set(VALID_LR_SCHEDULES)
 

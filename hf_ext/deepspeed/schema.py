@@ -11,9 +11,13 @@ import contextlib
 import copy
 import difflib
 import functools
+import inspect
 import io
 import re
 import typing
+
+import torch
+from pydantic import BaseModel, ValidationError
 
 from ..errors import short
 
@@ -35,7 +39,7 @@ _SECTIONS_READ_ELSEWHERE = (
 def _deepspeed_quiet():
     """DeepSpeed logs a line per config parse and prints; keep ``hf-ext`` output to what the user asked for.
     (``Logger.disabled``, not ``setLevel``: the latter clears every logger's cache, slow when called per key.)"""
-    from deepspeed.utils import logger as ds_logger
+    from deepspeed.utils import logger as ds_logger  # noqa: PLC0415 (slow, probes the accelerator: only where its config models are used)
 
     disabled = ds_logger.disabled
     ds_logger.disabled = True
@@ -85,7 +89,7 @@ class _RecordingDict(dict):
 @functools.cache
 def known_top_level_keys() -> frozenset[str]:
     """Every top-level key DeepSpeed's ``DeepSpeedConfig`` looks up when it parses a config."""
-    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.config import DeepSpeedConfig  # noqa: PLC0415 (slow, probes the accelerator: only where its config models are used)
 
     probe = _RecordingDict(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1)
     with _deepspeed_quiet():
@@ -96,8 +100,8 @@ def known_top_level_keys() -> frozenset[str]:
 @functools.cache
 def section_models() -> dict[str, type]:
     """DeepSpeed's pydantic model for each section it validates strictly (unknown keys there are errors)."""
-    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config  # noqa: PLC0415 (slow, probes the accelerator: only where its config models are used)
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig  # noqa: PLC0415 (slow, probes the accelerator: only where its config models are used)
 
     return {"zero_optimization": DeepSpeedZeroConfig, "fp16": DeepSpeedFP16Config, "bf16": DeepSpeedBF16Config}
 
@@ -114,8 +118,6 @@ def field_names(model: type) -> set[str]:
 
 def _field_model(annotation) -> type | None:
     """The nested pydantic model of a field annotation (``Optional[Model]`` included), if any."""
-    from pydantic import BaseModel
-
     candidates = typing.get_args(annotation) or (annotation,)
     for candidate in candidates:
         if isinstance(candidate, type) and issubclass(candidate, BaseModel):
@@ -214,8 +216,6 @@ def unknown_key_fix(key: str, choices) -> str:
 
 def section_problems(section: str, values: dict) -> list[tuple[str, str, str]]:
     """``(dotted key, message, fix)`` for each problem DeepSpeed's model for ``section`` finds in ``values``."""
-    from pydantic import ValidationError
-
     model = section_models()[section]
     try:
         with _deepspeed_quiet():
@@ -285,7 +285,7 @@ def _describe(section: str, model: type, error: dict) -> tuple[str, str, str]:
 
 def _deepspeed_error(config: dict) -> str | None:
     """The first line of what ``DeepSpeedConfig`` raises on ``config`` (world size 1), ``None`` if it accepts it."""
-    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.config import DeepSpeedConfig  # noqa: PLC0415 (slow, probes the accelerator: only where its config models are used)
 
     try:
         with _deepspeed_quiet():
@@ -336,8 +336,6 @@ _ADAM_POPPED = {"adam_w_mode", "torch_adam", "fp32_optimizer_states"}
 
 def _parameters(cls, skip: set[str]) -> set[str] | None:
     """Keyword parameters of ``cls``'s constructor, without ``skip``; ``None`` when it takes ``**kwargs``."""
-    import inspect
-
     params = inspect.signature(cls.__init__).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return None
@@ -352,8 +350,6 @@ def optimizer_parameters(name: str, config: dict) -> tuple[str, set[str] | None]
     ``torch_adam``, ``DeepSpeedCPUAdam`` when the optimizer is offloaded, else ``FusedAdam``; Adagrad and Lion have a
     CPU variant for offload; other names are looked up in ``torch.optim``.
     """
-    import torch
-
     optimizer = config.get("optimizer")
     params = optimizer.get("params") if isinstance(optimizer, dict) else None
     params = params if isinstance(params, dict) else {}
@@ -366,23 +362,23 @@ def optimizer_parameters(name: str, config: dict) -> tuple[str, set[str] | None]
             if params.get("torch_adam") is True:
                 cls, own = (torch.optim.AdamW if lower == "adamw" else torch.optim.Adam), {"params"}
             elif cpu:
-                from deepspeed.ops.adam import DeepSpeedCPUAdam as cls
+                from deepspeed.ops.adam import DeepSpeedCPUAdam as cls  # noqa: PLC0415 (slow, probes the accelerator: only where an optimizer is checked)
 
                 own = {"model_params", "adamw_mode"}  # adamw_mode: the engine passes it itself
             else:
-                from deepspeed.ops.adam import FusedAdam as cls
+                from deepspeed.ops.adam import FusedAdam as cls  # noqa: PLC0415 (slow, probes the accelerator: only where an optimizer is checked)
 
                 own = {"params"}
             accepted = _parameters(cls, own)
             return cls.__name__, None if accepted is None else accepted | _ADAM_POPPED
         if lower == "adagrad":
-            from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
+            from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad  # noqa: PLC0415 (slow, probes the accelerator: only where an optimizer is checked)
 
             cls = DeepSpeedCPUAdagrad if cpu else torch.optim.Adagrad
         elif lower == "lamb":
-            from deepspeed.ops.lamb import FusedLamb as cls
+            from deepspeed.ops.lamb import FusedLamb as cls  # noqa: PLC0415 (slow, probes the accelerator: only where an optimizer is checked)
         elif lower == "lion":
-            from deepspeed.ops.lion import DeepSpeedCPULion, FusedLion
+            from deepspeed.ops.lion import DeepSpeedCPULion, FusedLion  # noqa: PLC0415 (slow, probes the accelerator: only where an optimizer is checked)
 
             cls = DeepSpeedCPULion if cpu else FusedLion
         elif hasattr(torch.optim, name) and lower not in ("muadam", "muadamw", "musgd", "muon"):
@@ -396,8 +392,7 @@ def optimizer_parameters(name: str, config: dict) -> tuple[str, set[str] | None]
 
 def scheduler_parameters(name: str) -> set[str] | None:
     """The ``scheduler.params`` keys the LR scheduler DeepSpeed builds for ``name`` accepts (``None``: unknown)."""
-    import torch
-    from deepspeed.runtime import lr_schedules
+    from deepspeed.runtime import lr_schedules  # noqa: PLC0415 (slow, probes the accelerator: only where its config models are used)
 
     cls = getattr(lr_schedules, name, None) or getattr(torch.optim.lr_scheduler, name, None)
     if not isinstance(cls, type):
@@ -411,7 +406,7 @@ def scheduler_parameters(name: str) -> set[str] | None:
 @functools.cache
 def suggestable_top_level_keys() -> frozenset[str]:
     """Known top-level keys minus those of removed features: what a "did you mean" may propose."""
-    from deepspeed.runtime import config as ds_config
+    from deepspeed.runtime import config as ds_config  # noqa: PLC0415 (slow, probes the accelerator: only where its config models are used)
 
     return known_top_level_keys() - frozenset(ds_config._REMOVED_TOP_LEVEL_CONFIG_KEYS)
 
@@ -419,7 +414,7 @@ def suggestable_top_level_keys() -> frozenset[str]:
 def removed_keys(config: dict) -> list[tuple[str, str]]:
     """``(dotted key, DeepSpeed's message)`` for every key of a feature DeepSpeed has removed, from DeepSpeed's own
     tables (it raises on the first one only)."""
-    from deepspeed.runtime import config as ds_config
+    from deepspeed.runtime import config as ds_config  # noqa: PLC0415 (slow, probes the accelerator: only where its config models are used)
 
     found = [(k, m.strip().rstrip(".")) for k, m in ds_config._REMOVED_TOP_LEVEL_CONFIG_KEYS.items() if k in config]
     zero = config.get("zero_optimization")

@@ -31,8 +31,11 @@ from dataclasses import dataclass, field, fields, replace
 from functools import partial
 from pathlib import Path
 
+import sacrebleu
 import torch
 from transformers import TrainerCallback
+from transformers.distributed.fsdp import is_fsdp_managed_module
+from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
 from ..gather import root_unsharded
 from ..ranks import shared_outcome
@@ -79,8 +82,6 @@ def compute_bleu_chrf(hypotheses: list[str], references: list[str]) -> dict[str,
         raise ValueError(f"{len(hypotheses)} hypotheses for {len(references)} references.")
     if not hypotheses:
         return {"bleu": 0.0, "chrf": 0.0}
-    import sacrebleu
-
     hyps = [h if isinstance(h, str) else "" for h in hypotheses]
     refs = [[r if isinstance(r, str) else "" for r in references]]
     return {"bleu": sacrebleu.corpus_bleu(hyps, refs).score, "chrf": sacrebleu.corpus_chrf(hyps, refs).score}
@@ -147,12 +148,8 @@ def _dist_world() -> tuple[int, int]:
 
 
 def _zero3_or_fsdp(model) -> bool:
-    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
-
     if is_deepspeed_zero3_enabled():
         return True
-    from transformers.distributed.fsdp import is_fsdp_managed_module
-
     return bool(is_fsdp_managed_module(model))
 
 
@@ -470,7 +467,7 @@ class BleuEvalCallback(TrainerCallback):
     def _log_tensorboard(self, args, step, prefix, new_metrics, shown) -> None:
         try:
             if self._tb_writer is None:
-                from torch.utils.tensorboard import SummaryWriter
+                from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 (optional: only with report_to tensorboard)
 
                 self._tb_writer = SummaryWriter(log_dir=args.logging_dir)
         except ImportError:
@@ -484,7 +481,7 @@ class BleuEvalCallback(TrainerCallback):
 
     def _log_trackio(self, step, prefix, new_metrics, shown) -> None:
         try:
-            import trackio
+            import trackio  # noqa: PLC0415 (optional: only with report_to trackio)
         except ImportError:
             logger.warning("report_to has trackio but it is not installed: `pip install trackio`.")
             return

@@ -23,7 +23,8 @@ import torch
 
 from .. import gather
 from ..memory.formulas import GATHERED_EVAL_HEADROOM
-from ..runtime import host_memory_per_rank
+from ..runtime import host_memory_per_rank, trim_heap
+from ..sizes import gb
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +73,6 @@ def _free_bytes(device: torch.device, local_ranks: int) -> tuple[int, str]:
 def choose_generation_path(model, setting: str, plan=None, device=None, local_ranks: int = 1) -> GenerationPath:
     """Gather once or gather per token: ``setting`` is ``"auto"``, ``"true"`` or ``"false"``
     (``generation_gather_weights``)."""
-    from ..sizes import gb
-
     if setting == "false":
         return GenerationPath(False, "generation_gather_weights=false")
     if not hasattr(model, "config") or not hasattr(type(model), "from_pretrained"):
@@ -138,6 +137,4 @@ def gathered_copy(model, group_bytes: int = GROUP_BYTES):
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        from ..runtime import trim_heap
-
         trim_heap()

@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 
+from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
 logger = logging.getLogger(__name__)
 
 
@@ -18,8 +20,6 @@ def needs_plain_eval(trainer) -> bool:
     """True for a DeepSpeed run below ZeRO-3 whose engine does not exist yet (nothing was trained in this process)."""
     if not getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "deepspeed", None) is not None:
         return False
-    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
-
     return not is_deepspeed_zero3_enabled()
 
 

@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from accelerate.commands.config.config_args import load_config_from_file
+from accelerate.commands.launch import launch_command_parser
+
 from ..errors import Change, FsdpConfigError, Problem
 
 PRESETS = ("full_shard", "hybrid_shard", "no_shard")
@@ -232,8 +235,6 @@ ACCELERATE_ONLY = frozenset({"sharding_strategy", "activation_checkpointing_offl
 def accelerate_fsdp_keys() -> frozenset[str]:
     """The ``fsdp_config`` keys ``accelerate launch`` turns into settings (its own ``--fsdp_*`` options, prefix
     dropped); any other key in a config file is ignored by accelerate without a word."""
-    from accelerate.commands.launch import launch_command_parser
-
     return frozenset(a.dest[5:] for a in launch_command_parser()._actions if a.dest.startswith("fsdp_"))
 
 
@@ -250,8 +251,6 @@ def resolve_accelerate_config(path: str | Path, *, has_accelerator: bool = False
     unknown keys (which accelerate ignores), FSDP1 where it cannot run (accelerate's default version when the file
     names none), FSDP1-only keys under FSDP2, and everything :func:`resolve_fsdp` checks. Returns the resolution and
     the number of ranks; raises :class:`FsdpConfigError` with every problem, keys spelled as in the file."""
-    from accelerate.commands.config.config_args import load_config_from_file
-
     try:
         config = load_config_from_file(str(path))
     except (FileNotFoundError, TypeError, ValueError) as err:  # a missing file, or keys accelerate does not take

@@ -12,7 +12,15 @@ from __future__ import annotations
 import logging
 import os
 
+import torch
+from accelerate import ParallelismConfig
+from accelerate.state import PartialState
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, fsdp2_prepare_model
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
 from ..errors import FsdpConfigError
+from ..model_info import layer_classes
 from .config import FSDP1_ON_CPU
 
 logger = logging.getLogger(__name__)
@@ -20,8 +28,6 @@ logger = logging.getLogger(__name__)
 
 def _requested_plugin(trainer):
     """The FSDP plugin the arguments or ``accelerate launch`` asked for (``None``: no FSDP)."""
-    from accelerate.utils import FullyShardedDataParallelPlugin
-
     state = trainer.accelerator.state
     plugin = getattr(state, "fsdp_plugin", None)
     if plugin is not None:
@@ -35,9 +41,6 @@ def _requested_plugin(trainer):
 
 def enable_on_trainer(trainer) -> None:
     """Make the FSDP the arguments ask for real: on CPU ranks, and with hybrid sharding's device mesh."""
-    from accelerate.state import PartialState
-    from accelerate.utils import DistributedType
-
     state = trainer.accelerator.state
     if state.distributed_type == DistributedType.MULTI_CPU and (plugin := _requested_plugin(trainer)) is not None:
         if plugin.fsdp_version != 2:
@@ -52,8 +55,6 @@ def enable_on_trainer(trainer) -> None:
         logger.info("FSDP2 on CPU ranks (gloo): accelerate would have run DDP here.")
     resolution = getattr(trainer.args, "fsdp_resolution", None)
     if trainer.is_fsdp_enabled and resolution is not None and resolution.hybrid and state.parallelism_config is None:
-        from accelerate import ParallelismConfig
-
         config = ParallelismConfig(dp_replicate_size=resolution.replicas, dp_shard_size=resolution.sharding_factor)
         state.parallelism_config = config
         state.device_mesh = config.get_device_mesh(trainer.accelerator.device.type)
@@ -71,8 +72,6 @@ def save_dtype(trainer):
     """The dtype FSDP2 computes in under bf16/fp16 mixed precision, which its save writes (as DeepSpeed's bf16/fp16
     engines save their 16-bit weights); ``None`` (the parameters' own dtype) otherwise. The fp32 master weights stay
     in the checkpoints' sharded state (``pytorch_model_fsdp_0``), which a resume reads."""
-    import torch
-
     if not (getattr(trainer, "is_fsdp_enabled", False) and trainer.accelerator.is_fsdp2):
         return None
     dtype = getattr(trainer.accelerator.state.fsdp_plugin.mixed_precision_policy, "param_dtype", None)
@@ -87,12 +86,8 @@ def shard_for_evaluation(trainer) -> None:
     ``fsdp2_prepare_model``, a later ``train()`` finds it sharded and accelerate only maps the optimizer onto its
     parameters (after :func:`hf_ext.gather.reshard`).
     """
-    from torch.distributed.fsdp import FSDPModule
-
     if not (trainer.is_fsdp_enabled and trainer.accelerator.is_fsdp2) or isinstance(trainer.model, FSDPModule):
         return
-    from accelerate.utils import fsdp2_prepare_model
-
     model = fsdp2_prepare_model(trainer.accelerator, trainer.model)
     trainer.accelerator._models.append(model)  # what prepare() records; stock evaluation_loop reads it
     trainer.model = trainer.model_wrapped = model
@@ -103,10 +98,6 @@ def wrap_repeated_layers(plugin, model) -> None:
     """Shard the model's repeated layers one by one when it declares no ``_no_split_modules`` (BlenderBot,
     DeBERTa-v2): accelerate's transformer-based wrapping then wraps nothing, and the whole model is one unit, gathered
     whole for every forward and backward (FSDP then saves nothing during compute)."""
-    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
-
-    from ..model_info import layer_classes
-
     policy = getattr(plugin.auto_wrap_policy, "func", plugin.auto_wrap_policy)
     transformer_based = policy is transformer_auto_wrap_policy or str(policy).upper() == "TRANSFORMER_BASED_WRAP"
     if not transformer_based or plugin.transformer_cls_names_to_wrap or getattr(model, "_no_split_modules", None):
@@ -148,9 +139,6 @@ def shard_tied_group(accelerator, model) -> None:
     """Put every holder of a shared parameter in one FSDP2 group before accelerate wraps the rest (see
     :func:`tied_holders`), with the plugin's settings; kept gathered from forward to backward, as accelerate keeps
     its own tied group."""
-    import torch
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-
     modules = [m for m in tied_holders(model) if not isinstance(m, FSDPModule)]
     if not modules:
         return

@@ -24,6 +24,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from ..runtime import host_memory_per_rank, local_rank
 from ..sizes import gb, parse_bytes
 from . import formulas
@@ -55,8 +57,6 @@ def detect_budget(device: str, local_ranks: int) -> int:
     """Per-rank memory: total accelerator memory on GPUs, available RAM / ``local_ranks`` (ranks on this node) on
     CPU."""
     if device != "cpu":
-        import torch
-
         return int(torch.cuda.get_device_properties(local_rank() or 0).total_memory)
     return host_memory_per_rank(local_ranks)
 

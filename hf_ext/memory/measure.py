@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import logging
 import re
+import resource
+import sys
 from pathlib import Path
 
+import psutil
 import torch
 from transformers import TrainerCallback
 
@@ -36,8 +39,6 @@ def current_rss() -> int:
     value = _status_kib("VmRSS")
     if value is not None:
         return value
-    import psutil
-
     return psutil.Process().memory_info().rss
 
 
@@ -46,9 +47,6 @@ def peak_rss() -> int:
     value = _status_kib("VmHWM")
     if value is not None:
         return value
-    import resource
-    import sys
-
     scale = 1 if sys.platform == "darwin" else 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 

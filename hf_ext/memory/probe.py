@@ -3,6 +3,19 @@ random-init copy of the model at micro-batch 1 and 2, peak allocated bytes from 
 
 from __future__ import annotations
 
+import copy
+import gc
+import inspect
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import psutil
+import torch
+from torch.profiler import ProfilerActivity, profile
+from transformers import AutoConfig, PretrainedConfig
+
 from ..model_info import (
     hidden_size_buckets,
     hidden_size_of,
@@ -33,8 +46,6 @@ def model_facts(model, checkpoint_bytes: int = 0) -> ModelFacts:
 def weight_file_bytes(model) -> int:
     """Bytes of the safetensors weight files in ``model`` when it is a local directory (0 otherwise: a config, a hub
     id, or a directory holding only a config, trained from scratch)."""
-    from pathlib import Path
-
     if not isinstance(model, (str, Path)) or not Path(model).is_dir():
         return 0
     return sum(f.stat().st_size for f in Path(model).glob("*.safetensors"))
@@ -42,8 +53,6 @@ def weight_file_bytes(model) -> int:
 
 def probe_inputs(model, batch: int, seq_len: int) -> dict:
     """Random inputs of ``batch`` x ``seq_len`` tokens that make any HF LM / seq2seq / classifier compute a loss."""
-    import torch
-
     config = model.config
     vocab = getattr(config, "vocab_size", None) or getattr(getattr(config, "text_config", None), "vocab_size", 1000)
     g = torch.Generator().manual_seed(0)
@@ -76,10 +85,6 @@ KINETO_STDERR_PREFIXES = ("USDT:", "STAGE:")
 def _without_kineto_lines(call):
     """Run ``call`` with file descriptor 2 captured, then write back to stderr every captured line that is not one of
     kineto's start/stop lines (C++ writes them, so ``sys.stderr`` redirection does not see them)."""
-    import os
-    import sys
-    import tempfile
-
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile() as captured:
@@ -110,8 +115,6 @@ class PeakTensorBytes:
 
     def __enter__(self):
         if self.enabled:
-            from torch.profiler import ProfilerActivity, profile
-
             self.profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
             # only the start and stop are captured: what the block writes goes out as it is
             _without_kineto_lines(self.profile.start)
@@ -137,8 +140,6 @@ def _peak_allocated(fn) -> int:
 
 
 def _enable_checkpointing(enable):
-    import inspect
-
     names = inspect.signature(enable).parameters
     kwargs_name = next((n for n in names if n.endswith("checkpointing_kwargs")), None)
     enable(**({kwargs_name: {"use_reentrant": False}} if kwargs_name else {}))
@@ -151,8 +152,6 @@ def probe_activations(model, seq_len: int, batches=(1, 2), checkpointing: bool =
     their gradients and the transient gradient of one parameter. With ``checkpointing``, the model's activation
     checkpointing is switched on for the probe (non-reentrant) and restored after.
     """
-    import torch
-
     new_names = hasattr(model, "activation_checkpointing_enable")  # transformers >= 5.23 renamed the switch
     was_ckpt = bool(getattr(model, "is_activation_checkpointing" if new_names else "is_gradient_checkpointing", False))
     enable = model.activation_checkpointing_enable if new_names else model.gradient_checkpointing_enable
@@ -218,8 +217,6 @@ def extrapolate_depth(two: list[tuple[int, int]], three: list[tuple[int, int]], 
 
 
 def _too_large_to_probe_whole(num_params: int) -> bool:
-    import psutil
-
     return 3 * 4 * num_params > WHOLE_PROBE_SHARE * psutil.virtual_memory().available  # fp32 weights, grads, more
 
 
@@ -229,12 +226,6 @@ def measure(model, seq_len: int, checkpointing: bool) -> dict:
     A model object is probed as it is. A config or path is built random-init on the CPU, or, when that copy would
     not fit comfortably (:data:`WHOLE_PROBE_SHARE`), counted on the meta device and probed as 2- and 3-layer copies.
     """
-    import copy
-    import gc
-
-    import torch
-    from transformers import AutoConfig, PretrainedConfig
-
     if hasattr(model, "parameters"):
         facts = model_facts(model, weight_file_bytes(getattr(model, "name_or_path", None)))  # from_pretrained's files
         profile = probe_activations(model, seq_len, (1, 2), checkpointing)

@@ -10,6 +10,9 @@ import re
 import shutil
 from pathlib import Path
 
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import SaveStrategy
+
 from .. import atomic
 from ..peft import is_peft_model, save_trainable_state
 from ..ranks import shared_outcome
@@ -136,9 +139,6 @@ def save_checkpoint_atomically(trainer, model, trial=None) -> str:
     A crash (even ``kill -9`` of one rank) at any point leaves the previous checkpoints as they were; the leftover
     ``tmp-`` directory is never resumed from, never counted by rotation, and replaced by the next save of its step.
     """
-    from transformers.trainer_callback import ExportableState
-    from transformers.trainer_utils import SaveStrategy
-
     args, state = trainer.args, trainer.state
     folder = f"{CHECKPOINT_PREFIX}-{state.global_step}"
     if trainer.hp_search_backend is None and trial is None:

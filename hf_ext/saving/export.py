@@ -17,6 +17,10 @@ import logging
 import shutil
 from pathlib import Path
 
+import torch
+from peft import PeftConfig, PeftModel
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
 from ..atomic import atomic_directory, work_path
 from ..model_info import model_class, save_beside_weights
 from .checkpoints import last_complete_checkpoint
@@ -46,14 +50,10 @@ def resolve_source(src: str | Path) -> tuple[Path, str]:
 
 
 def _dtype(name: str | None):
-    import torch
-
     return getattr(torch, DTYPES[name]) if name else None
 
 
 def _load_tokenizer(*candidates):
-    from transformers import AutoTokenizer
-
     for candidate in candidates:
         if candidate is None:
             continue
@@ -69,14 +69,10 @@ def _load_tokenizer(*candidates):
 
 def _load_full_model(src: Path, kind: str, dtype, workdir: Path):
     """A full model from a weights directory or (consolidating fp32 weights first) a ZeRO checkpoint."""
-    from transformers import AutoConfig
-
     config = AutoConfig.from_pretrained(str(src))
     cls = model_class(config)
     weights_dir = src
     if kind == "zero":
-        import torch
-
         with torch.device("meta"):
             skeleton = cls.from_config(config) if hasattr(cls, "from_config") else cls._from_config(config)
         save_fp32_from_zero_checkpoint(src, workdir, skeleton)
@@ -87,8 +83,6 @@ def _load_full_model(src: Path, kind: str, dtype, workdir: Path):
 
 
 def _attach_generation_config(model, *dirs) -> None:
-    from transformers import GenerationConfig
-
     for directory in dirs:
         if directory is not None and (Path(directory) / "generation_config.json").is_file():
             model.generation_config = GenerationConfig.from_pretrained(str(directory))
@@ -134,8 +128,6 @@ def _load(src: Path, kind: str, merge: bool, torch_dtype, base_model: str | None
     """The model to export (and an adapter's base directory)."""
     if kind != "adapter":
         return _load_full_model(src, kind, torch_dtype, workdir), None
-    from peft import PeftConfig, PeftModel
-
     peft_config = PeftConfig.from_pretrained(str(src))
     base_dir = base_model or peft_config.base_model_name_or_path
     base_kind = model_dir_kind(base_dir) if Path(base_dir).is_dir() else "model"

@@ -35,6 +35,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+import transformers.trainer as hf_trainer
+
 from ..atomic import replace_dir
 from ..batching import split_batch
 from ..peft import is_trainable_state_checkpoint
@@ -73,8 +76,6 @@ class ZeroCheckpoint:
 
 def read_zero_checkpoint(path: str | Path) -> ZeroCheckpoint | None:
     """The ZeRO checkpoint in ``path`` (its ``latest`` tag), or ``None`` when there is no partitioned state there."""
-    import torch
-
     path = Path(path)
     latest = path / DEEPSPEED_TAG_FILE
     if not latest.is_file():
@@ -336,8 +337,6 @@ def peft_state_under_deepspeed(trainer, plan: ResumePlan):
     if plan.kind != "peft" or not getattr(trainer, "is_deepspeed_enabled", False):
         yield
         return
-    import transformers.trainer as hf_trainer
-
     original = hf_trainer.deepspeed_load_checkpoint
 
     def load(engine, path, *args, **kwargs):

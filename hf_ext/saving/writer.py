@@ -18,8 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
+from .. import atomic
 from ..gather import full_values, is_sharded
+from ..ranks import agree, shared_outcome
+from ..runtime import trim_heap
 from ..sizes import parse_bytes
 
 logger = logging.getLogger(__name__)
@@ -215,9 +219,6 @@ def write_entries(
     gathers the other ranks are in; when the entries are sharded (a collective call), every rank then raises
     (:func:`hf_ext.ranks.agree`). Returns the files written (empty on non-main ranks).
     """
-    from ..ranks import agree
-    from ..runtime import trim_heap
-
     out = Path(output_dir)
     shard_limit = parse_bytes(max_shard_size)
     shards = plan_shards(entries, shard_limit)
@@ -291,9 +292,6 @@ def save_streaming(
     Must be called on every rank when the model is ZeRO-3 partitioned. Values are the gathered parameters, cast to
     ``dtype`` when given (else stored in their own dtype). Tied parameters are stored once and re-tied on load.
     """
-    from .. import atomic
-    from ..ranks import shared_outcome
-
     with shared_outcome(f"preparing the save into {output_dir}"):
         staged = atomic.begin(output_dir) if is_main else atomic.staged_path(output_dir)
     try:
@@ -317,8 +315,6 @@ def save_streaming(
 
 def saved_weight_shapes(output_dir: str | Path) -> dict[str, tuple[int, ...]]:
     """``{name: shape}`` of every tensor in the safetensors weights of ``output_dir`` (headers only)."""
-    from safetensors import safe_open
-
     out = Path(output_dir)
     index = out / SAFE_WEIGHTS_INDEX_NAME
     files = (

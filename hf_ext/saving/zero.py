@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 import torch
+from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
 
 from .. import atomic
 from ..fsdp.engine import save_dtype as fsdp_save_dtype
@@ -39,7 +40,7 @@ def save_fp32_from_zero_checkpoint(
     """Consolidate fp32 weights from the ZeRO checkpoint in ``checkpoint_dir`` (DeepSpeed's ``zero_to_fp32``) and
     write them to ``output_dir`` as safetensors, tied weights stored once. Single process; no engine needed.
     """
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # noqa: PLC0415 (slow, probes the accelerator: only where a ZeRO checkpoint is read)
 
     state_dict = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
     written = write_entries(state_dict_entries(state_dict, model, dtype), output_dir, max_shard_size=max_shard_size)
@@ -144,8 +145,6 @@ def _write_model(trainer, output_dir: Path, *, checkpoint: bool = False) -> None
 
 def handles(trainer) -> bool:
     """Whether :func:`save_trainer_model` saves this trainer's model (else the stock ``save_model`` does)."""
-    from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
-
     if is_torch_xla_available() or is_sagemaker_mp_enabled():
         return False
     if getattr(trainer, "is_fsdp_enabled", False) and not trainer.accelerator.is_fsdp2:
