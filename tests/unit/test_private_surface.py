@@ -46,11 +46,16 @@ What is touched, and why no public hook does it:
 * DeepSpeed's LR schedulers' ``last_batch_iteration`` (``hf_ext.schedule``): the step they compute ``get_lr`` from.
 * ``Accelerator._models`` (``hf_ext.evaluation.zero_eval``): the models accelerate prepared, restored after an
   engine-free evaluation on ZeRO-1/2; and (``hf_ext.fsdp.engine.shard_for_evaluation``) the FSDP2 model sharded
-  before an evaluation, recorded there so that stock ``evaluation_loop`` does not prepare it alone.
+  before an evaluation (with accelerate's own ``fsdp2_prepare_model``, which ``prepare`` runs for a model and its
+  optimizer together), recorded there so that stock ``evaluation_loop`` does not prepare it alone.
 * ``AcceleratorState.distributed_type`` / ``PartialState._shared_state`` (``hf_ext.fsdp.engine``): set to FSDP on CPU
   ranks, where accelerate drops its FSDP plugin; accelerate writes the same shared-state key itself at the end of
   ``AcceleratorState.__init__``. ``ParallelismConfig._validate_accelerator``: the check accelerate runs on a device
   mesh, run again once the state is FSDP (hybrid sharding).
+* ``HfTrainerDeepSpeedConfig.trainer_config_process`` / ``trainer_config_finalize`` (mirrored by
+  ``hf_ext.deepspeed.resolve``) and ``DeepSpeedPlugin.__post_init__`` (mirrored by ``hf_ext.deepspeed.load`` for an
+  accelerate YAML): hf-ext resolves a config before the Trainer exists, the way these fill it once it does, so that
+  every mismatch is reported at once and nothing ``"auto"`` is left.
 * ``DeepSpeedPlugin.hf_ds_config`` (``hf_ext.deepspeed.callbacks``, ``hf_ext.saving.resume``): the config dict the
   engine starts from, filled once the model exists; ``HfTrainerDeepSpeedConfig.mismatches`` (``hf_ext.training_args``):
   stock's list of config/argument conflicts, raised as hf-ext's error.
@@ -394,6 +399,12 @@ PINS = [
     Pin("transformers", "TrainingArguments.fsdp_plugin_args", "source lines (__post_init__)",
         "hf_ext/fsdp/engine.py _requested_plugin",
         source_has("transformers:TrainingArguments.__post_init__", "self.fsdp_plugin_args = ")),
+    Pin("transformers", "HfTrainerDeepSpeedConfig.trainer_config_process / trainer_config_finalize", "source sha256",
+        "hf_ext/deepspeed/resolve.py (fills every \"auto\" as they do, and more)",
+        all_of(source_hash("transformers.integrations.deepspeed:HfTrainerDeepSpeedConfig.trainer_config_process",
+                           "c07058fd36add73de61086c7022447c80228278fa75c1b58b9ebb05314ec00d9"),
+               source_hash("transformers.integrations.deepspeed:HfTrainerDeepSpeedConfig.trainer_config_finalize",
+                           "bfe83ae4d41c6eed9b9d5ac6ddd02a1810f47357b1500f8f11f00fa1da859494"))),
     Pin("transformers", "HfTrainerDeepSpeedConfig.mismatches", "source lines", "hf_ext/training_args.py __post_init__",
         source_has("transformers.integrations.deepspeed:HfTrainerDeepSpeedConfig", "self.mismatches = []",
                    "self.mismatches.append(")),
@@ -408,9 +419,15 @@ PINS = [
     Pin("accelerate", "DeepSpeedPlugin.hf_ds_config", "source lines",
         "hf_ext/deepspeed/callbacks.py, hf_ext/saving/resume.py _set_accumulation",
         source_has("accelerate.utils:DeepSpeedPlugin.__post_init__", "self.hf_ds_config = HfDeepSpeedConfig(")),
+    Pin("accelerate", "DeepSpeedPlugin.__post_init__ (an accelerate YAML's inline DeepSpeed settings)", "source sha256",
+        "hf_ext/deepspeed/load.py _from_accelerate (builds the same config from the YAML)",
+        source_hash("accelerate.utils:DeepSpeedPlugin.__post_init__",
+                    "9ddd7651ee38f6105e5964881f1aa961fd7dfc368630ee958ba1c55f55fd30b4")),
     Pin("accelerate", "accelerate launch's ACCELERATE_* DeepSpeed variables", "source lines (prepare_deepspeed_cmd_env)",
         "hf_ext/deepspeed/load.py accelerate_launch_config, hf_ext/training_args.py _accelerate_inline_fields_consumed",
         accelerate_launch_variables),
+    Pin("accelerate", "accelerate.utils.fsdp2_prepare_model", "signature", "hf_ext/fsdp/engine.py shard_for_evaluation",
+        signature("accelerate.utils:fsdp2_prepare_model", ["accelerator", "model"])),
     Pin("accelerate", "launch_command_parser()._actions", "called; its fsdp_* dests",
         "hf_ext/fsdp/config.py accelerate_fsdp_keys", accelerate_fsdp_options),
     # DeepSpeed
