@@ -263,7 +263,9 @@ def _deepspeed_engines() -> list:
     engine_module = sys.modules.get("deepspeed.runtime.engine")
     if engine_module is None:
         return []
-    return [o for o in gc.get_objects() if isinstance(o, engine_module.DeepSpeedEngine)]
+    # type(o), not isinstance(o, ...): isinstance reads o.__class__, which runs the object's own __getattribute__
+    # (torch.distributed.reduce_op's warns that it is deprecated)
+    return [o for o in gc.get_objects() if issubclass(type(o), engine_module.DeepSpeedEngine)]
 
 
 def end_distributed() -> None:

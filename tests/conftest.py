@@ -117,10 +117,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: its sitecustomize applies pyproject.toml's warning filters in the processes the tests launch (deprecations from the
+#: libraries are errors there too)
+LAUNCHED_SITE = ROOT / "tests" / "launched"
+
+
 def launch_env(**extra) -> dict:
     env = dict(os.environ)
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
-    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{LAUNCHED_SITE}{os.pathsep}{env.get('PYTHONPATH', '')}"
     env.pop("OMP_NUM_THREADS", None)
     env.update({k: str(v) for k, v in extra.items()})
     return env
