@@ -20,12 +20,13 @@ What is touched, and why no public hook does it:
 * ``Trainer.create_accelerator_and_postprocess`` (extended by ``hf_ext.trainer``): the one place where the trainer's
   ``Accelerator`` exists and the model is not prepared yet; ``hf_ext.fsdp.engine.enable_on_trainer`` switches CPU
   ranks to FSDP2 there. No callback runs that early.
-* ``transformers.trainer.deepspeed_load_checkpoint`` (patched while ``train`` runs,
-  ``hf_ext.saving.resume.deepspeed_resume``): it raises without a ZeRO checkpoint of the same world size, before
-  ``_load_optimizer_and_scheduler`` runs; a checkpoint of another world size is loaded from its universal conversion.
-* ``DeepSpeedEngine._config.load_universal_checkpoint`` (set around that one load, same module): the switch DeepSpeed's
-  ``load_checkpoint`` reads (then from the ``latest_universal`` tag file); the engine was started without it so that
-  its own config stays the user's.
+* ``transformers.trainer.deepspeed_load_checkpoint`` (patched while ``train`` resumes an hf-ext PEFT checkpoint under
+  DeepSpeed, ``hf_ext.saving.resume.peft_state_under_deepspeed``): it raises on a directory without DeepSpeed's
+  partitioned state, before ``_load_optimizer_and_scheduler`` loads the trainable state by name.
+* ``DeepSpeedEngine._config.load_universal_checkpoint`` and the ``latest_universal`` tag file
+  (``hf_ext.saving.resume.apply_resume_plan`` sets DeepSpeed's public ``checkpoint.load_universal`` key in the config
+  the engine starts from when it resumes a universal conversion): pinned so that the key keeps meaning what
+  ``load_checkpoint`` reads.
 * DeepSpeed's checkpoint layout (``latest``, ``*mp_rank_00_model_states.pt`` holding ``ds_config`` and
   ``dp_world_size``, ``*zero_pp_rank_*_mp_rank_00_optim_states.pt``) and ``ds_to_universal``'s command line
   (``hf_ext.saving.resume``, ``hf_ext.saving.model_dir``): DeepSpeed has no API that says which world size wrote a
@@ -383,7 +384,7 @@ PINS = [
     Pin("transformers", "Trainer.save_model(_internal_call)", "signature", f"hf_ext/trainer.py save_model, {CHECKPOINTS}",
         signature(f"{T}.save_model", ["self", "output_dir", "_internal_call"])),
     Pin("transformers", "transformers.trainer.deepspeed_load_checkpoint", "signature; called before "
-        "_load_optimizer_and_scheduler in Trainer._prepare_for_training", "hf_ext/saving/resume.py deepspeed_resume",
+        "_load_optimizer_and_scheduler in Trainer._prepare_for_training", "hf_ext/saving/resume.py peft_state_under_deepspeed",
         all_of(signature("transformers.trainer:deepspeed_load_checkpoint",
                          ["deepspeed_engine", "checkpoint_path", "load_module_strict"]),
                deepspeed_load_runs_before_the_optimizer_loader)),
@@ -440,7 +441,7 @@ PINS = [
     Pin("deepspeed", "DeepSpeedConfig's key look-ups", "a config parsed through a recording dict",
         "hf_ext/deepspeed/schema.py known_top_level_keys", config_parse_looks_keys_up),
     Pin("deepspeed", "DeepSpeedEngine._config.load_universal_checkpoint / latest_universal",
-        "a parsed config; load_checkpoint's source lines", "hf_ext/saving/resume.py deepspeed_resume, LATEST_UNIVERSAL",
+        "a parsed config; load_checkpoint's source lines", "hf_ext/saving/resume.py apply_resume_plan, LATEST_UNIVERSAL",
         engine_config_switches_load_universal),
     Pin("deepspeed", "checkpoint layout (latest, *_model_states.pt, *zero_pp_rank_*_optim_states.pt, ds_config, "
         "dp_world_size)", "the engine's naming methods called; save source lines",
