@@ -48,6 +48,7 @@ import transformers
 from transformers import AutoConfig, default_data_collator
 
 import hf_ext
+import hf_ext.trainer  # noqa: F401 (both paths' code imported before any segment: a first import lands in none)
 from benchmarks.harness import synthetic_dataset
 from hf_ext.deepspeed.resolve import load_deepspeed_config
 from hf_ext.memory.measure import current_rss, peak_rss, reset_peak_rss

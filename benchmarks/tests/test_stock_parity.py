@@ -14,7 +14,7 @@ import pytest
 
 from benchmarks import harness
 from benchmarks.worker import StepCodeTracer
-from hf_ext.deepspeed.resolve import walk  # nested config -> ("a.b", value) pairs
+from hf_ext.deepspeed.fill import walk  # nested config -> ("a.b", value) pairs
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])

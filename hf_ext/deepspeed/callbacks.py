@@ -10,7 +10,8 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from ..atomic import write_text_atomically
-from .resolve import RESOLVED_CONFIG_NAME, STEP_KEYS, fill_model_keys, node_of, walk
+from .fill import STEP_KEYS, node_of, walk
+from .resolve import RESOLVED_CONFIG_NAME, fill_model_keys
 
 logger = logging.getLogger(__name__)
 

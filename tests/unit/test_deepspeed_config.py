@@ -22,8 +22,9 @@ from hf_ext import (
     load_deepspeed_config,
     resolve_deepspeed_config,
 )
+from hf_ext.deepspeed.fill import get_value
 from hf_ext.deepspeed.normalize import normalize
-from hf_ext.deepspeed.resolve import Hardware, fill_model_keys, get_value
+from hf_ext.deepspeed.resolve import Hardware, fill_model_keys
 from hf_ext.memory.formulas import CPU_ZERO3_GRANULARITY, CPU_ZERO3_KEYS
 
 from ..conftest import walk
