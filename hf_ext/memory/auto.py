@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from ..atomic import write_text_atomically
 from ..runtime import host_memory_per_rank, local_rank
 from ..sizes import gb, parse_bytes
 from . import formulas
@@ -95,9 +96,7 @@ def measured_once(compute, key: str, remember: bool = True) -> dict:
                 data = json.loads(path.read_text())
             else:
                 data = compute()
-                tmp = path.with_suffix(f".{os.getpid()}.tmp")
-                tmp.write_text(json.dumps(data))
-                os.replace(tmp, path)
+                write_text_atomically(path, json.dumps(data))
     if remember:
         _MEASURED[key] = data
     return data
