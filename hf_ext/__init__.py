@@ -2,7 +2,8 @@
 
 One package per feature: ``deepspeed`` (config auto-filling, doctor), ``memory`` (planner), ``saving`` (streaming
 16-bit saves, checkpoints, export), ``peft`` (adapter checkpoints), ``evaluation`` (BLEU), ``cli``; ``trainer`` and
-``training_args`` switch them all on. Names below are imported on first use, so that ``import hf_ext`` stays light.
+``training_args`` switch them all on, through :class:`TrainerMixin` and :class:`TrainingArgumentsMixin`, which give the
+same to any Trainer subclass (``hf_ext.trl``: TRL's trainers). Names below are imported on first use, so that ``import hf_ext`` stays light.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ _EXPORTS = {
     "MemoryPlanCallback": ".memory.measure",
     "Seq2SeqTrainer": ".trainer",
     "Trainer": ".trainer",
+    "TrainerMixin": ".trainer",
     "Seq2SeqTrainingArguments": ".training_args",
     "TrainingArguments": ".training_args",
+    "TrainingArgumentsMixin": ".training_args",
     "end_distributed": ".runtime",
     "prepare_run": ".runtime",
 }

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
 
 from transformers import Seq2SeqTrainer as _Seq2SeqTrainer
@@ -76,20 +77,78 @@ def loss_ignores_num_items(model) -> bool:
     return getattr(getattr(base, "config", None), "model_type", None) in OWN_MEAN_LOSS_MODEL_TYPES
 
 
-class _HfExtTrainerMixin:
+def _bind_trainer_args(init, args: tuple, kwargs: dict, args_class, deepspeed):
+    """``(args, kwargs)`` for the next ``__init__`` with its ``args`` parameter converted by :func:`as_hf_ext_args`.
+
+    ``args`` is found by name in that ``__init__``'s signature, so any Trainer subclass works whatever comes before it
+    (``Trainer(model, args)``, TRL's ``DPOTrainer(model, ref_model, args)``).
+    """
+    names = [p.name for p in inspect.signature(init).parameters.values()
+             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]  # fmt: skip
+    position = names.index("args") if "args" in names else None
+    if position is not None and position < len(args):
+        args = (*args[:position], as_hf_ext_args(args[position], args_class, deepspeed), *args[position + 1 :])
+    else:
+        kwargs["args"] = as_hf_ext_args(kwargs.get("args"), args_class, deepspeed)
+    return args, kwargs
+
+
+class TrainerMixin:
+    """hf-ext's features for any :class:`transformers.Trainer` subclass: put it first among the bases.
+
+    ``class MyTrainer(hf_ext.TrainerMixin, SomeTrainer): args_class = MyConfig`` gives ``SomeTrainer`` the
+    ``deepspeed=`` keyword (a preset name, a path, a dict), every ``"auto"`` resolved, the memory plan, streaming
+    16-bit saves under ZeRO-3, adapter-only checkpoints that resume on any world size, FSDP2 on CPU ranks, the
+    one-line failures and, when its arguments have ``generation_eval`` on, the BLEU eval. ``args_class`` is the
+    arguments class stock arguments are converted to: ``SomeConfig`` with :class:`hf_ext.TrainingArgumentsMixin`
+    (:mod:`hf_ext.trl` has the classes for TRL's trainers).
+    """
+
     args_class = TrainingArguments
 
-    def __init__(self, model=None, args=None, *pos, deepspeed=None, **kwargs):
-        super().__init__(model, as_hf_ext_args(args, self.args_class, deepspeed), *pos, **kwargs)
-        deepspeed_callbacks.attach_to_trainer(self)  # model-dependent "auto" keys; resolved config file at train start
+    #: methods the mixin replaces without calling the next class's: atomic checkpoints, streaming saves
+    REPLACED_METHODS = ("_save_checkpoint", "save_model")
+
+    def __init_subclass__(cls, **kwargs):
+        # a Trainer subclass that adds work to a replaced method would silently lose it: refuse the class instead
+        super().__init_subclass__(**kwargs)
+        mro = cls.__mro__
+        front, behind = mro[: mro.index(TrainerMixin)], mro[mro.index(TrainerMixin) + 1 :]
+        for name in cls.REPLACED_METHODS:
+            if any(name in vars(k) for k in front):
+                continue  # the subclass merges both itself
+            base = next((k for k in behind if name in vars(k) and not k.__module__.startswith("transformers.")), None)
+            if base is not None:
+                raise TypeError(
+                    f"{cls.__name__}: {base.__name__}.{name} would be skipped, as hf-ext's TrainerMixin replaces "
+                    f"{name}. Define {name} on {cls.__name__}: do what {base.__name__}'s adds, then call super()."
+                )
+
+    def __init__(self, *args, deepspeed=None, **kwargs):
+        args, kwargs = _bind_trainer_args(super().__init__, args, kwargs, self.args_class, deepspeed)
+        super().__init__(*args, **kwargs)
+        deepspeed_callbacks.add_resolved_config_callback(self)  # the resolved config file at train start
         self.add_callback(MemoryPlanCallback())  # plan at train start, measured peak at train end
         self.add_callback(ResumedScheduleCallback())  # a resumed run starts at its own schedule's learning rate
-        if self.model_accepts_loss_kwargs and loss_ignores_num_items(model):
-            logger.info(f"{type(model).__name__} averages its own loss: not rescaling it by the global token count.")
+        if self.model_accepts_loss_kwargs and loss_ignores_num_items(self.model):
+            logger.info(
+                f"{type(self.model).__name__} averages its own loss: not rescaling it by the global token count."
+            )
             self.model_accepts_loss_kwargs = False
+        self.bleu_eval_callback = self._attach_generation_eval()
+
+    def _attach_generation_eval(self):
+        """The BLEU eval's callback: the one given in ``callbacks``, else a new one when ``generation_eval`` is on."""
+        callback = next((cb for cb in self.callback_handler.callbacks if isinstance(cb, BleuEvalCallback)), None)
+        if callback is None and getattr(self.args, "generation_eval", False):
+            callback = BleuEvalCallback(BleuEvalConfig.from_args(self.args))
+            self.add_callback(callback)
+        return callback
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
+        # the hidden-size "auto" keys, before anything (TRL's reference model) starts an engine from the config
+        deepspeed_callbacks.fill_model_keys_on_trainer(self)
         fsdp.enable_on_trainer(self)  # real FSDP2 on CPU ranks too, and hybrid sharding's device mesh
 
     # --- training, saving and resume (hf_ext.saving, hf_ext.peft) ---
@@ -103,6 +162,29 @@ class _HfExtTrainerMixin:
         resume.apply_resume_plan(self, plan)
         with resume.peft_state_under_deepspeed(self, plan):
             return super().train(plan.resume_from_checkpoint, *args, **kwargs)
+
+    # --- evaluation (hf_ext.evaluation) ---
+    def _generation_kwargs(self, kwargs: dict) -> dict:
+        """The ``generate()`` keywords of an ``evaluate()``/``predict()`` call (a plain Trainer's take none)."""
+        return {}
+
+    def evaluate(self, *args, **kwargs):
+        runtime.prepare_run(self.args)
+        callback = getattr(self, "bleu_eval_callback", None)
+        # the BLEU eval sees this call's generate() kwargs; under ZeRO-3 it holds one gathered copy for the whole call
+        gen_kwargs = self._generation_kwargs(kwargs)
+        call = callback.evaluation_call(self.args, self.model, gen_kwargs) if callback else contextlib.nullcontext()
+        with plain_eval_without_engine(self), call as self._evaluation_call:
+            try:
+                return super().evaluate(*args, **kwargs)
+            finally:
+                self._evaluation_call = None
+
+    def predict(self, *args, **kwargs):
+        runtime.prepare_run(self.args)
+        self._generation_kwargs(kwargs)
+        with plain_eval_without_engine(self):
+            return super().predict(*args, **kwargs)
 
     def evaluation_loop(self, *args, **kwargs):
         fsdp.shard_for_evaluation(self)  # FSDP2 before any training: stock would refuse to prepare the model alone
@@ -143,11 +225,11 @@ class _HfExtTrainerMixin:
         checkpoints.save_checkpoint_atomically(self, model, trial)
 
 
-class Trainer(_HfExtTrainerMixin, _Trainer):
+class Trainer(TrainerMixin, _Trainer):
     """:class:`transformers.Trainer` plus ``deepspeed=`` (a path, a dict or a preset name)."""
 
 
-class Seq2SeqTrainer(_HfExtTrainerMixin, _Seq2SeqTrainer):
+class Seq2SeqTrainer(TrainerMixin, _Seq2SeqTrainer):
     """:class:`transformers.Seq2SeqTrainer` plus ``deepspeed=``, ``generation_min_length`` and the BLEU eval.
 
     Every evaluation also generates and logs ``eval_bleu``, ``eval_chrf``, ``eval_gen_len`` and sample generations
@@ -159,35 +241,23 @@ class Seq2SeqTrainer(_HfExtTrainerMixin, _Seq2SeqTrainer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        callback = next((cb for cb in self.callback_handler.callbacks if isinstance(cb, BleuEvalCallback)), None)
-        if callback is None and getattr(self.args, "generation_eval", True):
-            callback = BleuEvalCallback(BleuEvalConfig.from_args(self.args))
-            self.add_callback(callback)
-        self.bleu_eval_callback = callback
-        if callback is not None and self.args.predict_with_generate and self.compute_metrics is not None:
+        if (
+            self.bleu_eval_callback is not None
+            and self.args.predict_with_generate
+            and self.compute_metrics is not None
+        ):
             logger.warning(
                 "predict_with_generate=True with compute_metrics makes every evaluation generate twice (once in the "
                 "stock loop, once for BLEU). Set predict_with_generate=False, or generation_eval=False to keep only "
                 "your compute_metrics."
             )
 
-    def _with_min_length(self, gen_kwargs: dict) -> dict:
+    def _generation_kwargs(self, kwargs: dict) -> dict:
+        # Seq2SeqTrainer's evaluate()/predict() pass their extra keywords to generate(): min_length joins them here
         min_length = getattr(self.args, "generation_min_length", None)
-        if min_length is not None and "min_length" not in gen_kwargs and "min_new_tokens" not in gen_kwargs:
-            gen_kwargs["min_length"] = min_length
-        return gen_kwargs
-
-    def evaluate(self, *args, **gen_kwargs):
-        runtime.prepare_run(self.args)
-        gen_kwargs = self._with_min_length(gen_kwargs)
-        callback = getattr(self, "bleu_eval_callback", None)
-        # the BLEU eval sees this call's generate() kwargs; under ZeRO-3 it holds one gathered copy for the whole call
-        call = callback.evaluation_call(self.args, self.model, gen_kwargs) if callback else contextlib.nullcontext()
-        with plain_eval_without_engine(self), call as self._evaluation_call:
-            try:
-                return super().evaluate(*args, **gen_kwargs)
-            finally:
-                self._evaluation_call = None
+        if min_length is not None and "min_length" not in kwargs and "min_new_tokens" not in kwargs:
+            kwargs["min_length"] = min_length
+        return kwargs
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
         # under ZeRO-3 the loss pass runs on the BLEU eval's gathered copy when it holds one: one gather per evaluation
@@ -195,8 +265,3 @@ class Seq2SeqTrainer(_HfExtTrainerMixin, _Seq2SeqTrainer):
         plain = call.model if call is not None else None
         return super().prediction_step(plain if plain is not None else model, inputs, prediction_loss_only,
                                        ignore_keys=ignore_keys, **gen_kwargs)  # fmt: skip
-
-    def predict(self, *args, **gen_kwargs):
-        runtime.prepare_run(self.args)
-        with plain_eval_without_engine(self):
-            return super().predict(*args, **self._with_min_length(gen_kwargs))

@@ -42,8 +42,22 @@ DEFAULT_LAUNCHER_PRESET = "zero2"
 
 
 @dataclass(kw_only=True)
-class HfExtArguments:
-    """The hf-ext fields shared by :class:`TrainingArguments` and :class:`Seq2SeqTrainingArguments`.
+class TrainingArgumentsMixin:
+    """hf-ext's settings, and the resolution of what stock ``TrainingArguments`` leaves to the user, for any
+    ``TrainingArguments`` subclass: put it first among the bases of a ``@dataclass``
+    (``@dataclass class MyConfig(hf_ext.TrainingArgumentsMixin, SFTConfig)``).
+
+    Before the stock ``__post_init__``:
+
+    * ``deepspeed`` may be a preset name (``zero1``/``zero2``/``zero3``/``zero3_offload``), a JSON path, an
+      accelerate YAML or a dict; it is resolved by :func:`hf_ext.explain_deepspeed_config` (every ``"auto"`` that
+      does not need the model or the step count filled, spellings normalized, everything validated by DeepSpeed's
+      own config models, all mismatches with these arguments raised at once). The record is ``deepspeed_resolution``;
+    * under ``accelerate launch`` with a DeepSpeed YAML and no ``deepspeed`` argument, the YAML's config (its
+      ``deepspeed_config_file``, or one built from its inline settings) is resolved the same way;
+    * under DeepSpeed's launcher with no ``deepspeed`` config, the ``zero2`` preset is used (the launcher means it);
+    * on a host with no accelerator, ``use_cpu`` is switched on — otherwise torchrun / accelerate ranks each believe
+      they are alone (world size 1) and DeepSpeed's batch-size assertion fires.
 
     Args:
         memory_per_device (`str`, *optional*):
@@ -113,35 +127,10 @@ class HfExtArguments:
             except ValueError as err:
                 raise ValueError(f"`{name}`={value!r}: {err}. Write it like 200MB, 5GB or 8GiB.") from None
 
-
-@contextlib.contextmanager
-def _accelerate_inline_fields_consumed(consumed: bool):
-    """While stock arguments build the DeepSpeed plugin: hide accelerate's list of inline DeepSpeed fields once hf-ext
-    has folded them into the config (accelerate refuses inline fields next to a config). Restored afterwards."""
-    saved = os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None) if consumed else None
-    try:
-        yield
-    finally:
-        if saved is not None:
-            os.environ["ACCELERATE_CONFIG_DS_FIELDS"] = saved
-
-
-class _HfExtArgsMixin:
-    """What stock ``TrainingArguments`` leaves to the user, resolved before and after its ``__post_init__``:
-
-    * ``deepspeed`` may be a preset name (``zero1``/``zero2``/``zero3``/``zero3_offload``), a JSON path, an
-      accelerate YAML or a dict; it is resolved by :func:`hf_ext.explain_deepspeed_config` (every ``"auto"`` that
-      does not need the model or the step count filled, spellings normalized, everything validated by DeepSpeed's
-      own config models, all mismatches with these arguments raised at once). The record is ``deepspeed_resolution``;
-    * under ``accelerate launch`` with a DeepSpeed YAML and no ``deepspeed`` argument, the YAML's config (its
-      ``deepspeed_config_file``, or one built from its inline settings) is resolved the same way;
-    * under DeepSpeed's launcher with no ``deepspeed`` config, the ``zero2`` preset is used (the launcher means it);
-    * on a host with no accelerator, ``use_cpu`` is switched on — otherwise torchrun / accelerate ranks each believe
-      they are alone (world size 1) and DeepSpeed's batch-size assertion fires.
-    """
-
     def __post_init__(self):
         self._validate_hf_ext()
+        if isinstance(self, GenerationEvalArguments):
+            self._validate_generation_eval()
         inline_consumed = False
         if not self.deepspeed and (from_accelerate := accelerate_launch_config(os.environ)) is not None:
             logger.info("Using the DeepSpeed config given to `accelerate launch`.")
@@ -191,19 +180,28 @@ class _HfExtArgsMixin:
         self.deepspeed_resolution = resolution
 
 
-@dataclass
-class TrainingArguments(_HfExtArgsMixin, _TrainingArguments, HfExtArguments):
-    __doc__ = (_TrainingArguments.__doc__ or "") + (HfExtArguments.__doc__ or "").split("Args:", 1)[-1]
+@contextlib.contextmanager
+def _accelerate_inline_fields_consumed(consumed: bool):
+    """While stock arguments build the DeepSpeed plugin: hide accelerate's list of inline DeepSpeed fields once hf-ext
+    has folded them into the config (accelerate refuses inline fields next to a config). Restored afterwards."""
+    saved = os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None) if consumed else None
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["ACCELERATE_CONFIG_DS_FIELDS"] = saved
+
+
+def args_doc(*classes) -> str:
+    """The docstring of an arguments class built from ``classes``: the first one's whole, the others' ``Args:``."""
+    return (classes[0].__doc__ or "") + "".join((c.__doc__ or "").split("Args:", 1)[-1] for c in classes[1:])
 
 
 @dataclass
-class Seq2SeqTrainingArguments(_HfExtArgsMixin, _Seq2SeqTrainingArguments, HfExtArguments, GenerationEvalArguments):
-    __doc__ = (
-        (_Seq2SeqTrainingArguments.__doc__ or "")
-        + (HfExtArguments.__doc__ or "").split("Args:", 1)[-1]
-        + (GenerationEvalArguments.__doc__ or "").split("Args:", 1)[-1]
-    )
+class TrainingArguments(TrainingArgumentsMixin, _TrainingArguments):
+    __doc__ = args_doc(_TrainingArguments, TrainingArgumentsMixin)
 
-    def __post_init__(self):
-        self._validate_generation_eval()
-        super().__post_init__()
+
+@dataclass
+class Seq2SeqTrainingArguments(TrainingArgumentsMixin, _Seq2SeqTrainingArguments, GenerationEvalArguments):
+    __doc__ = args_doc(_Seq2SeqTrainingArguments, TrainingArgumentsMixin, GenerationEvalArguments)

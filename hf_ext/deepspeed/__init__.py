@@ -3,7 +3,13 @@
 at once with its fix."""
 
 from ..errors import Change, DeepSpeedConfigError, Problem
-from .callbacks import ResolvedDeepSpeedConfigCallback, attach_to_trainer, reopen_step_keys, write_resolved_config
+from .callbacks import (
+    ResolvedDeepSpeedConfigCallback,
+    add_resolved_config_callback,
+    fill_model_keys_on_trainer,
+    reopen_step_keys,
+    write_resolved_config,
+)
 from .load import PRESET_DIR, PRESETS, preset_path
 from .resolve import (
     RESOLVED_CONFIG_NAME,
@@ -23,7 +29,8 @@ __all__ = [
     "Problem",
     "Resolution",
     "ResolvedDeepSpeedConfigCallback",
-    "attach_to_trainer",
+    "add_resolved_config_callback",
+    "fill_model_keys_on_trainer",
     "explain_deepspeed_config",
     "fill_model_keys",
     "load_deepspeed_config",

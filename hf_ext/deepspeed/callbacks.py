@@ -54,18 +54,34 @@ class ResolvedDeepSpeedConfigCallback(TrainerCallback):
         logger.info(f"Resolved DeepSpeed config written to {path}")
 
 
-def attach_to_trainer(trainer) -> None:
-    """Finish an hf-ext resolved config once the trainer has its model: fill the hidden-size based ``"auto"`` keys
-    (integers) in the config the engine will start from, and write the resolved file at train start."""
+def _plugin(trainer):
+    return getattr(getattr(getattr(trainer, "accelerator", None), "state", None), "deepspeed_plugin", None)
+
+
+def fill_model_keys_on_trainer(trainer) -> None:
+    """Fill the hidden-size based ``"auto"`` keys (integers) of an hf-ext resolved config in the config the engines
+    will start from, once the trainer has its model and its accelerator.
+
+    Called where the accelerator is created, before a Trainer subclass can start an engine of its own from that config
+    (TRL's ``DPOTrainer`` prepares its reference model in ``__init__``), and again after ``__init__`` for a model from
+    ``model_init``. Only ``"auto"`` values are filled, so a second call changes nothing.
+    """
     resolution = getattr(trainer.args, "deepspeed_resolution", None)
-    plugin = getattr(getattr(trainer, "accelerator", None), "state", None)
-    plugin = getattr(plugin, "deepspeed_plugin", None)
-    if resolution is None or plugin is None:
+    plugin = _plugin(trainer)
+    if resolution is None or plugin is None or getattr(trainer, "model", None) is None:
         return
     changes = fill_model_keys(plugin.hf_ds_config.config, trainer.model)
     resolution.changes += changes
     for change in changes:
         logger.info(f"DeepSpeed {change.key} = {change.value} ({change.source})")
+
+
+def add_resolved_config_callback(trainer) -> None:
+    """Finish an hf-ext resolved config on a built trainer: the model keys (a ``model_init`` model), and the resolved
+    file written at train start."""
+    if getattr(trainer.args, "deepspeed_resolution", None) is None or _plugin(trainer) is None:
+        return
+    fill_model_keys_on_trainer(trainer)
     if not any(isinstance(cb, ResolvedDeepSpeedConfigCallback) for cb in trainer.callback_handler.callbacks):
         trainer.add_callback(ResolvedDeepSpeedConfigCallback())
 
@@ -79,7 +95,7 @@ def reopen_step_keys(trainer) -> None:
     explicit values are never touched.
     """
     resolution = getattr(trainer.args, "deepspeed_resolution", None)
-    plugin = getattr(getattr(getattr(trainer, "accelerator", None), "state", None), "deepspeed_plugin", None)
+    plugin = _plugin(trainer)
     if resolution is None or plugin is None:
         return
     config = plugin.hf_ds_config.config

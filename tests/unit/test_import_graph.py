@@ -148,7 +148,7 @@ FEATURE_EDGES = {
 }
 #: the settings (every hf-ext setting a field; YAML + flags), and what composes everything
 SETTINGS = {"training_args", "config_args"}
-COMPOSITION = {"trainer", "cli"}
+COMPOSITION = {"trainer", "trl", "cli"}
 DOC = ROOT / "docs" / "architecture.md"
 BEGIN, END = "<!-- import-graph: begin (written by tests/unit/test_import_graph.py) -->", "<!-- import-graph: end -->"
 

@@ -395,7 +395,7 @@ PINS = [
         "built on a tiny Llama", "hf_ext/model_info.py, hf_ext/saving/export.py, hf_ext/saving/writer.py "
         "tied_target_keys, hf_ext/fsdp/engine.py wrap_repeated_layers", from_config_and_tied_keys),
     Pin("transformers", "Trainer.model_accepts_loss_kwargs", "source lines (Trainer.__init__)",
-        "hf_ext/trainer.py _HfExtTrainerMixin.__init__",
+        "hf_ext/trainer.py TrainerMixin.__init__",
         source_has(f"{T}.__init__", "self.model_accepts_loss_kwargs = ")),
     Pin("transformers", "TrainingArguments.fsdp_plugin_args", "source lines (__post_init__)",
         "hf_ext/fsdp/engine.py _requested_plugin",
