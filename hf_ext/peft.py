@@ -244,6 +244,11 @@ def _ensure_optimizer_state(optimizer, step: int) -> None:
         state["step"] = torch.tensor(float(step))
         for key in OPTIMIZER_STATE_KEYS:
             state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    # ZeRO-1/2 link each parameter's view of that state (what safe_set_full_optimizer_state writes through) at the
+    # first step only: before one, link them now (a no-op once linked)
+    link = getattr(wrapper, "_lazy_init_hp_params_optimizer_state", None)
+    if callable(link):
+        link()
 
 
 def _copy_full(target: torch.Tensor, value: torch.Tensor) -> None:

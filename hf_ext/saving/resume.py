@@ -280,8 +280,11 @@ def plan_resume(trainer, resume_from_checkpoint) -> ResumePlan:
         return ResumePlan()
     path = Path(found)
     with shared_outcome(f"reading {path} to resume from"):  # each rank reads it on its own
-        if is_trainable_state_checkpoint(path):
-            return ResumePlan("peft", path, path)  # the trainable state by name, for any world size
+        if is_trainable_state_checkpoint(path):  # the trainable state by name, for any world size
+            written = read_marked_checkpoint(path)
+            if written is None or written.world_size == args.world_size:
+                return ResumePlan("peft", path, path)
+            return ResumePlan("peft", path, path, written, *global_batch(args, written))
         fsdp = getattr(trainer, "is_fsdp_enabled", False)
         if not fsdp and not getattr(trainer, "is_deepspeed_enabled", False):
             return ResumePlan("as_written", path, path)
@@ -323,6 +326,9 @@ def apply_resume_plan(trainer, plan: ResumePlan) -> None:
                 f"{args.world_size}: loaded from the DeepSpeed universal checkpoint {plan.load_from.name} "
                 f"({plan.took}, {size:.0f} MiB); {plan.batch}."
             )
+    elif plan.kind == "peft" and plan.written_on is not None and args.should_save:
+        logger.info(f"Resuming {plan.checkpoint.name} (trainable state by name, written on "
+                    f"{_ranks(plan.written_on.world_size)}) on {args.world_size}: {plan.batch}.")  # fmt: skip
     elif plan.kind == "fsdp_reshard" and args.should_save:
         logger.info(f"Resuming {plan.checkpoint.name} (written on {plan.written_on.world_size} ranks) on "
                     f"{args.world_size}: the FSDP shards are resharded as they load; {plan.batch}.")  # fmt: skip

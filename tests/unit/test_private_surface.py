@@ -57,6 +57,13 @@ What is touched, and why no public hook does it:
   ``hf_ext.deepspeed.resolve``) and ``DeepSpeedPlugin.__post_init__`` (mirrored by ``hf_ext.deepspeed.load`` for an
   accelerate YAML): hf-ext resolves a config before the Trainer exists, the way these fill it once it does, so that
   every mismatch is reported at once and nothing ``"auto"`` is left.
+* TRL (``hf_ext/trl.py``): ``prepare_deepspeed`` deep-copies the trainer's DeepSpeed config for DPO's and KTO's
+  reference model inside their ``__init__``, so hf-ext completes that config where the accelerator is created;
+  ``_BaseConfig.__post_init__`` decides ``bf16`` after hf-ext has resolved the config, so hf-ext applies the same
+  default first; each trainer's ``_save_checkpoint`` adds a model card before the stock one, which hf-ext replaces,
+  so hf-ext writes the card itself.
+* DeepSpeed ZeRO-1/2's ``_lazy_init_hp_params_optimizer_state`` (``hf_ext.peft``): the parameters' views of the
+  optimizer state are linked at the first step only; a PEFT resume writes the state through them before one.
 * ``DeepSpeedPlugin.hf_ds_config`` (``hf_ext.deepspeed.callbacks``, ``hf_ext.saving.resume``): the config dict the
   engine starts from, filled once the model exists; ``HfTrainerDeepSpeedConfig.mismatches`` (``hf_ext.training_args``):
   stock's list of config/argument conflicts, raised as hf-ext's error.
@@ -463,10 +470,34 @@ PINS = [
                source_has("deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3",
                           "self.optimizer = init_optimizer", "self.fp32_partitioned_groups_flat = []",
                           "self.optimizer.state[self.fp32_partitioned_groups_flat[i]]"))),
+    Pin("deepspeed", "DeepSpeedZeroOptimizer._lazy_init_hp_params_optimizer_state", "signature; source lines",
+        "hf_ext/peft.py _ensure_optimizer_state (ZeRO-1/2 link the parameters' views of the optimizer state at the "
+        "first step only; a PEFT resume writes through them before one)",
+        all_of(signature("deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer._lazy_init_hp_params_optimizer_state",
+                         ["self"]),
+               source_has("deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer._lazy_init_hp_params_optimizer_state",
+                          "if not self._hp_optimizer_states_linked:", "self._hp_optimizer_states_linked = True"))),
     Pin("deepspeed", "cdb.shm_comm_op and the shm workspace name", "module global; TorchBackend and shm.cpp source",
         "hf_ext/runtime.py release_deepspeed_shm_names, _deepspeed_shm_path", shm_comm_op_and_name),
     Pin("deepspeed", "LR schedulers' last_batch_iteration", "WarmupLR built and stepped", "hf_ext/schedule.py scheduled_lrs",
         deepspeed_scheduler_step),
+    # TRL (hf_ext/trl.py)
+    Pin("trl", "prepare_deepspeed copies the trainer's DeepSpeed config; DPOTrainer/KTOTrainer call it in __init__",
+        "source lines", "hf_ext/trl.py, hf_ext/trainer.py create_accelerator_and_postprocess (the config is complete "
+        "before TRL copies it)",
+        all_of(source_has("trl.models.utils:prepare_deepspeed",
+                          "config_kwargs = deepcopy(deepspeed_plugin.deepspeed_config)"),
+               source_has("trl.trainer.dpo_trainer:DPOTrainer.__init__",
+                          "self.ref_model = prepare_deepspeed(self.ref_model, self.accelerator)"),
+               source_has("trl.trainer.kto_trainer:KTOTrainer.__init__",
+                          "self.ref_model = prepare_deepspeed(self.ref_model, self.accelerator)"))),
+    Pin("trl", "_BaseConfig.__post_init__ (bf16 default)", "source lines", "hf_ext/trl.py _TrlConfig.__post_init__",
+        source_has("trl.trainer.base_config:_BaseConfig.__post_init__",
+                   "self.bf16 = not (self.fp16) if self.bf16 is None else self.bf16")),
+    Pin("trl", "SFTTrainer / DPOTrainer / KTOTrainer._save_checkpoint", "source sha256",
+        "hf_ext/trl.py _TrlTrainer._save_checkpoint (does what they add: the model card)",
+        all_of(*(source_hash(f"trl:{name}._save_checkpoint",
+                             "b6ee0a370c266b6f6ada183d32719e4f689ac7a54086c1ec40a69a79e79921c6") for name in ("SFTTrainer", "DPOTrainer", "KTOTrainer")))),
     # torch, argparse
     Pin("torch", "profile().profiler.kineto_results", "a profile of one allocation", "hf_ext/memory/probe.py PeakTensorBytes",
         profiler_memory_events),

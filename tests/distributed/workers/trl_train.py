@@ -1,0 +1,132 @@
+"""Train the tiny chat model with TRL's SFTTrainer or DPOTrainer, stock and hf-ext's, on the same rows, seed and
+DeepSpeed config, and leave what the tests compare.
+
+    deepspeed --num_gpus 2 tests/distributed/workers/trl_train.py --trainer sft|dpo --stage 2|3 [--lora]
+        --model DIR --out DIR [--resume CHECKPOINT --accum 2]
+
+Without --resume, one launch trains stock TRL first, then hf-ext's trainer, each for 4 steps of 2 rows per rank:
+``stock.json`` / ``hf_ext.json`` hold the per-step losses, hf-ext's run writes ``checkpoint-2`` and its final save
+into ``hf_ext/``, and ``hf_ext.pt`` holds its gathered weights (rank 0). Stock TRL gets the config hf-ext resolved
+(every model-dependent ``"auto"`` filled; the step-count keys stay ``"auto"`` for transformers to fill, as it does).
+With --resume (one rank), hf-ext's trainer resumes that checkpoint and finishes the 4 steps: ``resumed.json`` and
+``resumed.pt``. Dropout is off so that runs on different world sizes compare within float tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+from pathlib import Path
+
+import deepspeed
+import torch
+import trl
+from datasets import Dataset
+from peft import LoraConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+import hf_ext.trl
+from tests.saving_support import gathered_state_dict
+
+WORDS = "apple river cloud music garden winter coffee books train sunny dog guitar ocean movie paint soup".split()
+STEPS, SAVE_AT, ROWS = 4, 2, 16
+
+
+def rows(kind: str) -> Dataset:
+    """16 conversational rows: a question about a word, a reply that names it (chosen) or does not (rejected)."""
+    out = []
+    for word in WORDS[:ROWS]:
+        prompt = [{"role": "user", "content": f"What do you think about {word}?"}]
+        chosen = [{"role": "assistant", "content": f"I really like {word}, it reminds me of home."}]
+        rejected = [{"role": "assistant", "content": "No."}]
+        if kind == "sft":
+            out.append({"prompt": prompt, "completion": chosen})
+        else:
+            out.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
+    return Dataset.from_list(out)
+
+
+def common_args(opts, out: str, accum: int) -> dict:
+    return dict(
+        output_dir=out, report_to=[], seed=0, max_steps=STEPS, per_device_train_batch_size=2,
+        gradient_accumulation_steps=accum, logging_steps=1, bf16=False, learning_rate=1e-2 if opts.lora else 1e-3,
+        save_strategy="steps", save_steps=SAVE_AT, disable_tqdm=True, max_length=64, activation_checkpointing=False,
+        dataloader_drop_last=True, use_cpu=not torch.cuda.is_available(),  # stock on CPU ranks needs it said
+    )  # fmt: skip
+
+
+def build(opts, module, out: str, deepspeed, accum: int = 1):
+    """The trainer of ``module`` (``trl`` or ``hf_ext.trl``) for ``opts.trainer``, with its own fresh model."""
+    config_class = module.SFTConfig if opts.trainer == "sft" else module.DPOConfig
+    trainer_class = module.SFTTrainer if opts.trainer == "sft" else module.DPOTrainer
+    args = config_class(deepspeed=deepspeed, **common_args(opts, out, accum))
+    model = AutoModelForCausalLM.from_pretrained(opts.model, attn_implementation="eager")
+    peft_config = (
+        LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]) if opts.lora else None
+    )
+    tokenizer = AutoTokenizer.from_pretrained(opts.model)
+    return trainer_class(model=model, args=args, train_dataset=rows(opts.trainer), processing_class=tokenizer,
+                         peft_config=peft_config)  # fmt: skip
+
+
+def losses(trainer) -> dict[int, float]:
+    return {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
+
+
+def write(trainer, path: Path, extra: dict | None = None) -> None:
+    state = gathered_state_dict(trainer.model)  # every rank takes part in the gather
+    if trainer.args.process_index == 0:
+        torch.save({k: v.float().cpu() for k, v in state.items()}, path.with_suffix(".pt"))
+        info = {"losses": losses(trainer), "world_size": trainer.args.world_size, **(extra or {})}
+        path.with_suffix(".json").write_text(json.dumps(info, indent=1))
+
+
+def release() -> None:
+    unset_hf_deepspeed_config()
+    gc.collect()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--trainer", choices=["sft", "dpo"], required=True)
+    parser.add_argument("--stage", type=int, choices=[2, 3], required=True)
+    parser.add_argument("--lora", action="store_true")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--resume", default=None)
+    parser.add_argument("--accum", type=int, default=1)
+    parser.add_argument("--local_rank", type=int, default=-1)
+    opts = parser.parse_args()
+    out = Path(opts.out)
+
+    if opts.resume:
+        # the 2-rank run's command line, on this world size: hf-ext keeps the global batch by itself
+        trainer = build(opts, hf_ext.trl, str(out / "hf_ext"), f"zero{opts.stage}")
+        trainer.train(resume_from_checkpoint=opts.resume)
+        write(trainer, out / "resumed", {"accumulation": trainer.args.gradient_accumulation_steps})
+        return
+
+    hf = build(opts, hf_ext.trl, str(out / "hf_ext"), f"zero{opts.stage}")
+    # the config the engines start from, every model-dependent "auto" filled (the step keys are filled at train start)
+    resolved = copy.deepcopy(hf.accelerator.state.deepspeed_plugin.hf_ds_config.config)
+    reference = getattr(hf, "ref_model", None)  # DPO: TRL's own engine for the reference model
+    reference_config = reference.config if isinstance(reference, deepspeed.DeepSpeedEngine) else None
+    hf.train()
+    hf.save_model()
+    write(hf, out / "hf_ext", {
+        "resolved": resolved,
+        "reference_engine_config": reference_config,
+    })  # fmt: skip
+    del hf, reference
+    release()
+
+    stock = build(opts, trl, str(out / "stock"), copy.deepcopy(resolved))
+    stock.train()
+    write(stock, out / "stock")
+
+
+if __name__ == "__main__":
+    main()
