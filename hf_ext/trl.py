@@ -49,6 +49,15 @@ class _TrlConfig(TrainingArgumentsMixin):
 
 
 class _TrlTrainer(TrainerMixin):
+    def __init__(self, model, *args, **kwargs):
+        if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+            raise ValueError(
+                f"{type(self).__name__} trains decoder-only models only (TRL {trl.__version__}), and "
+                f"{type(model).__name__} is an encoder-decoder. Fine-tune it with hf_ext.Seq2SeqTrainer on the chosen "
+                "(or edited) replies: recipes/blenderbot.py does (docs/trl.md)."
+            )
+        super().__init__(model, *args, **kwargs)
+
     def _save_checkpoint(self, model, trial):
         # what TRL's own _save_checkpoint adds before the stock one: the model card, named after the run
         name = Path(self.args.output_dir).name if self.args.hub_model_id is None else self.args.hub_model_id

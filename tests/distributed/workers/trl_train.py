@@ -62,14 +62,16 @@ def build(opts, module, out: str, deepspeed, accum: int = 1):
     """The trainer of ``module`` (``trl`` or ``hf_ext.trl``) for ``opts.trainer``, with its own fresh model."""
     config_class = module.SFTConfig if opts.trainer == "sft" else module.DPOConfig
     trainer_class = module.SFTTrainer if opts.trainer == "sft" else module.DPOTrainer
-    args = config_class(deepspeed=deepspeed, **common_args(opts, out, accum))
+    # hf-ext's trainers take the config by their own keyword, as a user writes Trainer(..., deepspeed="zero3")
+    keyword = {"deepspeed": deepspeed} if module is hf_ext.trl else {}
+    args = config_class(deepspeed=None if keyword else deepspeed, **common_args(opts, out, accum))
     model = AutoModelForCausalLM.from_pretrained(opts.model, attn_implementation="eager")
     peft_config = (
         LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]) if opts.lora else None
     )
     tokenizer = AutoTokenizer.from_pretrained(opts.model)
     return trainer_class(model=model, args=args, train_dataset=rows(opts.trainer), processing_class=tokenizer,
-                         peft_config=peft_config)  # fmt: skip
+                         peft_config=peft_config, **keyword)  # fmt: skip
 
 
 def losses(trainer) -> dict[int, float]:

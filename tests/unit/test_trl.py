@@ -1,0 +1,103 @@
+"""hf_ext.trl's classes built on TRL's own (no training: the 2-rank runs are tests/distributed/test_trl.py)."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import pytest
+import torch
+import transformers
+import trl
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import hf_ext
+import hf_ext.trl
+
+
+@pytest.fixture(scope="module")
+def chat(tiny_chat_model_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_chat_model_dir), AutoTokenizer.from_pretrained(
+        tiny_chat_model_dir
+    )
+
+
+def preference_rows() -> Dataset:
+    return Dataset.from_list([{"prompt": "Hi", "chosen": " Hello!", "rejected": " No."}] * 4)
+
+
+def test_configs_take_trls_bf16_default_and_checkpointing_without_a_deprecation(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # stock TRL's configs warn about their own `gradient_checkpointing` default
+        ours = hf_ext.trl.DPOConfig(output_dir=str(tmp_path), report_to=[])
+    stock = trl.DPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=not torch.cuda.is_available())
+    assert ours.bf16 is stock.bf16 is True  # TRL's default: bf16 unless fp16
+    assert ours.activation_checkpointing == stock.activation_checkpointing is True
+    assert hf_ext.trl.DPOConfig(output_dir=str(tmp_path), report_to=[], fp16=True, use_cpu=True).bf16 is False
+    # the TRL fields and the hf-ext fields, on one class
+    assert ours.beta == stock.beta and ours.save_gather_size == "256MiB"
+    assert isinstance(ours, trl.DPOConfig) and isinstance(ours, hf_ext.TrainingArgumentsMixin)
+
+
+def test_sft_config_carries_the_generation_eval_settings(tmp_path):
+    config = hf_ext.trl.SFTConfig(output_dir=str(tmp_path), report_to=[], generation_batch_size=3)
+    assert config.generation_eval is True and config.generation_batch_size == 3
+    with pytest.raises(ValueError, match="generation_batch_size"):
+        hf_ext.trl.SFTConfig(output_dir=str(tmp_path), report_to=[], generation_batch_size=0)
+
+
+def test_stock_config_passed_in_the_position_of_args_becomes_hf_exts(chat, tmp_path):
+    # DPOTrainer(model, ref_model, args, ...): args is third, found by name in TRL's signature
+    model, tokenizer = chat
+    stock = trl.DPOConfig(output_dir=str(tmp_path), report_to=[], bf16=False, beta=0.3, max_steps=1)
+    trainer = hf_ext.trl.DPOTrainer(model, None, stock, train_dataset=preference_rows(), processing_class=tokenizer)
+    assert type(trainer.args) is hf_ext.trl.DPOConfig
+    assert trainer.args.beta == 0.3 and trainer.args.max_steps == 1
+    assert any(isinstance(cb, hf_ext.MemoryPlanCallback) for cb in trainer.callback_handler.callbacks)
+
+
+def test_an_encoder_decoder_model_is_refused_in_one_line(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForSeq2SeqLM
+
+    model = AutoModelForSeq2SeqLM.from_pretrained(tiny_model_dir)
+    with pytest.raises(ValueError, match=r"decoder-only models only .* hf_ext\.Seq2SeqTrainer") as err:
+        hf_ext.trl.SFTTrainer(model, args=hf_ext.trl.SFTConfig(output_dir=str(tmp_path), report_to=[]),
+                              train_dataset=Dataset.from_list([{"text": "hi"}]))  # fmt: skip
+    assert "\n" not in str(err.value)
+
+
+def test_a_subclass_whose_base_adds_to_a_replaced_method_is_refused():
+    class Base(transformers.Trainer):
+        def save_model(self, *args, **kwargs):
+            return super().save_model(*args, **kwargs)
+
+    with pytest.raises(TypeError, match=r"Base\.save_model would be skipped"):
+
+        class Mine(hf_ext.TrainerMixin, Base):
+            pass
+
+    class Merged(hf_ext.TrainerMixin, Base):  # merging it itself is fine
+        def save_model(self, *args, **kwargs):
+            return super().save_model(*args, **kwargs)
+
+
+def test_own_subclass_with_the_public_mixins(chat, tmp_path):
+    """What docs/trl.md shows for any other Trainer subclass: the two mixins, nothing else."""
+
+    @dataclass
+    class MyConfig(hf_ext.TrainingArgumentsMixin, trl.KTOConfig):
+        pass
+
+    class MyKTO(hf_ext.TrainerMixin, trl.KTOTrainer):
+        args_class = MyConfig
+
+        def _save_checkpoint(self, model, trial):  # KTOTrainer's own adds a model card first
+            self.create_model_card(model_name="mine")
+            super()._save_checkpoint(model, trial)
+
+    model, tokenizer = chat
+    rows = Dataset.from_list([{"prompt": "Hi", "completion": " Hello!", "label": bool(i % 2)} for i in range(4)])
+    trainer = MyKTO(model, args=trl.KTOConfig(output_dir=str(tmp_path), report_to=[], bf16=False),
+                    train_dataset=rows, processing_class=tokenizer)  # fmt: skip
+    assert type(trainer.args) is MyConfig and trainer.args.save_max_shard_size == "5GB"
