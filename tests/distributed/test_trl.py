@@ -4,6 +4,7 @@ Each case is one 2-rank launch (stock TRL, then ``hf_ext.trl``, on the same rows
 and one 1-rank launch that resumes hf-ext's step-2 checkpoint with the same command line. The cases cover both
 stages, both trainers, full and LoRA fine-tuning, and DPO's two reference models: under full fine-tuning TRL starts
 an engine of its own for it from the trainer's config; under LoRA the reference is the model with its adapter off.
+SFT also runs under FSDP2 (hf-ext shards on CPU ranks, where stock accelerate drops FSDP) against stock TRL on DDP.
 
 Tolerances: stock and hf-ext run the same engine on the same config, rows and seed, and hf-ext adds nothing inside a
 step, so their per-step losses are compared for equality. A resume on 1 rank with 2 accumulation steps computes the
@@ -141,3 +142,30 @@ def test_dpo_reference_engine_starts_from_the_resolved_config(launched):
     assert "optimizer" not in reference and "scheduler" not in reference
     for key in ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
         assert isinstance(reference["zero_optimization"][key], int)
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tiny_chat_model_dir, tmp_path_factory):
+    """hf-ext's SFTTrainer under FSDP2 full shard, and stock TRL under plain DDP: 2 torchrun ranks each."""
+    out = tmp_path_factory.mktemp("sft_fsdp")
+    for engine in ("fsdp", "ddp"):
+        run([*launcher_cmd("torchrun", SCRIPT, nproc=2), "--engine", engine, "--trainer", "sft",
+             "--model", str(tiny_chat_model_dir), "--out", str(out)])  # fmt: skip
+    return out
+
+
+def test_sft_under_fsdp2_shards_and_trains_like_stock_ddp(fsdp_runs):
+    """CPU ranks: stock accelerate drops FSDP there, hf-ext shards every parameter. DDP all-reduces the gradients
+    where FSDP2 reduce-scatters them: the same sums in another order, a few ulps apart (the tolerance above)."""
+    fsdp, ddp = (json.loads((fsdp_runs / f"{name}.json").read_text()) for name in ("fsdp", "ddp"))
+    assert fsdp["dtensors"] == fsdp["parameters"] > 0 and ddp["dtensors"] == 0
+    assert fsdp["losses"].keys() == ddp["losses"].keys() == {"1", "2", "3", "4"}
+    for step, loss in ddp["losses"].items():
+        assert fsdp["losses"][step] == pytest.approx(loss, abs=1e-5)
+    trained = torch.load(fsdp_runs / "fsdp.pt")
+    assert max_difference(trained, torch.load(fsdp_runs / "ddp.pt")) < TOLERANCE
+
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(fsdp_runs / "fsdp")
+    assert max_difference({n: p.detach() for n, p in saved.named_parameters(remove_duplicate=False)}, trained) == 0

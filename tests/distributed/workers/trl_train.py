@@ -9,7 +9,8 @@ Without --resume, one launch trains stock TRL first, then hf-ext's trainer, each
 into ``hf_ext/``, and ``hf_ext.pt`` holds its gathered weights (rank 0). Stock TRL gets the config hf-ext resolved
 (every model-dependent ``"auto"`` filled; the step-count keys stay ``"auto"`` for transformers to fill, as it does).
 With --resume (one rank), hf-ext's trainer resumes that checkpoint and finishes the 4 steps: ``resumed.json`` and
-``resumed.pt``. Dropout is off so that runs on different world sizes compare within float tolerance.
+``resumed.pt``. With --engine fsdp (torchrun), hf-ext's trainer with FSDP2 full shard; with --engine ddp, stock TRL
+with plain DDP: ``fsdp.*`` / ``ddp.*`` and the final saves in those folders. Dropout is off so that runs on different world sizes compare within float tolerance.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 import trl
 from datasets import Dataset
 from peft import LoraConfig
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
@@ -58,13 +60,13 @@ def common_args(opts, out: str, accum: int) -> dict:
     )  # fmt: skip
 
 
-def build(opts, module, out: str, deepspeed, accum: int = 1):
+def build(opts, module, out: str, deepspeed, accum: int = 1, fsdp: str = ""):
     """The trainer of ``module`` (``trl`` or ``hf_ext.trl``) for ``opts.trainer``, with its own fresh model."""
     config_class = module.SFTConfig if opts.trainer == "sft" else module.DPOConfig
     trainer_class = module.SFTTrainer if opts.trainer == "sft" else module.DPOTrainer
     # hf-ext's trainers take the config by their own keyword, as a user writes Trainer(..., deepspeed="zero3")
     keyword = {"deepspeed": deepspeed} if module is hf_ext.trl else {}
-    args = config_class(deepspeed=None if keyword else deepspeed, **common_args(opts, out, accum))
+    args = config_class(deepspeed=None if keyword else deepspeed, fsdp=fsdp, **common_args(opts, out, accum))
     model = AutoModelForCausalLM.from_pretrained(opts.model, attn_implementation="eager")
     peft_config = (
         LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]) if opts.lora else None
@@ -94,7 +96,13 @@ def release() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--trainer", choices=["sft", "dpo"], required=True)
-    parser.add_argument("--stage", type=int, choices=[2, 3], required=True)
+    parser.add_argument("--stage", type=int, choices=[2, 3], default=3)
+    parser.add_argument(
+        "--engine",
+        choices=["deepspeed", "fsdp", "ddp"],
+        default="deepspeed",
+        help="fsdp: hf-ext's trainer with FSDP2 full shard; ddp: stock TRL with plain DDP (torchrun)",
+    )
     parser.add_argument("--lora", action="store_true")
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
@@ -103,6 +111,16 @@ def main() -> None:
     parser.add_argument("--local_rank", type=int, default=-1)
     opts = parser.parse_args()
     out = Path(opts.out)
+
+    if opts.engine != "deepspeed":  # one run, under torchrun
+        module = hf_ext.trl if opts.engine == "fsdp" else trl
+        trainer = build(opts, module, str(out / opts.engine), None, fsdp="full_shard" if opts.engine == "fsdp" else "")
+        trainer.train()
+        trainer.save_model()
+        parameters = list(trainer.model_wrapped.parameters())
+        write(trainer, out / opts.engine, {"dtensors": sum(isinstance(p, DTensor) for p in parameters),
+                                           "parameters": len(parameters)})  # fmt: skip
+        return
 
     if opts.resume:
         # the 2-rank run's command line, on this world size: hf-ext keeps the global batch by itself
