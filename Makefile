@@ -10,7 +10,7 @@ STAMP := $(VENV)/.hf-ext-installed
 DEMO_DIR ?= runs/demo
 NPROC ?= 2
 
-.PHONY: setup demo demo-blenderbot serve space test test-fast lint clean browser
+.PHONY: setup demo demo-blenderbot serve space test test-fast test-gpu lint clean browser
 
 setup: $(STAMP)
 
@@ -54,10 +54,14 @@ browser:
 
 # every tier (unit, integration, distributed, app) and the benchmarks' own tests; the browser note comes last
 test: setup browser
-	@status=0; $(BIN)/python -m pytest tests benchmarks/tests || status=$$?; \
+	@status=0; $(BIN)/python -m pytest tests benchmarks/tests --ignore=tests/gpu || status=$$?; \
 	if [ ! -x /usr/bin/chromium ]; then \
 		echo; echo "NOTE: /usr/bin/chromium is missing, so the Chat-E browser test was SKIPPED (see 'make browser')."; \
 	fi; exit $$status
+
+# the GPU tier, on a machine with a CUDA GPU only (make test never runs it): make TORCH="... cu128 index" test-gpu
+test-gpu: setup
+	$(BIN)/python -m pytest tests/gpu -s
 
 # the unit tier: no training, no subprocess (well under a minute)
 test-fast: setup

@@ -15,6 +15,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+#: the GPU tier runs where a GPU is (``make test-gpu``); a CPU run does not collect it (``make test`` leaves it out too)
+collect_ignore = [] if _has_cuda() else ["gpu"]
 BIN = Path(sys.executable).parent
 RECIPE = ROOT / "recipes" / "blenderbot.py"
 TINY_YAML = ROOT / "recipes" / "configs" / "tiny.yaml"

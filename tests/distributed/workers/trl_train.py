@@ -54,7 +54,7 @@ def rows(kind: str) -> Dataset:
 def common_args(opts, out: str, accum: int) -> dict:
     return dict(
         output_dir=out, report_to=[], seed=0, max_steps=STEPS, per_device_train_batch_size=2,
-        gradient_accumulation_steps=accum, logging_steps=1, bf16=False, learning_rate=1e-2 if opts.lora else 1e-3,
+        gradient_accumulation_steps=accum, logging_steps=1, bf16=opts.bf16, learning_rate=1e-2 if opts.lora else 1e-3,
         save_strategy="steps", save_steps=SAVE_AT, disable_tqdm=True, max_length=64, activation_checkpointing=False,
         dataloader_drop_last=True, use_cpu=not torch.cuda.is_available(),  # stock on CPU ranks needs it said
     )  # fmt: skip
@@ -104,6 +104,7 @@ def main() -> None:
         help="fsdp: hf-ext's trainer with FSDP2 full shard; ddp: stock TRL with plain DDP (torchrun)",
     )
     parser.add_argument("--lora", action="store_true")
+    parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (the GPU tier); fp32 otherwise")
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--resume", default=None)
