@@ -101,3 +101,34 @@ def test_own_subclass_with_the_public_mixins(chat, tmp_path):
     trainer = MyKTO(model, args=trl.KTOConfig(output_dir=str(tmp_path), report_to=[], bf16=False),
                     train_dataset=rows, processing_class=tokenizer)  # fmt: skip
     assert type(trainer.args) is MyConfig and trainer.args.save_max_shard_size == "5GB"
+
+
+@pytest.mark.parametrize("given", ["zero3", "file", "auto"])
+def test_trl_configs_resolve_every_deepspeed_form(given, tiny_chat_model_dir, tmp_path, no_global_deepspeed_config):
+    """A preset, a JSON file full of "auto", and "auto" itself (the memory planner picks the stage and the micro-batch):
+    DeepSpeed's own parser takes the result, with the batch arithmetic of this world."""
+    import json
+
+    from ..conftest import walk
+    from ..ds_support import deepspeed_accepts
+
+    extra = {}
+    if given == "file":
+        path = tmp_path / "ds.json"
+        path.write_text(json.dumps({
+            "bf16": {"enabled": "auto"}, "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+            "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto"},
+            "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto",
+        }))  # fmt: skip
+        given = str(path)
+    elif given == "auto":
+        extra = dict(per_device_train_batch_size="auto", plan_model=str(tiny_chat_model_dir), plan_seq_len=16,
+                     memory_per_device="4GB")  # fmt: skip
+    config = hf_ext.trl.DPOConfig(output_dir=str(tmp_path), report_to=[], bf16=False, deepspeed=given, **extra)
+    resolved = config.deepspeed
+    deepspeed_accepts(resolved, world_size=1)
+    assert resolved["train_micro_batch_size_per_gpu"] == config.per_device_train_batch_size >= 1
+    deferred = {c.key for c in config.deepspeed_resolution.changes if c.action == "deferred"}
+    assert {key for key, value in walk(resolved) if value == "auto"} <= deferred  # the model's keys, at the trainer
+    if extra:
+        assert config.memory_plan is not None
