@@ -95,10 +95,11 @@ def preference_rows(n: int, tokenizer, seq_len: int) -> list[dict]:
 # --- both paths' configs and trainers -----------------------------------------------------------------------------
 
 
-def trl_arguments(trainer: str, path: str, output_dir: str, opts, deepspeed, **extra):
+def trl_arguments(trainer: str, path: str, output_dir: str, opts, deepspeed, prepare: bool = True, **extra):
     """The config and trainer class of ``trainer`` (sft, dpo) on ``path`` (stock: TRL's own; hf-ext: hf_ext.trl's),
-    with the settings both paths share, and the seconds building the config took. fp32 on both (TRL's configs
-    default bf16 on); everything else TRL's defaults."""
+    with the settings both paths share, and the seconds building the config took (with ``prepare``, hf-ext's
+    process set-up included, as in a run). fp32 on both (TRL's configs default bf16 on); everything else TRL's
+    defaults."""
     import torch
     import trl
 
@@ -128,7 +129,8 @@ def trl_arguments(trainer: str, path: str, output_dir: str, opts, deepspeed, **e
         from hf_ext import trl as hf_trl
 
         args = getattr(hf_trl, f"{name}Config")(**common, **extra)
-        hf_ext.prepare_run(args)  # as the recipe does: threads and malloc set before the model loads
+        if prepare:  # as the recipe does: threads and malloc set before the model loads
+            hf_ext.prepare_run(args)
         trainer_class = getattr(hf_trl, f"{name}Trainer")
     return args, trainer_class, time.perf_counter() - started
 
@@ -138,7 +140,7 @@ def resolved_config(trainer: str, preset: str, model_dir: Path, opts, out: Path,
     with ``overrides`` (dotted keys) set, written as JSON to ``out``: the one config both paths get."""
     import hf_ext
 
-    args, _, _ = trl_arguments(trainer, "hf-ext", str(out.with_suffix("")), opts, None)
+    args, _, _ = trl_arguments(trainer, "hf-ext", str(out.with_suffix("")), opts, None, prepare=False)
     config = hf_ext.resolve_deepspeed_config(preset, args, model=model_dir, world_size=2)
     for dotted, value in overrides.items():
         *parents, key = dotted.split(".")
