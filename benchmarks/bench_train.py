@@ -98,7 +98,8 @@ def summarize(rows: list[dict], keys: tuple[str, ...] = ("size", "config")) -> l
         }
         if not group["stock"] or not group["hf-ext"]:
             continue
-        metrics = ("samples_per_s", "args_s", "engine_start_s", "system_s_per_step", "page_faults_per_step")
+        metrics = ("samples_per_s", "args_s", "engine_start_s", "user_s_per_step", "system_s_per_step",
+                   "page_faults_per_step")  # fmt: skip
         med = {p: {m: statistics.median(r[m] for r in g) for m in metrics} for p, g in group.items()}
         ratios = [h["samples_per_s"] / s["samples_per_s"] for s, h in zip(group["stock"], group["hf-ext"])]
         entry = {

@@ -289,7 +289,8 @@ def same_engine_config(segments: list[dict]) -> bool:
 def throughput_table(summary: list[dict], launches: dict) -> str:
     header = [
         "trainer", "model", "pairs of", "stock samples/s", "hf-ext samples/s", "hf-ext ÷ stock (medians)",
-        "per-pair ratios", "geometric mean (95% interval)", "engine start s (stock / hf-ext)",
+        "per-pair ratios", "geometric mean (95% interval)", "CPU s / step, user + system (stock / hf-ext)",
+        "engine start s (stock / hf-ext)",
         "hf-ext callbacks µs / step (share of a step)", "same engine config",
     ]  # fmt: skip
     rows = []
@@ -300,6 +301,7 @@ def throughput_table(summary: list[dict], launches: dict) -> str:
             f"{st['samples_per_s']:.2f}", f"{hf['samples_per_s']:.2f}", f"**{s['ratio']:.3f}**",
             ", ".join(f"{r:.3f}" for r in s["per_launch_ratios"]),
             f"{s['geomean_ratio']:.3f} ({s['ratio_ci95'][0]:.3f}–{s['ratio_ci95'][1]:.3f})",
+            f"{st['user_s_per_step'] + st['system_s_per_step']:.3f} / {hf['user_s_per_step'] + hf['system_s_per_step']:.3f}",
             f"{st['engine_start_s']:.1f} / {hf['engine_start_s']:.1f}",
             f"{s['hf_ext_hook_us_per_step']:.0f} ({s['hf_ext_hook_share_of_step']:.1e})",
             "yes" if launches[s["trainer"]]["same_engine_config"] else "**no**",

@@ -96,7 +96,7 @@ def test_summary_groups_by_trainer():
         return {"trainer": trainer, "size": "m", "config": "zero2", "path": path, "segment": segment,
                 "parameters": 10, "global_batch": 8, "samples_per_s": samples_per_s, "args_s": 0.1,
                 "engine_start_s": 1.0, "system_s_per_step": 0.0, "page_faults_per_step": 0.0,
-                "torch_threads": 1}  # fmt: skip
+                "user_s_per_step": 0.2, "torch_threads": 1}  # fmt: skip
 
     rows = [row("sft", "stock", 10.0, 0), row("sft", "hf-ext", 9.0, 1), row("dpo", "stock", 4.0, 0)]
     rows += [row("dpo", "hf-ext", 5.0, 1)]
