@@ -4,6 +4,7 @@ memory during a ZeRO-3 ``save_model``.
     python -m benchmarks.bench_trl throughput --trainers sft dpo --size chat-6m --steps 20 --repeats 3 \
         --out runs/bench/trl_throughput.json
     python -m benchmarks.bench_trl save --size chat-200m --max_shard_size 200MB --out runs/bench/trl_save.json
+    python -m benchmarks.bench_trl pool runs/bench/trl_throughput.json runs/bench/trl_throughput_run2.json
 
 Both subcommands first resolve the DeepSpeed preset once with hf-ext (``hf_ext.resolve_deepspeed_config`` against
 the trainer's hf-ext config, the model and 2 ranks) and write the resolved JSON: both paths get that same dict, no
@@ -19,6 +20,8 @@ pre-tokenized rows of ``--seq_len`` random token ids; DPO on prompt / chosen / r
 (``--seq_len`` ids per row, half prompt), its reference model loaded by TRL from the same checkpoint. Throughput is
 bench_train's: steady-state samples/s (a DPO sample is one preference pair) from the end of step ``--warmup`` on;
 the summary is bench_train's (medians, ratio hf-ext ÷ stock, per-pair ratios, geometric mean with its 95% interval).
+
+``pool``: the throughput summary over the segments of several throughput runs' JSON (pairs stay within their run).
 
 ``save``: bench_save's full-model measurement with TRL's SFT trainer under ZeRO-3 on 2 ranks
 (``stage3_gather_16bit_weights_on_model_save`` on): one fresh launch per path, each measured as soon as the engine
@@ -281,6 +284,18 @@ def throughput(opts, argv) -> dict:
     return harness.finish(report, throughput_table(summary, launches), opts.out)
 
 
+def pool(reports: list[dict]) -> tuple[list[dict], dict]:
+    """The throughput summary over the rows of several throughput ``reports`` (each run's pairs stay its own: a
+    run's stock and hf-ext rows are in segment order and equal in number), and whether each trainer's engine config
+    was the same in all of them' segments."""
+    rows = [row for report in reports for row in report["rows"]]
+    launches = {
+        trainer: {"same_engine_config": all(r["launches"][trainer]["same_engine_config"] for r in reports)}
+        for trainer in dict.fromkeys(row["trainer"] for row in rows)
+    }
+    return bench_train.summarize(rows, keys=("trainer", "size", "config")), launches
+
+
 def same_engine_config(segments: list[dict]) -> bool:
     """Whether every segment's engine, stock's and hf-ext's, ran with the same config."""
     return all(s["engine_config"] == segments[0]["engine_config"] for s in segments)
@@ -375,6 +390,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     run.add_argument("--warmup", type=int, default=2, help="steps left out of the throughput")
     run.add_argument("--repeats", type=int, default=3, help="stock / hf-ext pairs (2 × segments) per trainer")
     run.add_argument("--out", default="runs/bench/trl_throughput.json")
+    pooled = sub.add_parser("pool", help="the throughput summary over several throughput runs' JSON")
+    pooled.add_argument("reports", nargs="+", help="JSON files of throughput runs")
+    pooled.add_argument("--out", default=None, help="JSON file for the pooled summary")
     saving = sub.add_parser("save", help="rank 0's memory in a ZeRO-3 save_model, stock TRL vs hf_ext.trl")
     saving.add_argument("--size", default="chat-200m", help="chat-tiny or a CHAT_BENCH_SIZES name")
     saving.add_argument("--max_shard_size", default="200MB")
@@ -385,6 +403,12 @@ def main(argv: list[str] | None = None) -> dict | None:
     opts = parser.parse_args(argv)
     if opts.bench == "throughput":
         return throughput(opts, argv)
+    if opts.bench == "pool":
+        reports = [json.loads(Path(path).read_text()) for path in opts.reports]
+        summary, launches = pool(reports)
+        report = {"command": harness.command(MODULE, argv), "runs": [r["command"] for r in reports]}
+        report.update(dates=[r["host_before"]["date"] for r in reports], summary=summary)
+        return harness.finish(report, throughput_table(summary, launches), opts.out)
     opts.steps = 1  # a save is measured before the first step
     return save(opts, argv)
 

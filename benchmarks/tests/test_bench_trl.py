@@ -103,3 +103,21 @@ def test_summary_groups_by_trainer():
     summary = bench_train.summarize(rows, keys=("trainer", "size", "config"))
     assert [(s["trainer"], s["ratio"]) for s in summary] == [("sft", pytest.approx(0.9)), ("dpo", pytest.approx(1.25))]
     assert summary[0]["pairs_of"] == "segments"
+
+
+def test_pool_keeps_each_runs_pairs_and_pools_their_ratios():
+    def run(stock, ours, same=True):
+        rows = []
+        for segment, (path, samples_per_s) in enumerate(zip(["stock", "hf-ext", "hf-ext", "stock"],
+                                                            [stock[0], ours[0], ours[1], stock[1]])):  # fmt: skip
+            rows.append({"trainer": "dpo", "size": "m", "config": "zero2", "path": path, "segment": segment,
+                         "parameters": 10, "global_batch": 8, "samples_per_s": samples_per_s, "args_s": 0.1,
+                         "engine_start_s": 1.0, "user_s_per_step": 0.2, "system_s_per_step": 0.0,
+                         "page_faults_per_step": 0.0, "torch_threads": 1})  # fmt: skip
+        return {"rows": rows, "launches": {"dpo": {"same_engine_config": same}}}
+
+    summary, launches = bench_trl.pool([run((10.0, 10.0), (9.0, 11.0)), run((4.0, 5.0), (5.0, 4.0), same=False)])
+    (entry,) = summary
+    # pairs in segment order within each run: 9/10, 11/10, then 5/4, 4/5
+    assert entry["per_launch_ratios"] == pytest.approx([0.9, 1.1, 1.25, 0.8])
+    assert launches == {"dpo": {"same_engine_config": False}}
