@@ -1,7 +1,7 @@
 """TRL's trainers with hf-ext (``hf_ext.trl``) against stock TRL: training throughput of SFT and DPO, and rank 0's
 memory during a ZeRO-3 ``save_model``.
 
-    python -m benchmarks.bench_trl throughput --trainers sft dpo --size chat-6m --steps 20 --repeats 3 \
+    python -m benchmarks.bench_trl throughput --trainers sft dpo --size chat-6m --steps 20 --repeats 6 \
         --out runs/bench/trl_throughput.json
     python -m benchmarks.bench_trl save --size chat-200m --max_shard_size 200MB --out runs/bench/trl_save.json
     python -m benchmarks.bench_trl pool runs/bench/trl_throughput.json runs/bench/trl_throughput_run2.json
@@ -49,7 +49,7 @@ TRAINERS = {"sft": "SFT", "dpo": "DPO"}  # --trainers name -> TRL's class prefix
 
 #: decoder-only shapes this bench builds beyond chat_e's ``chat-tiny`` (keys of ``chat_e.models.CHAT_SIZES``)
 CHAT_BENCH_SIZES = {
-    # a step of a few tenths of a second on one core per rank: long enough to time, short enough for many steps
+    # on one core per rank a step long enough to time, and short enough for many steps per segment
     "chat-6m": dict(vocab=4096, hidden=256, layers=4, heads=4, kv_heads=2, intermediate=1024, max_positions=512),
     # about 0.8 GB of fp32 weights: stock's whole-model gather stands far out of the noise of a shard-sized one
     "chat-200m": dict(vocab=8192, hidden=1024, layers=12, heads=16, kv_heads=4, intermediate=4096, max_positions=512),
@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     run.add_argument("--seq_len", type=int, default=64, help="token ids per row")
     run.add_argument("--steps", type=int, default=20, help="optimizer steps per segment")
     run.add_argument("--warmup", type=int, default=2, help="steps left out of the throughput")
-    run.add_argument("--repeats", type=int, default=3, help="stock / hf-ext pairs (2 × segments) per trainer")
+    run.add_argument("--repeats", type=int, default=6, help="stock / hf-ext pairs (2 × segments) per trainer")
     run.add_argument("--out", default="runs/bench/trl_throughput.json")
     pooled = sub.add_parser("pool", help="the throughput summary over several throughput runs' JSON")
     pooled.add_argument("reports", nargs="+", help="JSON files of throughput runs")
