@@ -6,9 +6,9 @@ memory during a ZeRO-3 ``save_model``.
     python -m benchmarks.bench_trl save --size chat-200m --max_shard_size 200MB --out runs/bench/trl_save.json
     python -m benchmarks.bench_trl pool runs/bench/trl_throughput.json runs/bench/trl_throughput_run2.json
 
-``throughput`` and ``save`` first resolve the DeepSpeed preset once with hf-ext (``hf_ext.resolve_deepspeed_config`` against
-the trainer's hf-ext config, the model and 2 ranks) and write the resolved JSON: both paths get that same dict, no
-"auto" left, so stock TRL and hf-ext start the same engine. Both train fp32 (``bf16=False``: TRL's configs default
+``throughput`` and ``save`` first resolve the DeepSpeed preset once with hf-ext
+(``hf_ext.resolve_deepspeed_config`` against the trainer's hf-ext config, the model and 2 ranks) and write the
+resolved JSON: both paths get that same dict, no "auto" left, so stock TRL and hf-ext start the same engine. Both train fp32 (``bf16=False``: TRL's configs default
 it on) and otherwise keep TRL's defaults (activation checkpointing on, as TRL's configs set it).
 
 ``throughput``: for each trainer (``sft``: ``trl.SFTTrainer`` vs ``hf_ext.trl.SFTTrainer``; ``dpo``:
