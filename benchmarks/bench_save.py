@@ -61,6 +61,7 @@ def ensure_size(size: str, model_dir: Path) -> Path:
 
 
 def worker(opts) -> None:
+    import transformers
     from transformers import BlenderbotForConditionalGeneration, default_data_collator
 
     import hf_ext
@@ -90,18 +91,28 @@ def worker(opts) -> None:
     trainer = hf_ext.Seq2SeqTrainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator)
     work = Path(opts.workdir)
     result = {}
-    if opts.mode == "full":  # measured as soon as the engine exists, before any optimizer step
-        trainer.add_callback(_MeasureAtTrainBegin(lambda: measure_full(trainer, args, work, opts.path, result)))
-        try:
-            trainer.train()
-        except _Measured:
-            pass
+    if opts.mode == "full":
+        if opts.path == "hf_ext":
+            save = trainer.save_model
+        else:
+            save = lambda out: transformers.Seq2SeqTrainer.save_model(trainer, str(out))  # noqa: E731
+        measure_save_at_train_begin(trainer, args, save, work / opts.path, result)
     else:
         trainer.train()
         measure_lora(trainer, args, work, result)
     if args.process_index == 0:
         harness.write_json(opts.result, result)
     hf_ext.end_distributed()
+
+
+def measure_save_at_train_begin(trainer, args, save, out: Path, result: dict) -> None:
+    """Train ``trainer`` only as far as train begin (the engine exists, no optimizer step yet), measure
+    :func:`measure_full` of ``save`` there, and stop."""
+    trainer.add_callback(_MeasureAtTrainBegin(lambda: measure_full(trainer, args, save, out, result)))
+    try:
+        trainer.train()
+    except _Measured:
+        pass
 
 
 class _Measured(Exception):
@@ -179,15 +190,11 @@ def optimizer_state_bytes(trainer) -> int:
     )
 
 
-def measure_full(trainer, args, work, path, result):
+def measure_full(trainer, args, save, out: Path, result: dict) -> None:
+    """:func:`timed` of ``save(out)`` (the profiler's cross-check on), the optimizer state rank 0 holds then, and on
+    rank 0 the files written and the model's parameter count, into ``result``."""
     import torch
-    import transformers
 
-    if path == "hf_ext":
-        save = trainer.save_model
-    else:
-        save = lambda out: transformers.Seq2SeqTrainer.save_model(trainer, str(out))  # noqa: E731
-    out = work / path
     result.update(timed(trainer, args, save, out, cross_check=True))
     result["rank0_optimizer_state_bytes"] = optimizer_state_bytes(trainer)
     if args.process_index == 0:
@@ -230,17 +237,20 @@ def launch(
     path: str = "",
     env: dict | None = None,
     engine: str = "zero3",
+    module: str = MODULE,
+    extra: list[str] | None = None,
 ) -> dict:
-    """One fresh 2-rank launch (ZeRO-3 or FSDP2) of this module's worker side, with ``env`` added to its environment;
-    rank 0's measurements."""
+    """One fresh 2-rank launch (ZeRO-3 or FSDP2) of ``module``'s worker side (this module's by default; another
+    bench's worker takes the same arguments, and ``extra`` ones), with ``env`` added to its environment; rank 0's
+    measurements."""
     name = f"{engine}_{mode}_{path}" if path else f"{engine}_{mode}"
     result = workdir / f"{name}.json"
     result.unlink(missing_ok=True)
     launcher = "torchrun" if engine == "fsdp" else "deepspeed"
-    cmd = harness.launcher_cmd(launcher, MODULE) + ["--worker", "--mode", mode, "--model", str(model)]
+    cmd = harness.launcher_cmd(launcher, module) + ["--worker", "--mode", mode, "--model", str(model)]
     cmd += ["--engine", engine]
     cmd += ["--workdir", str(workdir / name), "--result", str(result), "--max_shard_size", max_shard_size]
-    cmd += ["--path", path] * bool(path)
+    cmd += ["--path", path] * bool(path) + list(extra or [])
     log = workdir / f"{name}.log"
     if harness.run(cmd, log, env):
         raise SystemExit(f"{name} launch failed (see {log}):\n{log.read_text()[-3000:]}")
@@ -251,10 +261,14 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.0f} MiB"
 
 
-def table(report: dict) -> str:
+#: the two saves' names in the table
+LABELS = {"stock": "stock `Trainer.save_model`", "hf_ext": "hf-ext streaming save"}
+
+
+def table(report: dict, labels: dict | None = None) -> str:
     full, shard = report["full"], report["largest_shard_bytes"]
     rows = []
-    for path, label in (("stock", "stock `Trainer.save_model`"), ("hf_ext", "hf-ext streaming save")):
+    for path, label in (labels or LABELS).items():
         r = full[path]
         files = "1 file" if r["files"] == 1 else f"{r['files']} shards + index"
         tensors = _mib(r["rank0_peak_tensor_bytes"])

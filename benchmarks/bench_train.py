@@ -88,19 +88,22 @@ def resolution_ms(model_dir: Path, config: str, repeats: int = 20) -> dict:
     return {"first_ms": times[0], "median_ms": statistics.median(times[1:]), "max_ms": max(times[1:])}
 
 
-def summarize(rows: list[dict]) -> list[dict]:
+def summarize(rows: list[dict], keys: tuple[str, ...] = ("size", "config")) -> list[dict]:
+    """One entry per combination of ``keys`` the rows hold: both paths' medians, their ratio, the per-pair ratios
+    and their geometric mean with its 95% interval."""
     out = []
-    for key in dict.fromkeys((r["size"], r["config"]) for r in rows):
+    for key in dict.fromkeys(tuple(r[k] for k in keys) for r in rows):
         group = {
-            p: [r for r in rows if (r["size"], r["config"]) == key and r["path"] == p] for p in ("stock", "hf-ext")
+            p: [r for r in rows if tuple(r[k] for k in keys) == key and r["path"] == p] for p in ("stock", "hf-ext")
         }
         if not group["stock"] or not group["hf-ext"]:
             continue
-        metrics = ("samples_per_s", "args_s", "engine_start_s", "system_s_per_step", "page_faults_per_step")
+        metrics = ("samples_per_s", "args_s", "engine_start_s", "user_s_per_step", "system_s_per_step",
+                   "page_faults_per_step")  # fmt: skip
         med = {p: {m: statistics.median(r[m] for r in g) for m in metrics} for p, g in group.items()}
         ratios = [h["samples_per_s"] / s["samples_per_s"] for s, h in zip(group["stock"], group["hf-ext"])]
         entry = {
-            "size": key[0], "config": key[1], "parameters": group["stock"][0]["parameters"],
+            **dict(zip(keys, key)), "parameters": group["stock"][0]["parameters"],
             "stock": med["stock"], "hf-ext": med["hf-ext"],
             "ratio": med["hf-ext"]["samples_per_s"] / med["stock"]["samples_per_s"],
             "per_launch_ratios": ratios,

@@ -90,9 +90,14 @@ def finished_launch(out: Path) -> list | None:
 
 
 def launch_worker(
-    args: list[str], out: Path, env_extra: dict | None = None, launcher: str = "deepspeed", reuse: bool = False
+    args: list[str],
+    out: Path,
+    env_extra: dict | None = None,
+    launcher: str = "deepspeed",
+    reuse: bool = False,
+    target: str = WORKER,
 ):
-    """One 2-rank launch of the training worker; its per-rank ``OUT.rank<N>.json`` results, or why there are none
+    """One 2-rank launch of the training worker (or of the module ``target``, which takes ``--out`` as it does); its per-rank ``OUT.rank<N>.json`` results, or why there are none
     (a string with the tail of ``OUT.log``). ``reuse``: results an earlier launch to ``out`` left (an interrupted or
     partly skipped run of the same command) are read back instead of launching again."""
     if reuse and (earlier := finished_launch(out)):
@@ -101,7 +106,7 @@ def launch_worker(
     for path in results:
         path.unlink(missing_ok=True)
     log = Path(f"{out}.log")
-    code = run(launcher_cmd(launcher, WORKER) + [*args, "--out", str(out)], log, env_extra)
+    code = run(launcher_cmd(launcher, target) + [*args, "--out", str(out)], log, env_extra)
     if code != 0:
         return f"exit {code} (see {log}): " + log.read_text()[-300:].replace("\n", " ")
     return [json.loads(path.read_text()) for path in results]

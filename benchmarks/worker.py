@@ -340,14 +340,20 @@ def release_zero3_globals() -> None:
             candidate.cache_clear()
 
 
-def segment(opts, path: str, index: int) -> tuple[dict, int]:
-    from deepspeed import DeepSpeedEngine
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+def segment_trainer(opts, path: str, output_dir: str, *callbacks):
+    """This worker's segment: ``path``'s TrainingArguments and Trainer with ``callbacks``; the seconds the arguments
+    took."""
+    args, trainer_class, args_seconds = build_arguments(opts, path, output_dir)
+    trainer, _ = build_trainer(opts, args, trainer_class, *callbacks)
+    return args, trainer, args_seconds
 
-    args, trainer_class, args_seconds = build_arguments(opts, path, f"{opts.out}.run/{index}")
+
+def segment(opts, path: str, index: int, build=segment_trainer) -> tuple[dict, int]:
+    """One segment of ``path``, built by ``build(opts, path, output_dir, *callbacks)`` (arguments, trainer, seconds
+    the arguments took: :func:`segment_trainer`, or another bench's trainer), trained, measured and dropped."""
     timer = StepTimer()
     tracer = StepCodeTracer() if opts.trace else None
-    trainer, _ = build_trainer(opts, args, trainer_class, timer, *([tracer] if tracer else []))
+    args, trainer, args_seconds = build(opts, path, f"{opts.out}.run/{index}", timer, *([tracer] if tracer else []))
     hooks = HookClock(trainer)
     train_called = time.perf_counter()
     trainer.train()
@@ -366,26 +372,43 @@ def segment(opts, path: str, index: int) -> tuple[dict, int]:
         "torch_threads": torch.get_num_threads(),
         **(tracer.result() if tracer else {}),
     }
-    # drop everything the segment built, as transformers does between hyper-parameter search trials
-    engine = getattr(trainer, "deepspeed", None)
-    if engine is not None:
-        engine.destroy()  # DeepSpeed's own release (ZeRO-3's hooks)
+    held = [trainer]
+    del trainer  # the list holds the last reference, which drop_trainer releases
+    result.update(drop_trainer(held))
+    return result, args.process_index
+
+
+def drop_trainer(held: list) -> dict:
+    """Drop everything a segment built, as transformers does between hyper-parameter search trials: the trainer in
+    ``held`` (its only element, and its last reference: the list is emptied), its DeepSpeed engines (the trainer's,
+    and a reference model's where TRL started one) and the accelerator's references. Returns the resident set
+    afterwards and the number of DeepSpeed engines still alive (neither may grow segment by segment)."""
+    from deepspeed import DeepSpeedEngine
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    trainer = held.pop()
+    for name in ("deepspeed", "ref_model"):
+        engine = getattr(trainer, name, None)
+        if isinstance(engine, DeepSpeedEngine):
+            engine.destroy()  # DeepSpeed's own release (ZeRO-3's hooks)
     trainer.accelerator.free_memory()
     del trainer
     unset_hf_deepspeed_config()
     release_zero3_globals()
     gc.collect()
-    result["rss_after_bytes"] = current_rss()
-    result["engines_alive"] = sum(issubclass(type(o), DeepSpeedEngine) for o in gc.get_objects())  # no __class__ reads
-    return result, args.process_index
+    return {
+        "rss_after_bytes": current_rss(),
+        "engines_alive": sum(issubclass(type(o), DeepSpeedEngine) for o in gc.get_objects()),  # no __class__ reads
+    }
 
 
-def interleaved_runs(opts) -> None:
+def interleaved_runs(opts, build=segment_trainer) -> None:
+    """``opts.segments`` :func:`segment` s of trainers from ``build``, the paths taking turns (:data:`ORDER`)."""
     # one thread count for both paths, hf-ext's placement; set in the environment too, where accelerate reads it
     os.environ["OMP_NUM_THREADS"] = str(place_cpu_threads())
     results, rank = [], 0
     for index in range(opts.segments):
-        result, rank = segment(opts, ORDER[index % len(ORDER)], index)
+        result, rank = segment(opts, ORDER[index % len(ORDER)], index, build)
         results.append(result)
     with open(f"{opts.out}.rank{rank}.json", "w") as f:
         json.dump({"rank": rank, "segments": results}, f, indent=2)
