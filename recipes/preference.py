@@ -439,14 +439,14 @@ REPORTED = {
         ("eval_rewards/margins", "reward margin"),
         ("eval_rewards/chosen", "reward chosen"),
         ("eval_rewards/rejected", "reward rejected"),
-        ("eval_loss", "DPO loss"),
+        ("eval_loss", "loss (TRL's eval_loss)"),
     ],
     "kto": [
         ("eval_rewards/chosen", "reward desirable"),
         ("eval_rewards/rejected", "reward undesirable"),
         ("eval_rewards/margins", "reward margin"),
         ("eval_kl", "KL estimate"),
-        ("eval_loss", "KTO loss"),
+        ("eval_loss", "loss (TRL's eval_loss)"),
     ],
 }
 
