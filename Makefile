@@ -10,7 +10,7 @@ STAMP := $(VENV)/.hf-ext-installed
 DEMO_DIR ?= runs/demo
 NPROC ?= 2
 
-.PHONY: setup demo demo-blenderbot serve space test test-fast test-gpu lint clean browser
+.PHONY: setup demo demo-preference demo-blenderbot serve space test test-fast test-gpu lint clean browser
 
 setup: $(STAMP)
 
@@ -28,6 +28,14 @@ demo: setup
 		--config recipes/configs/demo.yaml --output_dir $(DEMO_DIR)
 	@echo
 	@echo "Chat with it:  $(BIN)/chat-e --model $(DEMO_DIR)    (then open http://127.0.0.1:7860; or: make serve)"
+
+# DPO on SPIN pairs (human chit-chat replies over the model's own) on top of `make demo`'s model, LoRA, ZeRO-2
+demo-preference: setup
+	@test -f $(DEMO_DIR)/config.json || { echo "$(DEMO_DIR) holds no model: run make demo first."; exit 1; }
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/deepspeed --num_gpus $(NPROC) recipes/preference.py \
+		--config recipes/configs/preference_demo.yaml --model_name_or_path $(DEMO_DIR) --output_dir runs/demo-preference
+	@echo
+	@echo "Chat with it:  $(BIN)/chat-e --model runs/demo-preference"
 
 # the offline machinery on a random-init small BlenderBot and the chatterbot corpus
 demo-blenderbot: setup

@@ -1,0 +1,98 @@
+"""recipes/preference.py on 2 ranks under the deepspeed launcher (ZeRO-2), on the tiny random-init chat model with the
+offline SPIN pairs: DPO learns to prefer the human reply on held-out pairs, the model's own replies are generated once
+and reused from the cache, KTO trains too, and the output loads as Chat-E serves it."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from chat_e.engine import ChatEngine
+
+from ..conftest import ROOT, launcher_cmd, run
+
+pytestmark = pytest.mark.distributed
+
+RECIPE = ROOT / "recipes" / "preference.py"
+CONFIG = ROOT / "recipes" / "configs" / "preference_tiny.yaml"
+RUNS = {
+    # name: extra flags (the two DPO runs share one cache directory: the second reuses the first's replies)
+    "dpo": [],
+    "dpo-again": ["--max_steps", "2"],
+    "kto": ["--loss", "kto", "--max_steps", "6"],
+}
+
+
+@pytest.fixture(scope="module")
+def preference_runs(tiny_chat_model_dir, tmp_path_factory):
+    """Each launch happens once, on first use, in the order the tests ask: (output dir, log)."""
+    cache_dir = tmp_path_factory.mktemp("spin_cache")
+    done: dict[str, tuple[Path, str]] = {}
+
+    def get(name: str) -> tuple[Path, str]:
+        if name not in done:
+            out = tmp_path_factory.mktemp(name)
+            cmd = launcher_cmd("deepspeed", RECIPE) + [
+                "--config", str(CONFIG), "--model_name_or_path", str(tiny_chat_model_dir),
+                "--spin_cache_dir", str(cache_dir), "--output_dir", str(out), *RUNS[name],
+            ]  # fmt: skip
+            proc = run(cmd)
+            done[name] = (out, proc.stdout + proc.stderr)
+        return done[name]
+
+    return get
+
+
+def metrics(out: Path) -> dict:
+    return json.loads((out / "preference_metrics.json").read_text())
+
+
+def test_dpo_on_spin_pairs_prefers_the_human_reply_after_training(preference_runs):
+    out, log = preference_runs("dpo")
+    report = metrics(out)
+    assert report["loss"] == "dpo" and report["steps"] == 12 and report["eval_rows"] >= 24
+    before, after = report["before"], report["after"]
+    # before: the policy is the reference, so every implicit reward is 0 and no chosen reward exceeds its rejected one
+    assert before["eval_rewards/accuracies"] == 0.0 and abs(before["eval_rewards/margins"]) < 1e-6
+    assert after["eval_rewards/accuracies"] > 0.5 and after["eval_rewards/margins"] > 0
+    assert after["eval_loss"] < before["eval_loss"]
+    for metrics_ in (before, after):
+        assert 0 < metrics_["eval_reply_nll"] < 20
+    assert json.loads((out / "train_results.json").read_text())["run"]["zero_stage"] == 2
+    assert "reward accuracy" in log and "human reply NLL/token" in log  # the printed table
+    assert "SPIN: generating the model's replies" in log
+
+
+def test_dpo_rerun_reuses_the_cached_model_replies(preference_runs):
+    first, first_log = preference_runs("dpo")
+    generated = re.search(r"SPIN: generating the model's replies to (\d+) contexts .* -> (\S+)", first_log)
+    count, cache = int(generated[1]), Path(generated[2])
+    written = cache.stat().st_mtime_ns
+    assert len(cache.read_text().splitlines()) == count
+    again, log = preference_runs("dpo-again")
+    assert f"SPIN: reusing {count} cached model replies from {cache}" in log
+    assert "SPIN: generating" not in log
+    assert cache.stat().st_mtime_ns == written
+    # the same pairs: the rerun's held-out "before" numbers are those of the first run
+    assert metrics(again)["before"]["eval_reply_nll"] == pytest.approx(metrics(first)["before"]["eval_reply_nll"])
+
+
+def test_kto_trains_and_reports_before_and_after(preference_runs):
+    out, log = preference_runs("kto")
+    report = metrics(out)
+    assert report["loss"] == "kto" and report["steps"] == 6
+    assert report["eval_rows"] % 2 == 0  # each held-out pair: the human reply (True) and the model's (False)
+    before, after = report["before"], report["after"]
+    assert {"eval_loss", "eval_reply_nll", "eval_rewards/chosen"} <= before.keys() & after.keys()
+    assert after["eval_loss"] < before["eval_loss"]
+    assert "reward desirable" in log
+
+
+def test_the_output_serves_in_chat_e(preference_runs):
+    out, _ = preference_runs("dpo")
+    engine = ChatEngine.from_pretrained(str(out), device="cpu")
+    reply = engine.chat("Hi! How was your weekend?", [], "topic", "Weekends", engine.default_settings())
+    assert isinstance(reply, str)
