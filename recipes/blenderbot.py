@@ -36,6 +36,7 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from chat_e.corpora import DataArguments, load_dialogue_dataset, tokenize_dataset
 from chat_e.dialogue import family_of, parse_header, parse_texts
+from chat_e.lora import LoraArguments
 from chat_e.models import BUILDERS, build_model
 from chat_e.plotting import plot_training_curves
 from chat_e.samples import SAMPLE_CHATS
@@ -50,7 +51,7 @@ logger = logging.getLogger("recipes.blenderbot")
 
 
 @dataclass
-class ModelArguments:
+class ModelArguments(LoraArguments):
     """Which model to fine-tune, and how (full weights or LoRA)."""
 
     model_name_or_path: str = field(
@@ -66,21 +67,6 @@ class ModelArguments:
             "help": f"If model_name_or_path does not exist yet, build it there first ({', '.join(BUILDERS)}): a "
             "random-init model of that size, or smollm2 (SmolLM2-135M-Instruct from the GGUF file installed by "
             "`make setup`).",
-        },
-    )
-    use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters instead of every weight."})
-    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
-    lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator (scale = alpha / r)."})
-    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA path."})
-    lora_target_modules: list[str] | None = field(
-        default=None,
-        metadata={"help": "Modules that get adapters (default: all-linear, the attention and MLP projections)."},
-    )
-    merge_adapter: bool = field(
-        default=True,
-        metadata={
-            "help": "With use_peft: save the adapter in OUTPUT_DIR/adapter and the merged model in OUTPUT_DIR "
-            "(what chat-e --model OUTPUT_DIR serves)."
         },
     )
     samples_to_print: int = field(
@@ -182,16 +168,9 @@ def main(argv: list[str] | None = None) -> dict:
     # 4. model: created after the arguments, so ZeRO-3 partitions it while loading
     model = model_class(config).from_pretrained(model_path)
     if model_args.use_peft:
-        from peft import LoraConfig, get_peft_model
+        from peft import get_peft_model
 
-        lora = LoraConfig(
-            r=model_args.lora_r,
-            lora_alpha=model_args.lora_alpha,
-            lora_dropout=model_args.lora_dropout,
-            target_modules=model_args.lora_target_modules or "all-linear",
-            task_type="SEQ_2_SEQ_LM" if family == "seq2seq" else "CAUSAL_LM",
-        )
-        model = get_peft_model(model, lora)
+        model = get_peft_model(model, model_args.lora_config("SEQ_2_SEQ_LM" if family == "seq2seq" else "CAUSAL_LM"))
         trainable, total = model.get_nb_trainable_parameters()
         logger.info(f"LoRA: {trainable:,} trainable of {total:,} parameters ({100 * trainable / total:.2f}%)")
     # pads inputs and labels (-100); an encoder-decoder also gets decoder inputs starting at decoder_start_token_id

@@ -50,6 +50,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, set_se
 
 from chat_e.corpora import OFFLINE_DATASETS, load_offline, sample
 from chat_e.dialogue import chat_reply_ids, encode_chat_prompt, family_of, parse_texts
+from chat_e.lora import LoraArguments
 from chat_e.models import BUILDERS, build_model
 from hf_ext.atomic import write_text_atomically
 from hf_ext.config_args import parse_args_with_config
@@ -65,7 +66,7 @@ SPIN_CACHE_VERSION = 1
 
 
 @dataclass
-class ModelArguments:
+class ModelArguments(LoraArguments):
     """Which chat model to tune, and how (full weights or LoRA)."""
 
     model_name_or_path: str = field(
@@ -75,20 +76,6 @@ class ModelArguments:
     build_model: str | None = field(
         default=None,
         metadata={"help": f"If model_name_or_path does not exist yet, build it there first ({', '.join(BUILDERS)})."},
-    )
-    use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters instead of every weight."})
-    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
-    lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator (scale = alpha / r)."})
-    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA path."})
-    lora_target_modules: list[str] | None = field(
-        default=None, metadata={"help": "Modules that get adapters (default: all-linear)."}
-    )
-    merge_adapter: bool = field(
-        default=True,
-        metadata={
-            "help": "With use_peft: save the adapter in OUTPUT_DIR/adapter and the merged model in OUTPUT_DIR "
-            "(what chat-e --model OUTPUT_DIR serves)."
-        },
     )
 
 
@@ -512,17 +499,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 4. model: loaded after the arguments, so ZeRO-3 partitions it while loading; TRL adds the adapter
     model = AutoModelForCausalLM.from_pretrained(model_path)
-    peft_config = None
-    if model_args.use_peft:
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(
-            r=model_args.lora_r,
-            lora_alpha=model_args.lora_alpha,
-            lora_dropout=model_args.lora_dropout,
-            target_modules=model_args.lora_target_modules or "all-linear",
-            task_type="CAUSAL_LM",
-        )
+    peft_config = model_args.lora_config("CAUSAL_LM")
 
     # 5. trainer (the reference model: the adapter disabled with LoRA, else a frozen copy TRL loads itself)
     trainer = trainer_class(
