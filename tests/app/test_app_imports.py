@@ -8,7 +8,14 @@ import sys
 from ..conftest import RECIPE, ROOT, launch_env
 
 #: the chat_e modules recipes/blenderbot.py imports (chat_e.engine when it loads its outputs)
-RECIPE_MODULES = ("chat_e.samples", "chat_e.corpora", "chat_e.dialogue", "chat_e.models", "chat_e.plotting")
+RECIPE_MODULES = (
+    "chat_e.samples",
+    "chat_e.corpora",
+    "chat_e.dialogue",
+    "chat_e.lora",
+    "chat_e.models",
+    "chat_e.plotting",
+)
 
 
 def imports_gradio(*modules: str) -> bool:
