@@ -19,6 +19,9 @@ from hf_ext.runtime import return_freed_memory_to_os, usable_cores
 from hf_ext.saving.model_dir import ModelDirError as ModelLoadError
 from hf_ext.saving.model_dir import describe_model_dir
 
+from .feedback import FeedbackStore, default_url
+from .feedback_cli import add_db_argument
+from .feedback_cli import main as feedback_main
 from .guard import API_KEY_ENV, AUTH_ENV, RequestGuard, exposure_warning, parse_auth
 from .limits import ChatLimits
 from .settings import SETTINGS, setting_type
@@ -67,6 +70,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="Torch threads per reply (default: OMP_NUM_THREADS, else CPU cores / --concurrency).",
     )
+    feedback = parser.add_argument_group(
+        "feedback (thumbs, corrections, choices: stored to train on; 'chat-e feedback export' makes training rows)"
+    )
+    add_db_argument(feedback)
+    feedback.add_argument(
+        "--no_feedback",
+        "--no-feedback",
+        action="store_true",
+        help="Offer no feedback controls and store nothing (privacy).",
+    )
     limits = parser.add_argument_group("limits (a request over one is refused with a message saying so)")
     for f in fields(ChatLimits):
         flag = f"--{f.name}"
@@ -104,6 +117,9 @@ def torch_threads(requested: int | None, concurrency: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["feedback"]:
+        return feedback_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -153,7 +169,19 @@ def main(argv: list[str] | None = None) -> int:
     return_freed_memory_to_os(threshold=256 * 1024)
     logger.info("loaded %s", engine.describe())
     logger.info("generation defaults: %s; %d torch threads per reply", settings, torch.get_num_threads())
-    demo = build_app(engine, settings, concurrency_limit=args.concurrency, limits=limits)
+    store = None
+    if not args.no_feedback:
+        url = args.feedback_db or default_url()
+        try:
+            store = FeedbackStore(url)
+        except Exception as err:
+            print(
+                f"chat-e: error: cannot open the feedback database {url}: {' '.join(str(err).split())}",
+                file=sys.stderr,
+            )
+            return 2
+        logger.info("feedback: stored in %s", store.describe())
+    demo = build_app(engine, settings, concurrency_limit=args.concurrency, limits=limits, store=store)
     logger.info("limits: %s; login %s, API key %s", limits, "on" if auth else "off", "on" if api_key else "off")
     try:
         demo.launch(

@@ -17,6 +17,8 @@ import functools
 import html
 import inspect
 import logging
+import uuid
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 import pydantic
@@ -28,6 +30,7 @@ from .settings import SETTING_NAMES, SETTINGS, GenerationSettings, setting_range
 
 if TYPE_CHECKING:
     from .engine import ChatEngine
+    from .feedback import FeedbackStore
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +44,11 @@ CONTEXT_HINTS = {
     "free": "Free chat has no context.",
 }
 APOLOGY = "Sorry, something went wrong while I was thinking of a reply. Please try again."
+NOT_SAVED = "Chat-E could not save your feedback just now. Please try again."
+#: the choice offered after a regeneration (the ``prefer`` endpoint takes one of them)
+PREVIOUS_REPLY, NEW_REPLY = "previous reply", "new reply"
+#: a rating as the ``rate`` endpoint takes it -> the stored rating (Gradio's like event: True, False, else taken back)
+RATINGS = {"like": 1, "dislike": -1, "none": 0}
 #: generation runs share this queue group, limited by ``concurrency_limit``
 GENERATE_GROUP = "generate"
 #: Send, Regenerate, Undo, Clear: locked with the message box while a reply is generated
@@ -106,12 +114,17 @@ class Handlers:
     """The UI's event handlers and the ``chat`` API function, over one engine."""
 
     def __init__(
-        self, engine: ChatEngine, settings: GenerationSettings | None = None, limits: ChatLimits | None = None
+        self,
+        engine: ChatEngine,
+        settings: GenerationSettings | None = None,
+        limits: ChatLimits | None = None,
+        store: FeedbackStore | None = None,
     ):
         self.engine = engine
         self.settings = settings or engine.default_settings()
         self.limits = limits or ChatLimits()
         self.ranges = engine_ranges(engine)
+        self.store = store
 
     def check(self, where: str, **fields) -> Request:
         """:func:`~chat_e.limits.check_request` under this server's limits; a refusal is a ``gr.Error`` with its
@@ -134,10 +147,16 @@ class Handlers:
     def respond(self, chat: Any, mode: Any, context: Any, *settings: Any):
         """Stream the bot's reply to the last user message of the chat (nothing to do when there is none);
         ``settings`` are the declared generation settings' values, in their order (:data:`RESPOND_PARAMETERS`)."""
+        for shown, _ in self.reply(chat, mode, context, *settings):
+            yield shown
+
+    def reply(self, chat: Any, mode: Any, context: Any, *settings: Any):
+        """:meth:`respond`'s chats, each with the record of the reply once it is complete (None before, and for an
+        apology): everything feedback on it needs (:meth:`record`)."""
         pending = isinstance(chat, list) and chat and isinstance(chat[-1], dict) and chat[-1].get("role") == "user"
         if not pending:
             self.check("respond", chat=chat)
-            yield chat_messages(chat)
+            yield chat_messages(chat), None
             return
         checked = self.check(
             "respond",
@@ -151,19 +170,120 @@ class Handlers:
         settings = self.settings.replace(**checked.settings)
         chat = chat_messages(chat)
         chat.append({"role": "assistant", "content": ""})
-        reply = ""
+        reply, failed = "", False
         try:
             pieces = self.engine.stream_chat(checked.message, checked.history, checked.mode, checked.context, settings)
             for piece in pieces:
                 reply += piece
                 chat[-1]["content"] = to_display(reply)
-                yield [dict(m) for m in chat]
+                yield [dict(m) for m in chat], None
         except Exception:
             logger.exception("generation failed (mode=%s, %d messages)", checked.mode, len(checked.history))
             chat[-1]["content"] = APOLOGY
+            failed = True
         if not chat[-1]["content"]:
             chat[-1]["content"] = to_display(reply) or "…"
-        yield chat
+        yield chat, (None if failed else self.record(checked, settings, reply))
+
+    def record(self, checked: Request, settings: GenerationSettings, reply: str) -> dict[str, Any]:
+        """A reply and what it was made from, as feedback on it is stored (:class:`chat_e.feedback.Feedback`)."""
+        return {
+            "reply_id": uuid.uuid4().hex,
+            "model": self.engine.name,
+            "mode": checked.mode,
+            "context": checked.context or "",
+            "history": list(checked.history),
+            "message": checked.message,
+            "settings": asdict(settings),
+            "reply": reply,
+        }
+
+    def respond_event(self, chat: Any, mode: Any, context: Any, *settings_and_records: Any):
+        """:meth:`respond` as the UI's event: the session's reply records (by chat index) come last and go out
+        updated. A reply to the same prompt as the one it replaces (a regeneration) remembers it, for :meth:`prefer`."""
+        *settings, records = settings_and_records
+        records = dict(records or {})
+        for shown, record in self.reply(chat, mode, context, *settings):
+            if record is not None:
+                index = len(shown) - 1
+                old = records.get(index)
+                if old and (old["message"], old["history"], old["mode"], old["context"]) == (
+                    record["message"],
+                    record["history"],
+                    record["mode"],
+                    record["context"],
+                ):
+                    record["previous"] = {k: v for k, v in old.items() if k != "previous"}
+                records[index] = record
+            yield shown, records
+
+    # ---- feedback ---------------------------------------------------------------------------------------------
+
+    def _store(self, where: str, session: str | None, **row) -> None:
+        """Store one feedback row; a failure is one log line and a notice to the user."""
+        try:
+            self.store.add_feedback(session_id=session or "", **row)
+        except Exception:
+            logger.exception("could not store feedback (%s)", where)
+            raise import_gradio().Error(NOT_SAVED, title="Not saved", print_exception=False) from None
+
+    def _record(self, records: dict | None, index: Any) -> dict:
+        record = (records or {}).get(index) if isinstance(index, int) and not isinstance(index, bool) else None
+        if record is None:
+            raise import_gradio().Error(
+                f"There is no reply of this chat's at index {index!r} to give feedback on: rate one of the bot's "
+                "replies (the chat window's index of an assistant message).",
+                title="Chat-E cannot take this",
+                print_exception=False,
+            )
+        return record
+
+    @staticmethod
+    def _exchange(record: dict) -> dict:
+        keys = ("reply_id", "model", "mode", "context", "history", "message", "settings", "reply")
+        return {k: record[k] for k in keys}
+
+    def rate(self, index: Any, rating: Any, records: dict | None, session: str | None = None) -> None:
+        """Store a rating of the reply at chat ``index``: ``like``, ``dislike`` or ``none`` (taken back)."""
+        if rating not in RATINGS:
+            raise import_gradio().Error(
+                f"A rating is one of {', '.join(RATINGS)}, not {rating!r}.", print_exception=False
+            )
+        record = self._record(records, int(index) if isinstance(index, float) and index.is_integer() else index)
+        self._store("rate", session, kind="rating", rating=RATINGS[rating], **self._exchange(record))
+
+    def correct(self, text: Any, records: dict | None, session: str | None = None):
+        """Store ``text`` as what the bot should have said instead of its newest reply; clears the box."""
+        gr = import_gradio()
+        if not records:
+            raise gr.Error("There is no reply to correct yet.", print_exception=False)
+        checked = self.check("correct", message=text)
+        record = records[max(records)]
+        self._store("correct", session, kind="edit", edited=checked.message, **self._exchange(record))
+        gr.Info("Thanks: your correction is saved.")
+        return ""
+
+    def prefer(self, which: Any, records: dict | None, session: str | None = None) -> None:
+        """Store the choice between the newest reply and the one it regenerated: ``which`` is
+        :data:`PREVIOUS_REPLY` or :data:`NEW_REPLY`."""
+        gr = import_gradio()
+        record = records[max(records)] if records else None
+        if record is None or "previous" not in record:
+            raise gr.Error(
+                "There is no regenerated reply to compare yet: press Regenerate first.", print_exception=False
+            )
+        if which not in (PREVIOUS_REPLY, NEW_REPLY):
+            raise gr.Error(f"Choose {PREVIOUS_REPLY!r} or {NEW_REPLY!r}, not {which!r}.", print_exception=False)
+        chosen, other = (record, record["previous"]) if which == NEW_REPLY else (record["previous"], record)
+        self._store(
+            "prefer",
+            session,
+            kind="choice",
+            other_reply_id=other["reply_id"],
+            other_reply=other["reply"],
+            **self._exchange(chosen),
+        )
+        gr.Info("Thanks: your choice is saved.")
 
     @staticmethod
     def regenerate(chat: list | None) -> list[dict]:
@@ -223,12 +343,15 @@ def build_app(
     settings: GenerationSettings | None = None,
     concurrency_limit: int = 2,
     limits: ChatLimits | None = None,
+    store: FeedbackStore | None = None,
 ):
     """The Chat-E Blocks for ``engine``; ``settings`` are the defaults shown in the settings accordion and used by
     the ``chat`` API endpoint. Generation runs at most ``concurrency_limit`` at a time, and at most
-    ``limits.max_queue`` requests wait; every request is checked against ``limits``."""
+    ``limits.max_queue`` requests wait; every request is checked against ``limits``. With a feedback ``store``, every
+    reply gets thumbs, the newest a correction box, and a regenerated one the choice between it and the previous
+    (each stored with the exchange it is about; also the ``rate``, ``correct`` and ``prefer`` endpoints)."""
     gr = import_gradio()
-    handlers = Handlers(engine, settings, limits)
+    handlers = Handlers(engine, settings, limits, store)
     s = handlers.settings
     ranges = handlers.ranges
     generate = dict(concurrency_limit=concurrency_limit, concurrency_id=GENERATE_GROUP)
@@ -273,7 +396,7 @@ def build_app(
                     elem_id="chatbot",
                     height=460,
                     render_markdown=False,
-                    feedback_options=None,
+                    feedback_options=("Like", "Dislike") if store else None,
                     buttons=["copy", "copy_all"],
                     placeholder="Pick a context on the left, then say hello.",
                 )
@@ -291,9 +414,12 @@ def build_app(
                     regenerate = gr.Button("Regenerate", size="sm", elem_id="regenerate")
                     undo = gr.Button("Undo", size="sm", elem_id="undo")
                     clear = gr.Button("Clear", size="sm", elem_id="clear")
+                records = gr.State({})  # the session's replies by chat index, with what they were made from
+                if store:
+                    feedback = FeedbackControls(handlers, chatbot, records)
 
-        reply_inputs = [chatbot, mode, context, *settings_controls]
-        respond = named(handlers.respond, RESPOND_PARAMETERS)
+        reply_inputs = [chatbot, mode, context, *settings_controls, records]
+        respond = named(handlers.respond_event, (*RESPOND_PARAMETERS, "records"))
         mode.change(handlers.mode_changed, [mode, context], [context], queue=False, **ui)
         buttons = [send, regenerate, undo, clear]
         assert len(buttons) == N_BUTTONS
@@ -306,14 +432,17 @@ def build_app(
             api_name="add_message",
             **raw,
             **ui,
-        ).then(respond, reply_inputs, [chatbot], api_name="respond", **raw, **generate, **ui).then(
+        ).then(respond, reply_inputs, [chatbot, records], api_name="respond", **raw, **generate, **ui).then(
             unlock, None, [message, *buttons], queue=False, **ui
         )
-        gr.on([regenerate.click, chatbot.retry], lock, None, [message, *buttons], queue=False, **ui).then(
-            handlers.regenerate, [chatbot], [chatbot], queue=False, **ui
-        ).then(respond, reply_inputs, [chatbot], **raw, **generate, **ui).then(
-            unlock, None, [message, *buttons], queue=False, **ui
+        regenerated = (
+            gr.on([regenerate.click, chatbot.retry], lock, None, [message, *buttons], queue=False, **ui)
+            .then(handlers.regenerate, [chatbot], [chatbot], queue=False, **ui)
+            .then(respond, reply_inputs, [chatbot, records], **raw, **generate, **ui)
         )
+        regenerated.then(unlock, None, [message, *buttons], queue=False, **ui)
+        if store:
+            regenerated.then(feedback.offer_choice, [records], [feedback.prefer], queue=False, **ui)
         gr.on([undo.click, chatbot.undo], handlers.undo, [chatbot], [chatbot, message], queue=False, **ui)
         clear.click(handlers.clear, None, [chatbot, message], queue=False, **ui)
         chatbot.clear(lambda: "", None, [message], queue=False, **ui)
@@ -321,6 +450,62 @@ def build_app(
 
     demo.queue(default_concurrency_limit=concurrency_limit, max_size=handlers.limits.max_queue)
     return demo
+
+
+class FeedbackControls:
+    """The feedback controls under the chat window, wired to ``handlers`` (call it inside a ``gr.Blocks``): thumbs
+    on every reply (Gradio's like event), a correction box for the newest reply, the choice after a regeneration,
+    and a note saying what is stored. Programs use the ``rate``, ``correct`` and ``prefer`` endpoints."""
+
+    def __init__(self, handlers: Handlers, chatbot, records):
+        gr = import_gradio()
+        self.prefer = gr.Radio(
+            [PREVIOUS_REPLY, NEW_REPLY], label="Which reply is better?", visible=False, elem_id="prefer"
+        )
+        with gr.Row():
+            correction = gr.Textbox(
+                show_label=False,
+                placeholder="What should it have said? (corrects the newest reply)",
+                scale=6,
+                elem_id="correction",
+            )
+            save = gr.Button("Save correction", size="sm", scale=1, min_width=80, elem_id="save-correction")
+        gr.Markdown(
+            "Thumbs, corrections and choices are stored with the chat they are about, to train Chat-E on.",
+            elem_id="feedback-note",
+        )
+        # the rate endpoint's inputs (the like event carries its own): a program names the reply by its chat index
+        index = gr.Number(visible=False, precision=0)
+        rating = gr.Textbox(visible=False)
+        rate = gr.Button(visible=False)
+
+        def on_like(records, data, request):
+            liked = "like" if data.liked is True else "dislike" if data.liked is False else "none"
+            handlers.rate(data.index, liked, records, request.session_hash)
+
+        def on_rate(index, rating, records, request):
+            handlers.rate(index, rating, records, request.session_hash)
+
+        def on_correct(text, records, request):
+            return handlers.correct(text, records, request.session_hash)
+
+        def on_prefer(which, records, request):
+            handlers.prefer(which, records, request.session_hash)
+            return gr.update(visible=False)
+
+        on_like.__annotations__ = {"data": gr.LikeData, "request": gr.Request}
+        for fn in (on_rate, on_correct, on_prefer):
+            fn.__annotations__ = {"request": gr.Request}
+        chatbot.like(on_like, [records], None, queue=False, api_visibility="undocumented")
+        rate.click(on_rate, [index, rating, records], None, queue=False, api_name="rate")
+        gr.on([save.click, correction.submit], on_correct, [correction, records], [correction], api_name="correct")
+        self.prefer.input(on_prefer, [self.prefer, records], [self.prefer], queue=False, api_name="prefer")
+
+    @staticmethod
+    def offer_choice(records):
+        """Show the choice when the newest reply is a regeneration."""
+        newest = records[max(records)] if records else {}
+        return import_gradio().update(visible="previous" in newest, value=None)
 
 
 def checked_chat_model(model):

@@ -21,3 +21,9 @@ def test_the_wheel_installs_two_top_level_packages(tmp_path):
     top = {name.split("/")[0] for name in names}
     assert {t for t in top if not t.endswith(".dist-info")} == {"hf_ext", "chat_e"}
     assert "hf_ext/deepspeed/presets/zero3.json" in names
+    # the feedback database's schema migrations (Alembic reads them from the installed package)
+    assert {
+        "chat_e/migrations/env.py",
+        "chat_e/migrations/script.py.mako",
+        "chat_e/migrations/versions/0001_initial.py",
+    } <= set(names)
