@@ -55,17 +55,34 @@ def chat_e_cmd(model: Path | str, port: int, *extra: str) -> list[str]:
 class ChatEServer:
     """``python -m chat_e --model DIR`` on a free port, its output in ``log_path``; generation settings are
     :data:`TEST_SETTINGS` unless ``model_defaults`` (then the model's own, as ``chat-e`` serves by default).
-    ``api_key`` reaches the server as ``CHAT_E_API_KEY`` (the readiness probe sends it)."""
+    ``api_key`` reaches the server as ``CHAT_E_API_KEY`` (the readiness probe sends it). Feedback goes to
+    ``feedback_db`` (default: a SQLite file beside the log, never the checkout's run directory)."""
 
     def __init__(
-        self, model: Path, log_path: Path, *extra: str, model_defaults: bool = False, api_key: str | None = None
+        self,
+        model: Path,
+        log_path: Path,
+        *extra: str,
+        model_defaults: bool = False,
+        api_key: str | None = None,
+        feedback_db: str | None = None,
     ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/"
         self.log_path = log_path
         self.api_key = api_key
         settings = [f"--{k}={v}" for k, v in TEST_SETTINGS.items() if k != "do_sample"] + ["--no-do_sample"]
-        cmd = chat_e_cmd(model, self.port, *([] if model_defaults else settings), "--threads", "1", *extra)
+        self.feedback_db = feedback_db or f"sqlite:///{log_path.with_suffix('.feedback.db')}"
+        cmd = chat_e_cmd(
+            model,
+            self.port,
+            *([] if model_defaults else settings),
+            "--threads",
+            "1",
+            "--feedback_db",
+            self.feedback_db,
+            *extra,
+        )
         env = launch_env(GRADIO_ANALYTICS_ENABLED="False", **({"CHAT_E_API_KEY": api_key} if api_key else {}))
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)

@@ -1,0 +1,199 @@
+"""The feedback loop end to end: 20 concurrent gradio_client sessions chat, rate, correct and regenerate against a real
+``chat-e`` server storing to SQLite (WAL); the server is killed with SIGKILL in the middle of the load and restarted
+on the same database, and the clients carry on. Then:
+
+* every piece of feedback a client got an answer for is in the database, once, with the exchange as the client saw
+  it (message, history, mode, context, the reply shown, the model and its settings, the session); nothing is there
+  that no client sent;
+* ``chat-e feedback export`` writes rows the preference recipe takes, and the recipe trains 5 DPO steps on them on 2
+  ranks (ZeRO-2).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from chat_e.dialogue import normalize_mode
+from chat_e.feedback import FeedbackStore
+from chat_e.ui import NEW_REPLY, PREVIOUS_REPLY, from_display
+
+from ..conftest import ROOT, launcher_cmd, run
+from .support import TEST_SETTINGS, ChatEServer, make_sensitive_model
+
+CLIENTS = 20
+ROUNDS = 3
+#: the server is killed once this many pieces of feedback are acknowledged
+KILL_AFTER = 45
+#: (mode, context) per client, round robin
+CONTEXTS = [
+    ("persona", "I love hiking with my dog."),
+    ("emotion", "sad"),
+    ("domain", "cooking"),
+    ("topic", "summer holidays"),
+    ("free", ""),
+]
+GREEDY = (1, False, 1.0, 1.0, TEST_SETTINGS["max_new_tokens"], TEST_SETTINGS["min_new_tokens"])
+SAMPLED = (1, True, 1.0, 1.0, TEST_SETTINGS["max_new_tokens"], TEST_SETTINGS["min_new_tokens"])
+
+
+def plain(text: str) -> str:
+    """A turn as Chat-E stores it (whitespace collapsed: docs/chat-e.md)."""
+    return " ".join(text.split())
+
+
+class Load:
+    """The clients' record of what they sent: every attempt, and those the server answered."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.attempted: list[dict] = []
+        self.acked: list[dict] = []
+        self.failures: list[str] = []
+        self.server_url: str | None = None
+        self.restarted = threading.Event()
+
+    def send(self, client, event: dict, *args, api_name: str):
+        with self.lock:
+            self.attempted.append(event)
+        result = client.predict(*args, api_name=api_name)
+        with self.lock:
+            self.acked.append(event)
+        return result
+
+
+def client_loop(i: int, load: Load, model: str) -> None:
+    from gradio_client import Client
+
+    mode, context = CONTEXTS[i % len(CONTEXTS)]
+    url, rnd, chat, history = load.server_url, 0, [], []
+    client = Client(url, verbose=False, analytics_enabled=False)
+    while rnd < ROUNDS:
+        try:
+            message = f"client {i} round {rnd}: what do you think?"
+            _, chat, *_ = client.predict(message, chat, api_name="/add_message")
+            chat = client.predict(chat, mode, context, *GREEDY, api_name="/respond")
+            exchange = dict(
+                do_sample=False,
+                session_id=client.session_hash,
+                model=model,
+                mode=normalize_mode(mode),
+                context=context,
+                history=list(history),
+                message=message,
+                reply=from_display(chat[-1]["content"]),
+            )
+            rating = "like" if (i + rnd) % 2 else "dislike"
+            event = dict(kind="rating", rating=1 if rating == "like" else -1, **exchange)
+            load.send(client, event, len(chat) - 1, rating, api_name="/rate")
+            edited = f"a correction from client {i} in round {rnd}"
+            load.send(client, dict(kind="edit", edited=edited, **exchange), edited, api_name="/correct")
+            again = client.predict(chat[:-1], mode, context, *SAMPLED, api_name="/respond")  # regenerate
+            new = dict(exchange, reply=from_display(again[-1]["content"]), do_sample=True)
+            which = NEW_REPLY if rnd % 2 else PREVIOUS_REPLY
+            chosen, other = (new, exchange) if which == NEW_REPLY else (exchange, new)
+            event = dict(kind="choice", other_reply=other["reply"], **chosen)
+            load.send(client, event, which, api_name="/prefer")
+            chat = again
+            history += [plain(message), plain(new["reply"])]
+            rnd += 1
+        except Exception as err:  # the server was killed: wait for its restart, start a new session there
+            if load.restarted.is_set() and client.src == load.server_url:
+                with load.lock:
+                    load.failures.append(f"client {i}: {type(err).__name__}: {err}")
+                return
+            load.restarted.wait(timeout=300)
+            client = Client(load.server_url, verbose=False, analytics_enabled=False)
+            chat, history = [], []
+
+
+@pytest.fixture(scope="module")
+def loop(tiny_chat_model_dir, tmp_path_factory):
+    """The load, the kill and the restart: (load record, database URL, model dir, server logs)."""
+    tmp = tmp_path_factory.mktemp("feedback_loop")
+    model = make_sensitive_model(tiny_chat_model_dir, tmp / "model", std=0.5)
+    url = f"sqlite:///{tmp / 'feedback.db'}"
+    extra = ("--concurrency", "2", "--max_new_tokens", str(TEST_SETTINGS["max_new_tokens"]))
+    first = ChatEServer(model, tmp / "first.log", *extra, feedback_db=url).wait_ready()
+    load = Load()
+    load.server_url = first.url
+    threads = [threading.Thread(target=client_loop, args=(i, load, str(model))) for i in range(CLIENTS)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 300
+    while len(load.acked) < KILL_AFTER and time.monotonic() < deadline:
+        time.sleep(0.05)
+    first.proc.kill()  # SIGKILL: no shutdown handler runs
+    first.proc.wait()
+    first.stop()
+    killed_with = (len(load.attempted), len(load.acked))
+    second = ChatEServer(model, tmp / "second.log", *extra, feedback_db=url).wait_ready()
+    load.server_url = second.url
+    load.restarted.set()
+    for t in threads:
+        t.join(timeout=600)
+    second.stop()
+    return load, url, model, killed_with, [first.log(), second.log()]
+
+
+def stored(url: str) -> list[dict]:
+    store = FeedbackStore(url)
+    try:
+        return store.feedback()
+    finally:
+        store.close()
+
+
+FIELDS = ("kind", "session_id", "model", "mode", "context", "history", "message", "reply", "rating", "edited")
+
+
+def key(row: dict) -> str:
+    """A stored row or a sent event by its content (a stored row's settings say whether its reply was sampled)."""
+    fields = {k: row.get(k) for k in (*FIELDS, "other_reply")}
+    fields["do_sample"] = row["settings"]["do_sample"] if "settings" in row else row["do_sample"]
+    return json.dumps(fields, sort_keys=True)
+
+
+def test_the_database_holds_exactly_the_feedback_sent_across_a_sigkill(loop):
+    load, url, _, (attempted_at_kill, acked_at_kill), logs = loop
+    assert not load.failures, load.failures
+    assert 0 < acked_at_kill < CLIENTS * ROUNDS * 3, "the kill came in the middle of the load"
+    rows = stored(url)
+    keys = [key(r) for r in rows]
+    acked, attempted = [key(e) for e in load.acked], {key(e) for e in load.attempted}
+    assert len(set(keys)) == len(keys), "a piece of feedback was stored twice"
+    assert set(acked) <= set(keys), "feedback the server acknowledged is missing"
+    assert set(keys) <= attempted, "the database holds feedback no client sent"
+    # what was sent but not acknowledged: only what was in flight when the server died
+    assert len(keys) - len(acked) <= attempted_at_kill - acked_at_kill <= CLIENTS
+    # every client finished its rounds after the restart (sessions started over there)
+    assert len(load.acked) >= CLIENTS * ROUNDS * 3
+    assert "feedback: stored in" in logs[1]
+    assert all(row["settings"]["max_new_tokens"] == TEST_SETTINGS["max_new_tokens"] for row in rows)
+
+
+def test_exported_rows_train_five_dpo_steps_on_two_ranks(loop, tmp_path):
+    from chat_e.__main__ import main
+    from recipes.preference import clean_preference_rows, read_jsonl
+
+    _, url, model, _, _ = loop
+    rows_file = tmp_path / "dpo.jsonl"
+    assert main(["feedback", "export", "--format", "dpo", "--out", str(rows_file), "--feedback_db", url]) == 0
+    rows, bad = read_jsonl(str(rows_file))
+    assert bad == 0 and len(rows) >= CLIENTS * ROUNDS  # a correction per round, and most choices
+    assert clean_preference_rows(rows, "dpo", str(rows_file)) == rows  # the recipe takes every row
+    out = tmp_path / "dpo"
+    cmd = launcher_cmd("deepspeed", ROOT / "recipes" / "preference.py") + [
+        "--config", str(ROOT / "recipes" / "configs" / "preference_tiny.yaml"), "--model_name_or_path", str(model),
+        "--data_file", str(rows_file), "--n_eval", "8", "--max_steps", "5", "--output_dir", str(out),
+    ]  # fmt: skip
+    proc = run(cmd)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "preference_metrics.json").read_text())
+    assert report["loss"] == "dpo" and report["steps"] == 5
+    assert report["after"]["eval_loss"] != report["before"]["eval_loss"]
+    assert (Path(out) / "config.json").is_file()
