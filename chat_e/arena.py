@@ -296,8 +296,15 @@ class Arena:
         return leaderboard(self.load_votes(), self.names)
 
     def leaderboard(self):
-        """``(table, text, matrix PNG)`` for the Leaderboard tab."""
-        board = self.board()
+        """``(table, text, matrix PNG)`` for the Leaderboard tab; votes that cannot be loaded or read are a
+        ``gr.Error`` (logged with their traceback)."""
+        try:
+            board = self.board()
+        except Exception:
+            logger.exception("the leaderboard could not be computed")
+            raise import_gradio().Error(
+                "The votes could not be loaded; please try again later.", title="Chat-E arena", print_exception=False
+            ) from None
         png = matrix_png(board.matrix, self.plot_dir) if len(board.matrix.models) >= 2 else None
         return board.value(), board.text, str(png) if png else None
 

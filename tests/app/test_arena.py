@@ -260,3 +260,19 @@ def test_pairs_are_drawn_uniformly_with_balanced_sides():
     assert [draw_pair(names, first) for _ in range(20)] == [draw_pair(names, again) for _ in range(20)]
     with pytest.raises(ValueError):
         draw_pair(["m1"], rng)
+
+
+def test_the_leaderboard_says_when_the_votes_cannot_be_loaded(engines, tmp_path):
+    import gradio as gr
+
+    def load_votes():
+        raise OSError("the store is down")
+
+    arena = Arena(engines, record_vote=print, load_votes=load_votes, plot_dir=tmp_path)
+    with pytest.raises(gr.Error, match="could not be loaded"):
+        arena.leaderboard()
+    # votes of a model no longer served still count
+    retired = [{"model_a": "m1", "model_b": "old", "winner": "model_b"}]
+    arena = Arena(engines, record_vote=print, load_votes=lambda: retired, plot_dir=tmp_path)
+    table, _, png = arena.leaderboard()
+    assert {row[1] for row in table["data"]} == {"m1", "m2", "m3", "old"} and png.endswith(".png")
