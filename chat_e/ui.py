@@ -107,6 +107,29 @@ def setting_controls(settings: GenerationSettings, ranges: dict[str, tuple[float
     return controls
 
 
+def context_controls(elem_prefix: str = "") -> tuple:
+    """The context mode's radio, the context box and its examples, the box fitted to the mode when it changes
+    (:meth:`Handlers.mode_changed`): ``(mode, context)``. Call it inside a ``gr.Blocks``; ``elem_prefix`` goes before
+    the elements' ids (``mode``, ``context``)."""
+    gr = import_gradio()
+    mode = gr.Radio(list(UI_MODES), value="persona", label="Context mode", elem_id=f"{elem_prefix}mode")
+    context = gr.Textbox(
+        value=EXAMPLES["persona"],
+        label="Context",
+        info=CONTEXT_HINTS["persona"],
+        lines=3,
+        elem_id=f"{elem_prefix}context",
+    )
+    gr.Examples(
+        examples=[[m, EXAMPLES[m]] for m in EXAMPLES],
+        inputs=[mode, context],
+        example_labels=[f"{m}: {EXAMPLES[m]}" for m in EXAMPLES],
+        label="Context examples",
+    )
+    mode.change(Handlers.mode_changed, [mode, context], [context], queue=False, api_visibility="undocumented")
+    return mode, context
+
+
 # ---- handlers (plain functions of their inputs: no state is shared between sessions) --------------------------------
 
 
@@ -373,20 +396,7 @@ def build_app(
         gr.Markdown(f"**Model:** `{engine.describe()}`", elem_id="model-line")
         with gr.Row():
             with gr.Column(scale=1, min_width=260):
-                mode = gr.Radio(list(UI_MODES), value="persona", label="Context mode", elem_id="mode")
-                context = gr.Textbox(
-                    value=EXAMPLES["persona"],
-                    label="Context",
-                    info=CONTEXT_HINTS["persona"],
-                    lines=3,
-                    elem_id="context",
-                )
-                gr.Examples(
-                    examples=[[m, EXAMPLES[m]] for m in EXAMPLES],
-                    inputs=[mode, context],
-                    example_labels=[f"{m}: {EXAMPLES[m]}" for m in EXAMPLES],
-                    label="Context examples",
-                )
+                mode, context = context_controls()
                 with gr.Accordion("Generation settings", open=False, elem_id="settings"):
                     gr.Markdown("Replies stream token by token with 1 beam; beam search shows them when done.")
                     settings_controls = setting_controls(s, ranges)
@@ -420,7 +430,6 @@ def build_app(
 
         reply_inputs = [chatbot, mode, context, *settings_controls, records]
         respond = named(handlers.respond_event, (*RESPOND_PARAMETERS, "records"))
-        mode.change(handlers.mode_changed, [mode, context], [context], queue=False, **ui)
         buttons = [send, regenerate, undo, clear]
         assert len(buttons) == N_BUTTONS
         gr.on(
