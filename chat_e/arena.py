@@ -20,14 +20,14 @@ import logging
 import random
 import tempfile
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .leaderboard import DECISIVE, WINNERS, Leaderboard, leaderboard, matrix_png
+from .feedback import WINNERS, utcnow
+from .leaderboard import DECISIVE, Leaderboard, leaderboard, matrix_png
 from .limits import ChatLimits
 from .settings import GenerationSettings
 from .ui import APOLOGY, GENERATE_GROUP, Handlers, context_controls, import_gradio, to_display
@@ -56,7 +56,7 @@ VOTE_KEYS = (
     "reply_a",
     "reply_b",
     "settings",
-    "time",
+    "created_at",
 )
 DEFAULT_PLOT_DIR = Path(tempfile.gettempdir()) / "chat-e-arena"
 assert tuple(VOTE_LABELS) == WINNERS
@@ -219,8 +219,8 @@ class Arena:
             history_a=tuple(histories[0]),
             history_b=tuple(histories[1]),
             message=checked.message,
-            reply_a=shown[0],
-            reply_b=shown[1],
+            reply_a=replies[0],  # as the model made them (an empty one is shown as "…")
+            reply_b=replies[1],
             mode=checked.mode,
             context=checked.context,
             failed=battle.failed or any(failed),
@@ -237,7 +237,7 @@ class Arena:
         :data:`~chat_e.leaderboard.WINNERS` kind), the last exchange's mode and context, ``history`` (each side's
         earlier plain turns, as that model saw them: ``{"model_a": [...], "model_b": [...]}``), the message, both
         replies, ``settings`` (each side's generation settings: ``{"model_a": {...}, "model_b": {...}}``) and the
-        time (seconds since the epoch). A vote without a reply to vote on, on a battle whose reply failed, or on a
+        time (UTC). A vote without a reply to vote on, on a battle whose reply failed, or on a
         battle already voted on is refused (a ``gr.Error``) and not recorded."""
         gr = import_gradio()
 
@@ -277,7 +277,7 @@ class Arena:
                 side: dataclasses.asdict(self.handlers[name].settings)
                 for side, name in zip(DECISIVE, (battle.model_a, battle.model_b))
             },
-            "time": time.time(),
+            "created_at": utcnow(),
         }
         try:
             self.record_vote(record)

@@ -93,7 +93,10 @@ class Examples:
         self.endorsed.append((row, chosen))
 
     def _vote(self, vote: Mapping) -> None:
-        if vote["turn"] != 1:
+        # each side's own history (chat_e.arena): on the first turn both are the battle's (empty) start
+        histories = vote["history"] if isinstance(vote["history"], Mapping) else {"model_a": vote["history"]}
+        vote = {**vote, "history": histories.get("model_a", [])}
+        if vote["turn"] != 1 or any(h != vote["history"] for h in histories.values()):
             self.dropped["arena vote after the first turn"] += 1
         elif vote["winner"] == "tie":
             self.dropped["arena tie"] += 1

@@ -23,7 +23,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, Integer, String, Text, create_engine, delete, event, func, select
+from sqlalchemy import JSON, DateTime, Integer, String, Text, TypeDecorator, create_engine, delete, event, func, select
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
@@ -35,7 +35,7 @@ DEFAULT_DB_NAME = "feedback.db"
 #: the kinds of a feedback row
 RATING, EDIT, CHOICE = "rating", "edit", "choice"
 FEEDBACK_KINDS = (RATING, EDIT, CHOICE)
-#: a vote's winner (FastChat's kinds; model_a is the left side)
+#: a vote's winner, FastChat's kinds: model A (the left side) better, model B better, a tie, both bad
 WINNERS = ("model_a", "model_b", "tie", "bothbad")
 #: how long SQLite waits for another writer's lock before it gives up (seconds)
 SQLITE_BUSY_SECONDS = 30
@@ -50,6 +50,19 @@ def utcnow() -> datetime.datetime:
     return datetime.datetime.now(datetime.timezone.utc)
 
 
+class UTCDateTime(TypeDecorator):
+    """A time stored in UTC and read back as UTC on every backend (SQLite keeps no time zone)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value, dialect):
+        return value.astimezone(datetime.timezone.utc) if value is not None and value.tzinfo else value
+
+    def process_result_value(self, value, dialect):
+        return value.replace(tzinfo=datetime.timezone.utc) if value is not None and value.tzinfo is None else value
+
+
 class Base(DeclarativeBase):
     pass
 
@@ -58,7 +71,7 @@ class _Exchange:
     """What every row holds: who, when, which model and settings, and the exchange as the model saw it."""
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), index=True)
+    created_at: Mapped[datetime.datetime] = mapped_column(UTCDateTime, index=True)
     session_id: Mapped[str] = mapped_column(String(64), index=True)
     #: a context mode as chat_e.dialogue names it (persona, emotion, domain, topic, none)
     mode: Mapped[str] = mapped_column(String(16))

@@ -29,8 +29,9 @@ import choix
 import numpy as np
 from scipy import stats
 
-#: FastChat's vote kinds: model A (left) better, model B better, a tie, both bad
-WINNERS = ("model_a", "model_b", "tie", "bothbad")
+from .feedback import WINNERS
+
+#: the vote kinds (:data:`chat_e.feedback.WINNERS`, FastChat's) that have a winner
 DECISIVE = ("model_a", "model_b")
 CONFIDENCE = 0.95
 #: the confidence interval of a win rate: Wilson's score interval. With the few votes an arena gathers it keeps close

@@ -20,6 +20,7 @@ from scipy import stats
 from chat_e.arena import VOTE_KEYS, Arena, build_arena, draw_pair
 from chat_e.dialogue import normalize_mode
 from chat_e.engine import ChatEngine
+from chat_e.feedback import FeedbackStore
 from chat_e.leaderboard import BT_ALPHA
 from chat_e.limits import ChatLimits
 from chat_e.messages import message_text, plain_turn
@@ -52,23 +53,34 @@ def settings_of(engine):
     return engine.default_settings().replace(**TEST_SETTINGS)
 
 
+class Votes:
+    """The arena's votes in a real feedback store (SQLite in ``tmp_path``); ``list(votes)`` reads them back."""
+
+    def __init__(self, tmp_path):
+        self.store = FeedbackStore(f"sqlite:///{tmp_path}/feedback.db")
+
+    def record(self, vote):
+        self.store.add_vote(**vote)
+
+    def __iter__(self):
+        return iter(self.store.votes())
+
+    def __len__(self):
+        return len(self.store.votes())
+
+
 @contextlib.contextmanager
-def arena_server(engines, tmp_path, seed=0):
-    """``build_arena`` on ``engines`` launched here, its votes in a plain list: yields ``(url, votes)``."""
-    votes: list[dict] = []
-    lock = threading.Lock()
-
-    def record_vote(vote):
-        with lock:
-            votes.append(vote)
-
-    def load_votes():
-        with lock:
-            return list(votes)
-
+def arena_server(engines, tmp_path, seed=0, votes=None):
+    """``build_arena`` on ``engines`` launched here, its votes in a feedback store: yields ``(url, votes)``."""
+    votes = votes or Votes(tmp_path)
     settings = settings_of(next(iter(engines.values())))
     demo = build_arena(
-        engines, record_vote=record_vote, load_votes=load_votes, settings=settings, seed=seed, plot_dir=tmp_path
+        engines,
+        record_vote=votes.record,
+        load_votes=votes.store.votes,
+        settings=settings,
+        seed=seed,
+        plot_dir=tmp_path,
     )
     port = free_port()
     demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=port, quiet=True)
@@ -76,6 +88,7 @@ def arena_server(engines, tmp_path, seed=0):
         yield f"http://127.0.0.1:{port}/", votes
     finally:
         demo.close()
+        votes.store.close()
 
 
 def client(url):
@@ -143,7 +156,7 @@ def test_two_models_votes_are_recorded_once_with_what_training_needs(engines, tm
         assert len({v["battle_id"] for v in votes}) == len(votes)
         by_battle = {}
         for v in votes:
-            assert tuple(v) == VOTE_KEYS
+            assert set(v) == {"id", *VOTE_KEYS}  # the store keeps every key the arena records
             by_battle[(v["session_id"], v["message"], v["turn"])] = v
         for r in results:
             message, mode, context, shown_a, shown_b = r["seen"][-1]
@@ -151,9 +164,9 @@ def test_two_models_votes_are_recorded_once_with_what_training_needs(engines, tm
             assert (v["model_a"], v["model_b"]) == (r["a"], r["b"])  # the names revealed are the names recorded
             assert {v["model_a"], v["model_b"]} == {"m1", "m2"}
             assert v["winner"] == r["winner"] and (v["mode"], v["context"]) == (normalize_mode(mode), context)
-            assert (v["reply_a"], v["reply_b"]) == (shown_a, shown_b)
+            assert (v["reply_a"] or "…", v["reply_b"] or "…") == (shown_a, shown_b)  # an empty reply shows as "…"
             assert v["settings"] == {side: asdict(settings_of(engines["m1"])) for side in ("model_a", "model_b")}
-            assert isinstance(v["time"], float)
+            assert v["created_at"].tzinfo is not None  # UTC
             # each side's history is its own conversation, and each reply is its (revealed) model's
             for side, shown in (("model_a", 3), ("model_b", 4)):
                 history = [plain_turn(t) for exchange in r["seen"][:-1] for t in (exchange[0], exchange[shown])]

@@ -42,8 +42,9 @@ def exchange(**fields) -> dict:
 
 def vote(winner: str, turn: int = 1, a: str = "Fine, thanks.", b: str = "I am a cat.") -> dict:
     fields = dict(battle_id="b1", turn=turn, model_a="base", model_b="tuned", winner=winner, reply_a=a, reply_b=b)
-    row = exchange(mode="none", context="", history=[], message="hey", **fields)
-    del row["model"]  # a vote names its two models
+    history = {"model_a": [], "model_b": []} if turn == 1 else {"model_a": ["hi", "A"], "model_b": ["hi", "B"]}
+    row = exchange(mode="none", context="", history=history, message="hey", **fields)
+    del row["model"]  # a vote names its two models; each side has its own history (chat_e.arena)
     return row
 
 
