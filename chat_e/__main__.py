@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import socket
 import sys
 from dataclasses import fields
 
@@ -19,11 +18,15 @@ from hf_ext.runtime import return_freed_memory_to_os, usable_cores
 from hf_ext.saving.model_dir import ModelDirError as ModelLoadError
 from hf_ext.saving.model_dir import describe_model_dir
 
-from .guard import API_KEY_ENV, AUTH_ENV, RequestGuard, exposure_warning, parse_auth
+from .guard import API_KEY_ENV, AUTH_ENV, exposure_warning, parse_auth
 from .limits import ChatLimits
 from .settings import SETTINGS, setting_type
 
 logger = logging.getLogger("chat-e")
+SHARE_REFUSAL = (
+    "--share is not supported: Chat-E serves its UI and API on one app, which Gradio's share link cannot tunnel. "
+    "Publish it as a Space (make space; docs/chat-e.md) or put it behind a reverse proxy (with --auth and --api_key)."
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,7 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True, help="Model directory: config.json or adapter_config.json in it.")
     parser.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1: this machine only).")
     parser.add_argument("--port", type=int, default=7860, help="Port to serve on (default 7860; 0 picks a free one).")
-    parser.add_argument("--share", action="store_true", help="Also open a public gradio.live link (off by default).")
+    parser.add_argument(
+        "--share",
+        action="store_true",
+        help="Not supported: Chat-E serves the UI and its API on one FastAPI app, which Gradio's share link cannot "
+        "tunnel. Publish a Space instead (make space) or put the server behind a reverse proxy.",
+    )
     parser.add_argument(
         "--auth",
         default=None,
@@ -118,8 +126,11 @@ def main(argv: list[str] | None = None) -> int:
         auth = parse_auth(auth_value) if auth_value else None
     except ValueError as err:
         parser.error(str(err))
+    if args.share:
+        print(f"chat-e: error: {SHARE_REFUSAL}", file=sys.stderr)
+        return 2
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    warning = exposure_warning(args.host, args.share, auth is not None, api_key is not None)
+    warning = exposure_warning(args.host, auth is not None, api_key is not None)
     if warning:
         logger.warning(warning)
         print(f"chat-e: WARNING: {warning}", file=sys.stderr, flush=True)
@@ -133,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch  # noqa: PLC0415 (heavy: only once the arguments and the model directory are checked)
 
     from .engine import ChatEngine  # noqa: PLC0415 (heavy: only once the arguments and the model directory are checked)
-    from .ui import build_app, import_gradio, theme  # noqa: PLC0415 (heavy: only once the arguments and the model directory are checked)
+    from .server import serve  # noqa: PLC0415 (heavy: only once the arguments and the model directory are checked)
+    from .ui import build_app, import_gradio  # noqa: PLC0415 (heavy: only once the arguments and the model directory are checked)
 
     try:
         import_gradio()
@@ -156,36 +168,14 @@ def main(argv: list[str] | None = None) -> int:
     demo = build_app(engine, settings, concurrency_limit=args.concurrency, limits=limits)
     logger.info("limits: %s; login %s, API key %s", limits, "on" if auth else "off", "on" if api_key else "off")
     try:
-        demo.launch(
-            server_name=args.host,
-            server_port=args.port if args.port else _free_port(args.host),
-            share=args.share,
-            theme=theme(),
-            footer_links=["api"],
-            show_error=False,
-            auth=auth,
-            auth_message="Chat-E: log in with the user and password its server was started with.",
-            max_file_size=limits.max_body_bytes,
-            state_session_capacity=limits.max_sessions,
-            app_kwargs={"middleware": [guard_middleware(limits.max_body_bytes, api_key)]},
-        )
+        serve(demo, host=args.host, port=args.port, auth=auth, api_key=api_key, limits=limits)
     except OSError as err:
         print(f"chat-e: error: cannot serve on {args.host}:{args.port}: {err}", file=sys.stderr)
         return 2
+    except RuntimeError as err:
+        print(f"chat-e: error: {err}", file=sys.stderr)
+        return 1
     return 0
-
-
-def guard_middleware(max_body_bytes: int, api_key: str | None):
-    """:class:`~chat_e.guard.RequestGuard` as a Starlette middleware entry for the Gradio app's ``app_kwargs``."""
-    from starlette.middleware import Middleware  # noqa: PLC0415 (optional extra: comes with gradio, which only serving needs)
-
-    return Middleware(RequestGuard, max_body_bytes=max_body_bytes, api_key=api_key)
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":
