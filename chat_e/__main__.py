@@ -144,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch  # noqa: PLC0415 (heavy: only once the arguments and the model directory are checked)
 
     from .engine import ChatEngine  # noqa: PLC0415 (heavy: only once the arguments and the model directory are checked)
+    from .gate import GatedEngine  # noqa: PLC0415 (heavy: only once the arguments and the model directory are checked)
+    from .openai_api import openai_router  # noqa: PLC0415 (heavy: only once the arguments and the model directory are checked)
     from .server import serve  # noqa: PLC0415 (heavy: only once the arguments and the model directory are checked)
     from .ui import build_app, import_gradio  # noqa: PLC0415 (heavy: only once the arguments and the model directory are checked)
 
@@ -165,10 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     return_freed_memory_to_os(threshold=256 * 1024)
     logger.info("loaded %s", engine.describe())
     logger.info("generation defaults: %s; %d torch threads per reply", settings, torch.get_num_threads())
+    engine = GatedEngine(engine, args.concurrency)  # the one limit on replies at once, for the UI and the API
     demo = build_app(engine, settings, concurrency_limit=args.concurrency, limits=limits)
+    api = openai_router(engine, settings, limits)
     logger.info("limits: %s; login %s, API key %s", limits, "on" if auth else "off", "on" if api_key else "off")
     try:
-        serve(demo, host=args.host, port=args.port, auth=auth, api_key=api_key, limits=limits)
+        serve(demo, host=args.host, port=args.port, auth=auth, api_key=api_key, limits=limits, routers=[api])
     except OSError as err:
         print(f"chat-e: error: cannot serve on {args.host}:{args.port}: {err}", file=sys.stderr)
         return 2
