@@ -1,5 +1,6 @@
-"""``chat-e --model DIR`` (or ``python -m chat_e --model DIR``): serve a dialogue model with the Chat-E UI and its
-``chat`` API endpoint.
+"""``chat-e --model DIR`` (or ``python -m chat_e --model DIR``): serve a dialogue model with the Chat-E UI, its
+``chat`` API endpoint and an OpenAI-compatible API at ``/v1`` (:mod:`chat_e.openai_api`); ``chat-e --backend URL
+--model NAME``: the same in front of a remote OpenAI-compatible server (:mod:`chat_e.remote`).
 
 Both families are served: an encoder-decoder (BlenderBot) and a decoder-only chat model (such as SmolLM2), from a
 recipe's output dir, an exported merge or a PEFT adapter dir. The generation flags are
@@ -20,6 +21,7 @@ from hf_ext.saving.model_dir import describe_model_dir
 
 from .guard import API_KEY_ENV, AUTH_ENV, exposure_warning, parse_auth
 from .limits import ChatLimits
+from .remote import BACKEND_API_KEY_ENV
 from .settings import SETTINGS, setting_type
 
 logger = logging.getLogger("chat-e")
@@ -33,10 +35,32 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="chat-e",
         description="Serve a dialogue model -- an encoder-decoder (BlenderBot) or a decoder-only chat model (such as "
-        "SmolLM2): a recipe's output dir, an exported merge, or a PEFT adapter dir -- with the Chat-E Gradio UI and "
-        "its `chat` API endpoint.",
+        "SmolLM2): a recipe's output dir, an exported merge, or a PEFT adapter dir -- with the Chat-E Gradio UI, its "
+        "`chat` API endpoint and an OpenAI-compatible API at /v1; or put the UI and the API in front of a remote "
+        "OpenAI-compatible server (--backend).",
     )
-    parser.add_argument("--model", required=True, help="Model directory: config.json or adapter_config.json in it.")
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="Model directory: config.json or adapter_config.json in it; with --backend, the remote model's name.",
+    )
+    parser.add_argument(
+        "--backend",
+        default=None,
+        metavar="URL",
+        help="Generate with a remote OpenAI-compatible server (vLLM, transformers serve, another Chat-E) at URL, "
+        "such as http://127.0.0.1:8000/v1, instead of loading --model here. The OpenAI API has no beam search and "
+        "no minimum length: --num_beams and --min_new_tokens do not reach it; --dtype, --quantize and --threads "
+        "do not apply.",
+    )
+    parser.add_argument(
+        "--backend_api_key",
+        "--backend-api-key",
+        default=None,
+        metavar="KEY",
+        help=f"The --backend server's API key (sent as 'Authorization: Bearer KEY'). Default: ${BACKEND_API_KEY_ENV}, "
+        "else none.",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1: this machine only).")
     parser.add_argument("--port", type=int, default=7860, help="Port to serve on (default 7860; 0 picks a free one).")
     parser.add_argument(
@@ -111,11 +135,45 @@ def torch_threads(requested: int | None, concurrency: int) -> int:
     return max(1, usable_cores() // max(1, concurrency))
 
 
+def embedded_engine(args):
+    """The model directory's :class:`~chat_e.engine.ChatEngine` in this process, and its generation defaults with
+    the flags' overrides."""
+    import torch  # noqa: PLC0415 (heavy: only once the arguments and the model directory are checked)
+
+    from .engine import ChatEngine  # noqa: PLC0415 (heavy: imports torch and transformers)
+
+    torch.set_num_threads(torch_threads(args.threads, args.concurrency))
+    engine = ChatEngine.from_pretrained(
+        args.model, dtype=args.dtype, quantize=resolve_quantize(args.quantize, args.dtype)
+    )
+    settings = engine.default_settings().replace(**{f.name: getattr(args, f.name) for f in SETTINGS})
+    # large request bodies (up to the body limit) come and go: glibc would keep their memory in its heap, its mmap
+    # threshold adapting upward, and the server's resident memory would ratchet up under big requests
+    return_freed_memory_to_os(threshold=256 * 1024)
+    logger.info("loaded %s", engine.describe())
+    logger.info("generation defaults: %s; %d torch threads per reply", settings, torch.get_num_threads())
+    return engine, settings
+
+
+def remote_engine(args):
+    """A :class:`~chat_e.remote.RemoteEngine` on ``--backend`` serving ``--model``, and its generation defaults with
+    the flags' overrides."""
+    from .remote import RemoteEngine  # noqa: PLC0415 (imports the openai client)
+
+    key = args.backend_api_key or os.environ.get(BACKEND_API_KEY_ENV) or None
+    engine = RemoteEngine(args.backend, args.model, api_key=key)
+    settings = engine.default_settings().replace(**{f.name: getattr(args, f.name) for f in SETTINGS})
+    engine.settings = settings
+    logger.info("generation defaults: %s", settings)
+    return engine, settings
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    for name in ("httpx", "httpx2"):  # a line per request otherwise (the openai client logs through httpx2)
+        logging.getLogger(name).setLevel(logging.WARNING)
     if args.concurrency < 1:
         parser.error("--concurrency must be at least 1.")
     if args.quantize == "int8" and args.dtype != "fp32":
@@ -134,39 +192,32 @@ def main(argv: list[str] | None = None) -> int:
     if warning:
         logger.warning(warning)
         print(f"chat-e: WARNING: {warning}", file=sys.stderr, flush=True)
-    try:
-        describe_model_dir(args.model)  # fail fast, before the heavy imports
-    except ModelLoadError as err:
-        print(f"chat-e: error: {err}", file=sys.stderr)
-        return 2
-
-    # the heavy imports, once the arguments and the model directory are known to be good
-    import torch  # noqa: PLC0415 (heavy: only once the arguments and the model directory are checked)
-
-    from .engine import ChatEngine  # noqa: PLC0415 (heavy: only once the arguments and the model directory are checked)
-    from .gate import GatedEngine  # noqa: PLC0415 (heavy: only once the arguments and the model directory are checked)
-    from .openai_api import openai_router  # noqa: PLC0415 (heavy: only once the arguments and the model directory are checked)
-    from .server import serve  # noqa: PLC0415 (heavy: only once the arguments and the model directory are checked)
-    from .ui import build_app, import_gradio  # noqa: PLC0415 (heavy: only once the arguments and the model directory are checked)
+    if args.backend:
+        engine, settings = remote_engine(args)
+    else:
+        try:
+            describe_model_dir(args.model)  # fail fast, before the heavy imports
+        except ModelLoadError as err:
+            print(f"chat-e: error: {err}", file=sys.stderr)
+            return 2
+    from .ui import build_app, import_gradio  # noqa: PLC0415 (heavy: only once the arguments and the model are checked)
 
     try:
         import_gradio()
     except ImportError as err:
         print(f"chat-e: error: {err}", file=sys.stderr)
         return 2
-    torch.set_num_threads(torch_threads(args.threads, args.concurrency))
-    try:
-        quantize = resolve_quantize(args.quantize, args.dtype)
-        engine = ChatEngine.from_pretrained(args.model, dtype=args.dtype, quantize=quantize)
-    except ModelLoadError as err:
-        print(f"chat-e: error: {err}", file=sys.stderr)
-        return 2
-    settings = engine.default_settings().replace(**{f.name: getattr(args, f.name) for f in SETTINGS})
-    # large request bodies (up to the body limit) come and go: glibc would keep their memory in its heap, its mmap
-    # threshold adapting upward, and the server's resident memory would ratchet up under big requests
-    return_freed_memory_to_os(threshold=256 * 1024)
-    logger.info("loaded %s", engine.describe())
-    logger.info("generation defaults: %s; %d torch threads per reply", settings, torch.get_num_threads())
+    if not args.backend:
+        try:
+            engine, settings = embedded_engine(args)
+        except ModelLoadError as err:
+            print(f"chat-e: error: {err}", file=sys.stderr)
+            return 2
+    # the heavy imports, once the arguments and the model are known to be good
+    from .gate import GatedEngine  # noqa: PLC0415 (heavy: only once the arguments and the model are checked)
+    from .openai_api import openai_router  # noqa: PLC0415 (heavy: only once the arguments and the model are checked)
+    from .server import serve  # noqa: PLC0415 (heavy: only once the arguments and the model are checked)
+
     engine = GatedEngine(engine, args.concurrency)  # the one limit on replies at once, for the UI and the API
     demo = build_app(engine, settings, concurrency_limit=args.concurrency, limits=limits)
     api = openai_router(engine, settings, limits)
