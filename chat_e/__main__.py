@@ -1,5 +1,6 @@
-"""``chat-e --model DIR`` (or ``python -m chat_e --model DIR``): serve a dialogue model with the Chat-E UI and its
-``chat`` API endpoint.
+"""``chat-e --model DIR`` (or ``python -m chat_e --model DIR``): serve a dialogue model with the Chat-E UI, its
+``chat`` API endpoint and an OpenAI-compatible API at ``/v1`` (:mod:`chat_e.openai_api`); ``chat-e --backend URL
+--model NAME``: the same in front of a remote OpenAI-compatible server (:mod:`chat_e.remote`).
 
 Both families are served: an encoder-decoder (BlenderBot) and a decoder-only chat model (such as SmolLM2), from a
 recipe's output dir, an exported merge or a PEFT adapter dir. The generation flags are
@@ -11,7 +12,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import socket
 import sys
 from dataclasses import fields
 
@@ -22,24 +22,70 @@ from hf_ext.saving.model_dir import describe_model_dir
 from .feedback import FeedbackStore, default_url
 from .feedback_cli import add_db_argument
 from .feedback_cli import main as feedback_main
-from .guard import API_KEY_ENV, AUTH_ENV, RequestGuard, exposure_warning, parse_auth
+from .guard import API_KEY_ENV, AUTH_ENV, exposure_warning, parse_auth
 from .limits import ChatLimits
+from .remote import BACKEND_API_KEY_ENV
 from .settings import SETTINGS, setting_type
 
 logger = logging.getLogger("chat-e")
+SHARE_REFUSAL = (
+    "--share is not supported: Chat-E serves its UI and API on one app, which Gradio's share link cannot tunnel. "
+    "Publish it as a Space (make space; docs/chat-e.md) or put it behind a reverse proxy (with --auth and --api_key)."
+)
 
 
-def build_parser() -> argparse.ArgumentParser:
+ARENA_DESCRIPTION = (
+    "A blind arena: the same message goes to two models drawn at random and shown as Model A and Model B; the user "
+    "votes (A, B, tie, both bad) and only then sees which models they were. The votes go to the feedback database "
+    "and rank the models in the Leaderboard tab; first-turn votes export as preference rows (chat-e feedback export)."
+)
+
+
+def build_parser(arena: bool = False) -> argparse.ArgumentParser:
+    """``chat-e``'s flags; ``arena``: ``chat-e arena``'s (``--model`` given twice or more, and ``--seed``)."""
     parser = argparse.ArgumentParser(
-        prog="chat-e",
-        description="Serve a dialogue model -- an encoder-decoder (BlenderBot) or a decoder-only chat model (such as "
-        "SmolLM2): a recipe's output dir, an exported merge, or a PEFT adapter dir -- with the Chat-E Gradio UI and "
-        "its `chat` API endpoint.",
+        prog="chat-e arena" if arena else "chat-e",
+        description=ARENA_DESCRIPTION
+        if arena
+        else "Serve a dialogue model -- an encoder-decoder (BlenderBot) or a decoder-only chat model (such as "
+        "SmolLM2): a recipe's output dir, an exported merge, or a PEFT adapter dir -- with the Chat-E Gradio UI, its "
+        "`chat` API endpoint and an OpenAI-compatible API at /v1; or put the UI and the API in front of a remote "
+        "OpenAI-compatible server (--backend). Also: 'chat-e arena' (a blind comparison of models) and 'chat-e "
+        "feedback' (training rows from what users said).",
     )
-    parser.add_argument("--model", required=True, help="Model directory: config.json or adapter_config.json in it.")
+    what = "Model directory: config.json or adapter_config.json in it; with --backend, the remote model's name."
+    if arena:
+        parser.add_argument(
+            "--model", action="append", required=True, help=f"A model to compare (twice or more). {what}"
+        )
+        parser.add_argument("--seed", type=int, default=None, help="Seed of the battles' draws (default: random).")
+    else:
+        parser.add_argument("--model", required=True, help=what)
+    parser.add_argument(
+        "--backend",
+        default=None,
+        metavar="URL",
+        help="Generate with a remote OpenAI-compatible server (vLLM, transformers serve, another Chat-E) at URL, "
+        "such as http://127.0.0.1:8000/v1, instead of loading --model here. The OpenAI API has no beam search and "
+        "no minimum length: --num_beams and --min_new_tokens do not reach it; --dtype, --quantize and --threads "
+        "do not apply.",
+    )
+    parser.add_argument(
+        "--backend_api_key",
+        "--backend-api-key",
+        default=None,
+        metavar="KEY",
+        help=f"The --backend server's API key (sent as 'Authorization: Bearer KEY'). Default: ${BACKEND_API_KEY_ENV}, "
+        "else none.",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1: this machine only).")
     parser.add_argument("--port", type=int, default=7860, help="Port to serve on (default 7860; 0 picks a free one).")
-    parser.add_argument("--share", action="store_true", help="Also open a public gradio.live link (off by default).")
+    parser.add_argument(
+        "--share",
+        action="store_true",
+        help="Not supported: Chat-E serves the UI and its API on one FastAPI app, which Gradio's share link cannot "
+        "tunnel. Publish a Space instead (make space) or put the server behind a reverse proxy.",
+    )
     parser.add_argument(
         "--auth",
         default=None,
@@ -116,14 +162,52 @@ def torch_threads(requested: int | None, concurrency: int) -> int:
     return max(1, usable_cores() // max(1, concurrency))
 
 
+def embedded_engine(args, model: str):
+    """The :class:`~chat_e.engine.ChatEngine` of the directory ``model`` in this process, and its generation defaults
+    with the flags' overrides."""
+    import torch  # noqa: PLC0415 (heavy: only once the arguments and the model directory are checked)
+
+    from .engine import ChatEngine  # noqa: PLC0415 (heavy: imports torch and transformers)
+
+    torch.set_num_threads(torch_threads(args.threads, args.concurrency))
+    engine = ChatEngine.from_pretrained(model, dtype=args.dtype, quantize=resolve_quantize(args.quantize, args.dtype))
+    settings = engine.default_settings().replace(**{f.name: getattr(args, f.name) for f in SETTINGS})
+    # large request bodies (up to the body limit) come and go: glibc would keep their memory in its heap, its mmap
+    # threshold adapting upward, and the server's resident memory would ratchet up under big requests
+    return_freed_memory_to_os(threshold=256 * 1024)
+    logger.info("loaded %s", engine.describe())
+    logger.info("generation defaults: %s; %d torch threads per reply", settings, torch.get_num_threads())
+    return engine, settings
+
+
+def remote_engine(args, model: str):
+    """A :class:`~chat_e.remote.RemoteEngine` on ``--backend`` serving ``model``, and its generation defaults with
+    the flags' overrides."""
+    from .remote import RemoteEngine  # noqa: PLC0415 (imports the openai client)
+
+    key = args.backend_api_key or os.environ.get(BACKEND_API_KEY_ENV) or None
+    engine = RemoteEngine(args.backend, model, api_key=key)
+    settings = engine.default_settings().replace(**{f.name: getattr(args, f.name) for f in SETTINGS})
+    engine.settings = settings
+    logger.info("generation defaults: %s", settings)
+    return engine, settings
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["feedback"]:
         return feedback_main(argv[1:])
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    arena = argv[:1] == ["arena"]
+    parser = build_parser(arena)
+    args = parser.parse_args(argv[1:] if arena else argv)
+    models = list(dict.fromkeys(args.model)) if arena else [args.model]
+    if arena and len(models) < 2:
+        parser.error("the arena compares models: give --model twice or more, each a different model.")
+    if arena and args.no_feedback:
+        parser.error("the arena keeps its votes in the feedback database: drop --no_feedback.")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    for name in ("httpx", "httpx2"):  # a line per request otherwise (the openai client logs through httpx2)
+        logging.getLogger(name).setLevel(logging.WARNING)
     if args.concurrency < 1:
         parser.error("--concurrency must be at least 1.")
     if args.quantize == "int8" and args.dtype != "fp32":
@@ -134,41 +218,28 @@ def main(argv: list[str] | None = None) -> int:
         auth = parse_auth(auth_value) if auth_value else None
     except ValueError as err:
         parser.error(str(err))
+    if args.share:
+        print(f"chat-e: error: {SHARE_REFUSAL}", file=sys.stderr)
+        return 2
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    warning = exposure_warning(args.host, args.share, auth is not None, api_key is not None)
+    warning = exposure_warning(args.host, auth is not None, api_key is not None)
     if warning:
         logger.warning(warning)
         print(f"chat-e: WARNING: {warning}", file=sys.stderr, flush=True)
-    try:
-        describe_model_dir(args.model)  # fail fast, before the heavy imports
-    except ModelLoadError as err:
-        print(f"chat-e: error: {err}", file=sys.stderr)
-        return 2
-
-    # the heavy imports, once the arguments and the model directory are known to be good
-    import torch  # noqa: PLC0415 (heavy: only once the arguments and the model directory are checked)
-
-    from .engine import ChatEngine  # noqa: PLC0415 (heavy: only once the arguments and the model directory are checked)
-    from .ui import build_app, import_gradio, theme  # noqa: PLC0415 (heavy: only once the arguments and the model directory are checked)
+    if not args.backend:
+        try:
+            for model in models:
+                describe_model_dir(model)  # fail fast, before the heavy imports
+        except ModelLoadError as err:
+            print(f"chat-e: error: {err}", file=sys.stderr)
+            return 2
+    from .ui import build_app, import_gradio  # noqa: PLC0415 (heavy: only once the arguments and the model are checked)
 
     try:
         import_gradio()
     except ImportError as err:
         print(f"chat-e: error: {err}", file=sys.stderr)
         return 2
-    torch.set_num_threads(torch_threads(args.threads, args.concurrency))
-    try:
-        quantize = resolve_quantize(args.quantize, args.dtype)
-        engine = ChatEngine.from_pretrained(args.model, dtype=args.dtype, quantize=quantize)
-    except ModelLoadError as err:
-        print(f"chat-e: error: {err}", file=sys.stderr)
-        return 2
-    settings = engine.default_settings().replace(**{f.name: getattr(args, f.name) for f in SETTINGS})
-    # large request bodies (up to the body limit) come and go: glibc would keep their memory in its heap, its mmap
-    # threshold adapting upward, and the server's resident memory would ratchet up under big requests
-    return_freed_memory_to_os(threshold=256 * 1024)
-    logger.info("loaded %s", engine.describe())
-    logger.info("generation defaults: %s; %d torch threads per reply", settings, torch.get_num_threads())
     store = None
     if not args.no_feedback:
         url = args.feedback_db or default_url()
@@ -181,39 +252,47 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 2
         logger.info("feedback: stored in %s", store.describe())
-    demo = build_app(engine, settings, concurrency_limit=args.concurrency, limits=limits, store=store)
+    engines, settings = {}, {}
+    try:
+        for model in models:
+            engines[model], settings[model] = (remote_engine if args.backend else embedded_engine)(args, model)
+    except ModelLoadError as err:
+        print(f"chat-e: error: {err}", file=sys.stderr)
+        return 2
+    # the heavy imports, once the arguments and the model are known to be good
+    from .gate import GatedEngine  # noqa: PLC0415 (heavy: only once the arguments and the model are checked)
+    from .openai_api import openai_router  # noqa: PLC0415 (heavy: only once the arguments and the model are checked)
+    from .server import serve  # noqa: PLC0415 (heavy: only once the arguments and the model are checked)
+
+    # the one limit on each engine's replies at once, for the UI and the API
+    engines = {name: GatedEngine(engine, args.concurrency) for name, engine in engines.items()}
+    if arena:
+        from .arena import build_arena  # noqa: PLC0415 (heavy: scipy and choix, for the arena only)
+
+        demo = build_arena(
+            engines,
+            record_vote=lambda vote: store.add_vote(**vote),
+            load_votes=store.votes,
+            settings=settings,
+            limits=limits,
+            seed=args.seed,
+            concurrency_limit=args.concurrency,
+        )
+        routers = []
+    else:
+        (engine,), (default,) = engines.values(), settings.values()
+        demo = build_app(engine, default, concurrency_limit=args.concurrency, limits=limits, store=store)
+        routers = [openai_router(engine, default, limits)]
     logger.info("limits: %s; login %s, API key %s", limits, "on" if auth else "off", "on" if api_key else "off")
     try:
-        demo.launch(
-            server_name=args.host,
-            server_port=args.port if args.port else _free_port(args.host),
-            share=args.share,
-            theme=theme(),
-            footer_links=["api"],
-            show_error=False,
-            auth=auth,
-            auth_message="Chat-E: log in with the user and password its server was started with.",
-            max_file_size=limits.max_body_bytes,
-            state_session_capacity=limits.max_sessions,
-            app_kwargs={"middleware": [guard_middleware(limits.max_body_bytes, api_key)]},
-        )
+        serve(demo, host=args.host, port=args.port, auth=auth, api_key=api_key, limits=limits, routers=routers)
     except OSError as err:
         print(f"chat-e: error: cannot serve on {args.host}:{args.port}: {err}", file=sys.stderr)
         return 2
+    except RuntimeError as err:
+        print(f"chat-e: error: {err}", file=sys.stderr)
+        return 1
     return 0
-
-
-def guard_middleware(max_body_bytes: int, api_key: str | None):
-    """:class:`~chat_e.guard.RequestGuard` as a Starlette middleware entry for the Gradio app's ``app_kwargs``."""
-    from starlette.middleware import Middleware  # noqa: PLC0415 (optional extra: comes with gradio, which only serving needs)
-
-    return Middleware(RequestGuard, max_body_bytes=max_body_bytes, api_key=api_key)
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -189,6 +189,21 @@ def system_message(header: str) -> str:
     return header.strip().removesuffix("</s>").strip()
 
 
+def parse_system_message(text: str) -> tuple[str, str | None]:
+    """``(mode, context)`` of a system message in the form :func:`system_message` makes of a header (``your
+    persona: ...``, ``topic: ...``, ``context: ...``, ``domain: ...``), or of a header itself; ``("none", None)`` for
+    any other text. The inverse of ``system_message(make_header(mode, context))``."""
+    text = " ".join((text or "").split())
+    mode, context = parse_header(text)
+    if mode != "none":
+        return mode, context
+    for mode, template in HEADER_TEMPLATES.items():
+        prefix, suffix = system_message(template).split("{}")
+        if len(text) > len(prefix) + len(suffix) and text.startswith(prefix) and text.endswith(suffix):
+            return mode, text[len(prefix) : len(text) - len(suffix)].strip()
+    return "none", None
+
+
 def chat_messages(turns: Sequence[str], header: str = "", reply: str | None = None) -> list[dict]:
     """Chat-template messages: the header as the system message, then the turns alternating so that the newest is
     the user's, then ``reply`` as the assistant's when given."""

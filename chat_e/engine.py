@@ -36,6 +36,7 @@ from hf_ext.saving.model_dir import ModelDirError as ModelLoadError
 from hf_ext.saving.model_dir import describe_model_dir
 
 from .dialogue import encode_history, family_of, format_context, normalize_mode
+from .messages import stripped_pieces
 from .settings import GenerationSettings
 
 logger = logging.getLogger(__name__)
@@ -339,17 +340,8 @@ class ChatEngine:
         started = time.perf_counter()
         worker = threading.Thread(target=run, name="chat-e-generate", daemon=True)
         worker.start()
-        pending, first = "", True
         try:
-            for piece in streamer:
-                text = pending + piece
-                if first:
-                    text = text.lstrip()
-                    first = not text
-                body = text.rstrip()
-                pending = text[len(body) :]  # trailing whitespace waits for more text (a reply is stripped)
-                if body:
-                    yield body
+            yield from stripped_pieces(streamer)
         finally:
             cancel.set()
             worker.join()

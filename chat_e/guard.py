@@ -1,10 +1,12 @@
-"""Who may call Chat-E and how much they may send: an ASGI middleware in front of the Gradio app, and the warning for
-a server anyone can reach.
+"""Who may call Chat-E and how much they may send: an ASGI middleware in front of the whole server (the Gradio app
+and the OpenAI-compatible API beside it), and the warning for a server anyone can reach.
 
-:class:`RequestGuard`, for every HTTP request, before the Gradio app sees it:
+:class:`RequestGuard`, for every HTTP request, before any app sees it:
 
-* with an API key, the request needs ``Authorization: Bearer KEY`` -- or, when the server also has a login
-  (``--auth``, Gradio's own), a logged-in session: Gradio's login decides on a request without the header;
+* with an API key, the request needs ``Authorization: Bearer KEY`` -- or, for the Gradio app's paths when the server
+  also has a login (``--auth``, Gradio's own), a logged-in session: Gradio's login decides on a request without the
+  header. Gradio's login does not cover the paths under ``key_only`` (the OpenAI-compatible API): they take the key
+  alone, and on a server with a login but no key they are closed;
 * a body over ``max_body_bytes`` gets HTTP 413: by its ``Content-Length`` before a byte of it is read, or, sent
   without one (chunked), as soon as the bytes received pass the limit (the app never sees it);
 * a full queue's HTTP 503 says that Chat-E is busy and to try again.
@@ -26,8 +28,10 @@ API_KEY_USER = "api-key"
 BUSY = "Chat-E is busy: too many requests are waiting for a reply. Try again in a moment."
 NEEDS_KEY = "Chat-E needs its API key: send the header 'Authorization: Bearer KEY'."
 WRONG_KEY = "Wrong API key: send the server's key as 'Authorization: Bearer KEY'."
-#: paths open without the key: Gradio's launch calls this one on itself (it runs the startup events, once)
-OPEN_PATHS = frozenset({"/gradio_api/startup-events"})
+NO_KEY_SET = (
+    "This Chat-E has a login but no API key, and its API takes the key only: start it with --api_key KEY (or "
+    f"{API_KEY_ENV}) and send 'Authorization: Bearer KEY'."
+)
 
 
 def too_large(limit: int) -> str:
@@ -47,16 +51,11 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def exposure_warning(host: str, share: bool, auth: bool, api_key: bool) -> str | None:
+def exposure_warning(host: str, auth: bool, api_key: bool) -> str | None:
     """The warning for a server that others can reach with neither a login nor an API key, else None."""
-    if auth or api_key:
+    if auth or api_key or is_loopback(host):
         return None
-    if share:
-        where = "--share opens a public gradio.live link"
-    elif not is_loopback(host):
-        where = f"--host {host} serves beyond this machine"
-    else:
-        return None
+    where = f"--host {host} serves beyond this machine"
     return (
         f"{where}, and Chat-E has neither --auth nor --api_key: anyone who reaches it can use it. Add --auth "
         f"USER:PASSWORD (or {AUTH_ENV}) for people and --api_key KEY (or {API_KEY_ENV}) for programs."
@@ -75,15 +74,27 @@ class RequestGuard:
     """ASGI middleware: the API key, the request-body limit and the busy answer (see the module docstring).
 
     Args:
-        app: the ASGI app behind it (Gradio's FastAPI app, with the middleware given in ``app_kwargs``).
+        app: the ASGI app behind it (the server's FastAPI app, the Gradio app mounted in it).
         max_body_bytes: the largest request body.
         api_key: the key programs send as ``Authorization: Bearer KEY``; None lets requests in without one.
+        login_app: the Gradio app whose login (``auth``, session tokens) a request without the key may pass; None:
+            the request's own ``scope["app"]``.
+        key_only: path prefixes that Gradio's login does not cover (the OpenAI-compatible API's ``/v1/``).
     """
 
-    def __init__(self, app, max_body_bytes: int, api_key: str | None = None):
+    def __init__(
+        self,
+        app,
+        max_body_bytes: int,
+        api_key: str | None = None,
+        login_app=None,
+        key_only: tuple[str, ...] = (),
+    ):
         self.app = app
         self.max_body_bytes = int(max_body_bytes)
         self.api_key = api_key or None
+        self.login_app = login_app
+        self.key_only = tuple(key_only)
         self._session = secrets.token_urlsafe(32)
 
     async def __call__(self, scope, receive, send):
@@ -110,11 +121,12 @@ class RequestGuard:
 
     def _authorize(self, scope) -> tuple[str | None, Any]:
         """``(refusal or None, scope)``: a request with the right key runs as a session of Gradio's login, if any."""
-        if self.api_key is None or scope.get("path") in OPEN_PATHS:
-            return None, scope
+        app = self.login_app if self.login_app is not None else scope.get("app")
+        key_only = scope.get("path", "").startswith(self.key_only) if self.key_only else False
+        login = getattr(app, "auth", None) is not None and not key_only
+        if self.api_key is None:
+            return (NO_KEY_SET if key_only and getattr(app, "auth", None) is not None else None), scope
         given = _bearer(scope)
-        app = scope.get("app")
-        login = getattr(app, "auth", None) is not None
         if given is None:
             return (None if login else NEEDS_KEY), scope
         if not hmac.compare_digest(given.encode(), self.api_key.encode()):

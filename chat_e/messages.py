@@ -12,7 +12,7 @@ No Gradio here (the limits use it); escaping text for display is the UI's (:mod:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from .dialogue import clean_turn
@@ -78,3 +78,18 @@ def chat_turns(
     """The user's newest ``message`` and the earlier ``history`` as :class:`~chat_e.engine.ChatEngine` takes them:
     one plain turn, and the plain turns before it (the message is never joined with them)."""
     return plain_turn(message), history_turns(history, text)
+
+
+def stripped_pieces(pieces: Iterable[str]) -> Iterator[str]:
+    """A streamed reply's pieces as the stripped reply's: no leading whitespace, and trailing whitespace held back
+    until more text follows, so that the pieces add up to the whole reply stripped (empty pieces are dropped)."""
+    pending, first = "", True
+    for piece in pieces:
+        text = pending + piece
+        if first:
+            text = text.lstrip()
+            first = not text
+        body = text.rstrip()
+        pending = text[len(body) :]
+        if body:
+            yield body

@@ -25,6 +25,7 @@ import pydantic
 
 from .limits import ChatLimits, Refused, Request, check_request
 from .messages import message_text
+from .remote import BackendError
 from .samples import EXAMPLES
 from .settings import SETTING_NAMES, SETTINGS, GenerationSettings, setting_ranges
 
@@ -200,6 +201,10 @@ class Handlers:
                 reply += piece
                 chat[-1]["content"] = to_display(reply)
                 yield [dict(m) for m in chat], None
+        except BackendError as err:  # the remote server's failure, already one line
+            logger.error("generation failed (mode=%s, %d messages): %s", checked.mode, len(checked.history), err)
+            chat[-1]["content"] = APOLOGY
+            failed = True
         except Exception:
             logger.exception("generation failed (mode=%s, %d messages)", checked.mode, len(checked.history))
             chat[-1]["content"] = APOLOGY
@@ -353,6 +358,9 @@ class Handlers:
         checked = self.check("chat", message=message, history=history, mode=mode, context=context)
         try:
             return self.engine.chat(checked.message, checked.history, checked.mode, checked.context, self.settings)
+        except BackendError as err:  # the remote server's failure, already one line
+            logger.error("generation failed (api, mode=%s, %d messages): %s", checked.mode, len(checked.history), err)
+            return APOLOGY
         except Exception:
             logger.exception("generation failed (api, mode=%s, %d messages)", checked.mode, len(checked.history))
             return APOLOGY

@@ -146,8 +146,9 @@ def test_exposed_without_auth_or_key_warns_loudly(tmp_path, extra, env, warned):
         (("--auth", "alice"), "--auth takes USER:PASSWORD, both non-empty"),
         (("--max_body_bytes", "1000"), "--max_body_bytes 1,000 is too small for a request within the other limits"),
         (("--max_queue", "0"), "--max_queue must be at least 1 (got 0)."),
+        (("--share",), "--share is not supported: Chat-E serves its UI and API on one app"),
     ],
-    ids=["auth", "body", "queue"],
+    ids=["auth", "body", "queue", "share"],
 )
 def test_bad_access_flags_are_refused_with_the_fix(tmp_path, extra, error):
     proc = subprocess.run(

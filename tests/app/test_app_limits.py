@@ -108,21 +108,20 @@ def test_handlers_refuse_before_the_engine_is_touched():
 
 
 @pytest.mark.parametrize(
-    "host, share, auth, key, warned",
+    "host, auth, key, warned",
     [
-        ("127.0.0.1", False, False, False, None),
-        ("localhost", False, False, False, None),
-        ("::1", False, False, False, None),
-        ("0.0.0.0", False, False, False, "--host 0.0.0.0 serves beyond this machine"),
-        ("192.168.1.20", False, False, False, "--host 192.168.1.20 serves beyond this machine"),
-        ("myhost.example", False, False, False, "--host myhost.example serves beyond this machine"),
-        ("127.0.0.1", True, False, False, "--share opens a public gradio.live link"),
-        ("0.0.0.0", True, True, False, None),
-        ("0.0.0.0", True, False, True, None),
+        ("127.0.0.1", False, False, None),
+        ("localhost", False, False, None),
+        ("::1", False, False, None),
+        ("0.0.0.0", False, False, "--host 0.0.0.0 serves beyond this machine"),
+        ("192.168.1.20", False, False, "--host 192.168.1.20 serves beyond this machine"),
+        ("myhost.example", False, False, "--host myhost.example serves beyond this machine"),
+        ("0.0.0.0", True, False, None),
+        ("0.0.0.0", False, True, None),
     ],
 )
-def test_exposure_warning(host, share, auth, key, warned):
-    warning = exposure_warning(host, share, auth, key)
+def test_exposure_warning(host, auth, key, warned):
+    warning = exposure_warning(host, auth, key)
     assert (warning is None) == (warned is None)
     if warned:
         assert warning.startswith(warned) and "--auth USER:PASSWORD" in warning and "CHAT_E_API_KEY" in warning

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -389,3 +390,15 @@ def test_cpu_serving_defaults_to_int8_for_fp32_weights():
     assert resolve_quantize("auto", "fp32") == "int8"  # docs/benchmarks.md: ~0.25x fp32 latency, BLEU within 0.1
     assert resolve_quantize("auto", "bf16") == "none"  # int8 dynamic quantization needs fp32 weights
     assert resolve_quantize("none", "fp32") == "none" and resolve_quantize("int8", "fp32") == "int8"
+
+
+def test_a_port_in_use_is_one_line_and_exit_code_2(tiny_model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cmd = chat_e_cmd(tiny_model_dir, port)
+        proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"chat-e: error: cannot serve on 127.0.0.1:{port}: ")
+    assert "Traceback" not in proc.stderr + proc.stdout

@@ -1,0 +1,280 @@
+"""Chat-E's OpenAI-compatible API, beside its UI: ``GET /v1/models`` and ``POST /v1/chat/completions`` (plain, or
+``stream: true`` as server-sent ``chat.completion.chunk`` events ending with ``data: [DONE]``).
+
+A request is bounded exactly as the UI's (:func:`chat_e.limits.check_request`, the same refusal texts, as HTTP 400 in
+OpenAI's error shape) and generated through the same :class:`chat_e.gate.GatedEngine`, so the UI and the API share
+one concurrency limit. The context mode comes from the extra body fields ``mode`` and ``context`` or else from the
+system message: one in the form :func:`chat_e.dialogue.system_message` makes (``your persona: ...``, ``topic:
+...``, ``context: ...`` for an emotion, ``domain: ...``) selects that mode, any other text is a persona, none is free
+chat. The API key (``Authorization: Bearer KEY``, as the openai client sends it) is checked by
+:class:`chat_e.guard.RequestGuard` in front of the whole server.
+
+FastAPI (the app extra, with gradio) is imported here: only serving imports this module.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+import anyio
+import pydantic
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from .dialogue import parse_system_message
+from .gate import Busy, GatedEngine
+from .limits import ChatLimits, Refused, check_request
+from .messages import message_text
+from .settings import GenerationSettings, setting_ranges
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "/v1"
+#: roles whose messages set the context mode (OpenAI's newer name for the system role is ``developer``)
+SYSTEM_ROLES = ("system", "developer")
+
+
+class Message(pydantic.BaseModel):
+    """One chat message: its text is a string or a list of text parts."""
+
+    model_config = pydantic.ConfigDict(extra="allow")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(pydantic.BaseModel):
+    """OpenAI's chat completion request, with Chat-E's ``mode`` and ``context``; other fields are tolerated."""
+
+    model_config = pydantic.ConfigDict(extra="allow")
+    model: str | None = None
+    messages: list[Message]
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    logprobs: bool | None = None
+    mode: str | None = None
+    context: str | None = None
+
+
+class APIError(Exception):
+    """An answer in OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param=None, code=None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def refusal(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def request_settings(request: ChatCompletionRequest) -> dict[str, Any]:
+    """The generation settings a request asks for (the server's defaults keep the rest): ``max_tokens`` /
+    ``max_completion_tokens`` the reply's length; ``temperature`` 0 greedy, above 0 sampling at it; ``top_p``
+    sampling with it. Either of the last two means one beam (OpenAI has no beam search)."""
+    settings: dict[str, Any] = {}
+    length = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+    if length is not None:
+        settings["max_new_tokens"] = length
+    greedy = request.temperature == 0
+    if request.temperature is not None or request.top_p is not None:
+        settings.update(num_beams=1, do_sample=not greedy)
+    if request.temperature is not None and not greedy:
+        settings["temperature"] = request.temperature
+    if request.top_p is not None and not greedy:
+        settings["top_p"] = request.top_p
+    return settings
+
+
+def split_messages(messages: list[Message]) -> tuple[str, list[dict], Any]:
+    """``(system text, earlier messages, the user's newest message's content)``; refused when the last message is
+    not the user's or a message holds anything but text."""
+    for i, m in enumerate(messages):
+        parts = m.content if isinstance(m.content, list) else []
+        if any(p.get("type", "text") != "text" for p in parts):
+            raise refusal(f"messages[{i}] holds a non-text part; Chat-E takes text only.", param=f"messages[{i}]")
+    system = " ".join(message_text(m.content) for m in messages if m.role in SYSTEM_ROLES).strip()
+    chat = [m for m in messages if m.role not in SYSTEM_ROLES]
+    if not chat or chat[-1].role != "user":
+        raise refusal("The last message (after any system message) should be the user's.", param="messages")
+    history = [{"role": m.role, "content": m.content} for m in chat[:-1]]
+    return system, history, chat[-1].content
+
+
+def chat_mode(request: ChatCompletionRequest, system: str) -> tuple[str, str]:
+    """The request's context mode and context: the ``mode`` / ``context`` fields, else the system message's."""
+    if request.mode is not None:
+        return request.mode, request.context or ""
+    if not system:
+        return "free", ""
+    mode, context = parse_system_message(system)
+    return ("persona", system) if mode == "none" else (mode, context or "")
+
+
+def openai_router(
+    engine: GatedEngine,
+    settings: GenerationSettings | None = None,
+    limits: ChatLimits | None = None,
+    model_id: str | None = None,
+):
+    """The ``/v1`` routes over ``engine`` (shared with the UI, see :mod:`chat_e.gate`): ``settings`` are the server's
+    defaults (a request's fields override them), ``limits`` bound every request as the UI's, ``model_id`` is the
+    model's name in ``/v1/models`` and the answers (``engine.name`` when None)."""
+    if not isinstance(engine, GatedEngine):
+        engine = GatedEngine(engine, concurrency=1)
+    defaults = settings or engine.default_settings()
+    limits = limits or ChatLimits()
+    ranges = setting_ranges(engine.max_positions - 1)
+    model_id = model_id or engine.name
+    created = int(time.time())
+    router = APIRouter(prefix=PREFIX)
+
+    def error(err: APIError) -> JSONResponse:
+        headers = {"retry-after": "5"} if err.status == 503 else None
+        return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+    @router.get("/models")
+    async def models():
+        return {
+            "object": "list",
+            "data": [{"id": model_id, "object": "model", "created": created, "owned_by": "chat-e"}],
+        }
+
+    def checked_request(body: Any):
+        try:
+            request = ChatCompletionRequest.model_validate(body)
+        except pydantic.ValidationError as err:
+            first = err.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise refusal(f"{where}: {first['msg']}" if where else first["msg"], param=where or None) from None
+        if request.n not in (None, 1):
+            raise refusal("Chat-E generates one reply per request: n must be 1.", param="n")
+        if request.tools or request.functions or request.tool_choice not in (None, "none"):
+            raise refusal("Chat-E does not call tools: send no tools, functions or tool_choice.", param="tools")
+        if request.logprobs:
+            raise refusal("Chat-E does not return log probabilities: send logprobs false.", param="logprobs")
+        system, history, message = split_messages(request.messages)
+        mode, context = chat_mode(request, system)
+        try:
+            checked = check_request(
+                limits,
+                message=message_text(message),
+                history=history,
+                mode=mode,
+                context=context,
+                settings=request_settings(request),
+                ranges=ranges,
+            )
+        except Refused as err:
+            raise refusal(str(err)) from None
+        return request, checked
+
+    def usage(checked, reply: str) -> dict | None:
+        """Token counts, where the engine has a tokenizer (the embedded one)."""
+        tokenizer = getattr(engine, "tokenizer", None)
+        if tokenizer is None or not hasattr(engine, "encode"):
+            return None
+        prompt = len(engine.encode(checked.message, checked.history, checked.mode, checked.context))
+        completion = len(tokenizer(reply, add_special_tokens=False)["input_ids"])
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    @router.post("/chat/completions")
+    async def chat_completions(raw: Request):
+        try:
+            try:
+                body = json.loads(await raw.body())
+            except ValueError:
+                raise refusal("The request body should be JSON.") from None
+            request, checked = checked_request(body)
+        except APIError as err:
+            logger.info("refused (openai api): %s", err.message)
+            return error(err)
+        reply_settings = defaults.replace(**checked.settings)
+        args = (checked.message, checked.history, checked.mode, checked.context, reply_settings)
+        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+        now = int(time.time())
+        if not request.stream:
+            try:
+                reply = await run_in_threadpool(engine.chat, *args, max_waiting=limits.max_queue)
+            except Busy as err:
+                return error(APIError(503, str(err), kind="server_error", code="busy"))
+            except Exception as err:
+                return error(failed(err, checked))
+            answer = {
+                "id": completion_id,
+                "object": "chat.completion",
+                "created": now,
+                "model": model_id,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": reply}, "finish_reason": "stop"}],
+            }
+            counts = await run_in_threadpool(usage, checked, reply)
+            if counts:
+                answer["usage"] = counts
+            return JSONResponse(answer)
+
+        pieces = engine.stream_chat(*args, max_waiting=limits.max_queue)
+        try:  # the first piece before the answer starts: a busy server or a failure is still an HTTP status
+            first = await run_in_threadpool(next, pieces, None)
+        except Busy as err:
+            return error(APIError(503, str(err), kind="server_error", code="busy"))
+        except Exception as err:
+            return error(failed(err, checked))
+        include_usage = bool((request.stream_options or {}).get("include_usage"))
+
+        def event(**fields) -> str:
+            head = {"id": completion_id, "object": "chat.completion.chunk", "created": now, "model": model_id}
+            return f"data: {json.dumps({**head, **fields})}\n\n"
+
+        def chunk(delta: dict, finish: str | None = None) -> str:
+            return event(choices=[{"index": 0, "delta": delta, "finish_reason": finish}])
+
+        async def events():
+            reply = first or ""
+            try:
+                yield chunk({"role": "assistant", "content": ""})
+                if first is not None:
+                    yield chunk({"content": first})
+                    while (piece := await run_in_threadpool(next, pieces, None)) is not None:
+                        reply += piece
+                        yield chunk({"content": piece})
+                yield chunk({}, "stop")
+                if include_usage:
+                    yield event(choices=[], usage=await run_in_threadpool(usage, checked, reply))
+                yield "data: [DONE]\n\n"
+            except Exception as err:  # after the answer started: the error as the stream's last event
+                yield f"data: {json.dumps(failed(err, checked).body())}\n\n"
+            finally:  # a client that left (or any end): close the stream, which stops generation
+                with anyio.CancelScope(shield=True):
+                    await run_in_threadpool(pieces.close)
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
+
+    return router
+
+
+def failed(err: BaseException, checked) -> APIError:
+    """A generation failure as a 500 in OpenAI's shape; one log line (never a traceback to the client)."""
+    text = " ".join(str(err).split())[:300] or type(err).__name__
+    logger.error(
+        "generation failed (openai api, mode=%s, %d messages): %s: %s",
+        checked.mode,
+        len(checked.history),
+        type(err).__name__,
+        text,
+    )
+    return APIError(500, "Chat-E could not generate a reply; the server's log says why.", kind="server_error")

@@ -1,0 +1,138 @@
+"""Serve a Chat-E Blocks app: a FastAPI app with the Gradio UI mounted at ``/`` (``gradio.mount_gradio_app``), API
+routers beside it (the OpenAI-compatible ``/v1``), :class:`chat_e.guard.RequestGuard` in front of everything, run by
+uvicorn. Every ``chat-e`` command serves its Blocks through :func:`serve`, so all of them are guarded and limited
+alike.
+
+Gradio's ``launch`` is not used: a mounted app has the routers beside it under one guard. What ``launch`` did is
+done here: Gradio's login (``auth``), the upload size limit, the session capacity, the theme, the footer, errors kept
+on the server; the queue's startup events run in the app's lifespan.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+from .guard import RequestGuard
+from .limits import ChatLimits
+
+logger = logging.getLogger(__name__)
+
+AUTH_MESSAGE = "Chat-E: log in with the user and password its server was started with."
+#: seconds that running requests get to finish once the server is told to stop (a streamed reply may be long)
+GRACEFUL_SHUTDOWN_SECONDS = 5
+
+
+def create_app(
+    demo,
+    *,
+    auth: tuple[str, str] | None = None,
+    api_key: str | None = None,
+    limits: ChatLimits | None = None,
+    routers: Sequence[Any] = (),
+    host: str = "127.0.0.1",
+    port: int = 7860,
+):
+    """The server's FastAPI app: ``routers`` first (a router's paths win over Gradio's catch-all mount), then
+    ``demo`` mounted at ``/`` with Gradio's login (``auth``), and :class:`~chat_e.guard.RequestGuard` in front of
+    both. The routers' paths take the API key alone (Gradio's login does not cover them)."""
+    from fastapi import FastAPI  # noqa: PLC0415 (optional extra: comes with gradio, which only serving needs)
+
+    from .ui import import_gradio, theme  # noqa: PLC0415 (imports gradio)
+
+    gr = import_gradio()
+    limits = limits or ChatLimits()
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)  # the API is documented by Gradio and docs/api.md
+    prefixes = []
+    for router in routers:
+        app.include_router(router)
+        prefixes += [route.path.rsplit("/", 1)[0] + "/" for route in router.routes]
+    demo.state_session_capacity = limits.max_sessions  # what launch(state_session_capacity=...) sets
+    gr.mount_gradio_app(
+        app,
+        demo,
+        path="/",
+        server_name=host,
+        server_port=port,
+        footer_links=["api"],
+        auth=auth,
+        auth_message=AUTH_MESSAGE,
+        show_error=False,
+        max_file_size=limits.max_body_bytes,
+        theme=theme(),
+    )
+    app.add_middleware(
+        RequestGuard,
+        max_body_bytes=limits.max_body_bytes,
+        api_key=api_key,
+        login_app=mounted_gradio_app(app),
+        key_only=tuple(sorted(set(prefixes))),
+    )
+    return app
+
+
+def mounted_gradio_app(app):
+    """The Gradio app that ``mount_gradio_app`` mounted in ``app`` (its login and session tokens)."""
+    from gradio.routes import App  # noqa: PLC0415 (optional extra: app)
+
+    for route in app.routes:
+        if isinstance(getattr(route, "app", None), App):
+            return route.app
+    raise ValueError("no Gradio app is mounted in this app")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port`` (port 0: a free one); OSError when the address cannot be had."""
+    found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, kind, proto, _, address = found[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT; a listening one still fails
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(
+    demo,
+    *,
+    host: str,
+    port: int,
+    auth: tuple[str, str] | None = None,
+    api_key: str | None = None,
+    limits: ChatLimits | None = None,
+    routers: Sequence[Any] = (),
+) -> None:
+    """Serve ``demo`` (and ``routers`` beside it, see :func:`create_app`) on ``host:port`` until stopped (Ctrl-C,
+    SIGTERM). Port 0 picks a free port.
+
+    Raises:
+        OSError: the address cannot be had (a port in use, a host that is not this machine's); nothing is served.
+        RuntimeError: the app did not start (its lifespan failed; uvicorn logged why).
+    """
+    import uvicorn  # noqa: PLC0415 (optional extra: comes with gradio)
+
+    sock = bind(host, port)
+    try:
+        bound = sock.getsockname()[1]
+        app = create_app(demo, auth=auth, api_key=api_key, limits=limits, routers=routers, host=host, port=bound)
+        shown = f"[{host}]" if ":" in host else host
+        logger.info("serving on http://%s:%d/", shown, bound)
+        config = uvicorn.Config(
+            app,
+            log_level="warning",
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+            lifespan="on",
+        )
+        server = uvicorn.Server(config)
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    if not server.started:  # uvicorn logs why (a startup event that failed) and returns
+        raise RuntimeError(f"the server on {host}:{bound} did not start; its log above says why")

@@ -1,0 +1,202 @@
+"""Chat-E's OpenAI-compatible API and its ``--backend``, served for real and called with the real ``openai`` client:
+a ``chat-e`` subprocess on a tiny chat model, and ``chat-e --backend`` in front of a ``transformers serve``
+subprocess on the same model. The oracles are stock transformers' ``generate`` on the tokenizer's chat template, and
+``transformers serve``'s own replies."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from ..conftest import BIN, ROOT, free_port, launch_env
+from .support import TEST_SETTINGS, ChatEServer, make_sensitive_model, serving
+
+KEY = "k3y-for-the-api"
+PERSONA = "I love hiking and my cat."
+#: the system messages that select each mode, written out here (the form docs/api.md gives)
+SYSTEM = {
+    "persona": f"your persona: {PERSONA}",
+    "emotion": "context: happy",
+    "domain": "domain: travel",
+    "topic": "topic: favorite foods",
+}
+CONTEXT = {"persona": PERSONA, "emotion": "happy", "domain": "travel", "topic": "favorite foods"}
+MESSAGE_LIMIT_TEXT = "The message is 2,001 characters long; Chat-E takes up to 2,000. Shorten it and send again."
+
+
+class TransformersServe:
+    """``transformers serve MODEL_DIR`` on a free port (offline: an empty hub cache of its own)."""
+
+    def __init__(self, model_dir: Path, log_path: Path, cache: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        self.log_path = log_path
+        cmd = [str(BIN / "transformers"), "serve", str(model_dir), "--port", str(self.port), "--device", "cpu"]
+        env = launch_env(HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(cache))
+        self._log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 300) -> TransformersServe:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"transformers serve exited {self.proc.returncode}:\n{self.log_path.read_text()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/models", timeout=5) as resp:
+                    if resp.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.5)
+        raise TimeoutError(f"transformers serve did not answer:\n{self.log_path.read_text()[-4000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_chat_model_dir, tmp_path_factory):
+    """The tiny chat model with large weights, so that its reply depends on everything it is told."""
+    return make_sensitive_model(tiny_chat_model_dir, tmp_path_factory.mktemp("openai-model"))
+
+
+@pytest.fixture(scope="module")
+def servers(model_dir, tmp_path_factory):
+    """Started side by side: Chat-E on the model (fp32, an API key), ``transformers serve`` on it, and Chat-E with
+    ``--backend`` in front of that (it reaches its backend only when asked for a reply)."""
+    logs = tmp_path_factory.mktemp("openai-logs")
+    remote = TransformersServe(model_dir, logs / "transformers-serve.log", tmp_path_factory.mktemp("hub-cache"))
+    embedded = ChatEServer(model_dir, logs / "embedded.log", "--quantize", "none", api_key=KEY)
+    fronted = ChatEServer(model_dir, logs / "backend.log", "--backend", remote.url)
+    try:
+        remote.wait_ready()
+        with serving(embedded, fronted) as ready:
+            yield {"embedded": ready[0], "backend": ready[1], "remote": remote}
+    finally:
+        remote.stop()
+
+
+@pytest.fixture(scope="module")
+def api(servers):
+    return openai.OpenAI(base_url=f"{servers['embedded'].url}v1", api_key=KEY, max_retries=0)
+
+
+def stock_chat_reply(model_dir, messages: list[dict]) -> str:
+    """Stock transformers only: the tokenizer's chat template with the generation prompt, greedy ``generate`` with
+    the test servers' settings, one thread as they run, the new tokens decoded without special tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]])
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), **TEST_SETTINGS)
+    finally:
+        torch.set_num_threads(before)
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
+
+
+def streamed(stream) -> str:
+    return "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+
+
+CHATS = {
+    "free": [{"role": "user", "content": "Hi! What's your name?"}],
+    "persona": [{"role": "system", "content": SYSTEM["persona"]}, {"role": "user", "content": "Any plans today?"}],
+    "history": [
+        {"role": "system", "content": SYSTEM["topic"]},
+        {"role": "user", "content": "I'm starving."},
+        {"role": "assistant", "content": "Me too!"},
+        {"role": "user", "content": "Pizza?"},
+    ],
+}
+
+
+@pytest.mark.parametrize("chat", list(CHATS))
+def test_replies_equal_stock_generate_streamed_or_not(api, model_dir, chat):
+    messages = CHATS[chat]
+    expected = stock_chat_reply(model_dir, messages)
+    assert expected  # the model says something, so equality means something
+    reply = api.chat.completions.create(model=str(model_dir), messages=messages)
+    assert reply.choices[0].message.content == expected
+    assert reply.object == "chat.completion" and reply.choices[0].message.role == "assistant"
+    assert reply.usage.completion_tokens > 0 and reply.usage.prompt_tokens > 0
+    chunks = list(api.chat.completions.create(model=str(model_dir), messages=messages, stream=True))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert streamed(chunks) == expected and chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_models_lists_the_served_model(api, model_dir):
+    assert [m.id for m in api.models.list()] == [str(model_dir)]
+
+
+@pytest.mark.parametrize("mode", list(SYSTEM))
+def test_the_mode_by_system_message_or_extra_fields_is_the_chat_endpoints(api, servers, mode):
+    message = "Tell me something."
+    by_endpoint = servers["embedded"].client().predict(message, [], mode, CONTEXT[mode], api_name="/chat")
+    system = [{"role": "system", "content": SYSTEM[mode]}, {"role": "user", "content": message}]
+    by_system = api.chat.completions.create(model="chat-e", messages=system).choices[0].message.content
+    extra = {"mode": mode, "context": CONTEXT[mode]}
+    user = [{"role": "user", "content": message}]
+    by_fields = api.chat.completions.create(model="chat-e", messages=user, extra_body=extra).choices[0].message.content
+    assert by_system == by_fields == by_endpoint
+    free = api.chat.completions.create(model="chat-e", messages=user).choices[0].message.content
+    assert by_endpoint != free or mode == "emotion"  # the mode reaches the model (an emotion may change nothing)
+
+
+def test_requests_over_the_limits_or_beyond_chat_e_get_400(api):
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.chat.completions.create(model="chat-e", messages=[{"role": "user", "content": "m" * 2001}])
+    assert (
+        refused.value.body["message"] == MESSAGE_LIMIT_TEXT and refused.value.body["type"] == "invalid_request_error"
+    )
+    user = [{"role": "user", "content": "hi"}]
+    for extra, text in [
+        (dict(n=2), "n must be 1"),
+        (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "does not call tools"),
+        (dict(max_tokens=100_000), "max_new_tokens should be a whole number from 1 to"),
+        (dict(extra_body={"mode": "poetry"}), "Unknown context mode 'poetry'"),
+    ]:
+        with pytest.raises(openai.BadRequestError, match=text):
+            api.chat.completions.create(model="chat-e", messages=user, **extra)
+
+
+def test_the_api_key_is_needed(servers):
+    url = f"{servers['embedded'].url}v1"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
+    answer = httpx.post(f"{url}/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+    assert answer.status_code == 401
+
+
+def test_backend_replies_are_transformers_serves(servers, model_dir):
+    """``chat-e --backend`` in front of ``transformers serve``: its streamed reply, and its ``chat`` endpoint's,
+    equal the reply ``transformers serve`` streams to the openai client directly for the same messages."""
+    remote = openai.OpenAI(base_url=servers["remote"].url, api_key="none", max_retries=0)
+    front = openai.OpenAI(base_url=f"{servers['backend'].url}v1", api_key="none", max_retries=0)
+    message = "Any plans today?"
+    messages = [{"role": "system", "content": SYSTEM["persona"]}, {"role": "user", "content": message}]
+    settings = dict(max_tokens=TEST_SETTINGS["max_new_tokens"], temperature=0)
+    direct = streamed(remote.chat.completions.create(model=str(model_dir), messages=messages, stream=True, **settings))
+    assert direct.strip()
+    through = streamed(front.chat.completions.create(model=str(model_dir), messages=messages, stream=True, **settings))
+    assert through == direct.strip()
+    endpoint = servers["backend"].client().predict(message, [], "persona", PERSONA, api_name="/chat")
+    assert endpoint == direct.strip()
