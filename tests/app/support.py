@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..conftest import ROOT, free_port, launch_env
@@ -48,15 +49,19 @@ def make_broken_model(src: Path, dst: Path) -> Path:
     return dst
 
 
-def chat_e_cmd(model: Path | str, port: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "chat_e", "--model", str(model), "--port", str(port), *extra]
+def chat_e_cmd(model: Path | str, port: int, *extra: str, arena: Sequence[Path | str] = ()) -> list[str]:
+    """``chat-e --model MODEL``; with ``arena``, ``chat-e arena --model MODEL --model ARENA[0] ...``."""
+    command = ["arena"] if arena else []
+    others = [arg for other in arena for arg in ("--model", str(other))]
+    return [sys.executable, "-m", "chat_e", *command, "--model", str(model), *others, "--port", str(port), *extra]
 
 
 class ChatEServer:
     """``python -m chat_e --model DIR`` on a free port, its output in ``log_path``; generation settings are
     :data:`TEST_SETTINGS` unless ``model_defaults`` (then the model's own, as ``chat-e`` serves by default).
     ``api_key`` reaches the server as ``CHAT_E_API_KEY`` (the readiness probe sends it). Feedback goes to
-    ``feedback_db`` (default: a SQLite file beside the log, never the checkout's run directory)."""
+    ``feedback_db`` (default: a SQLite file beside the log, never the checkout's run directory). ``arena``: the other
+    models of ``chat-e arena``, which then serves the arena instead."""
 
     def __init__(
         self,
@@ -66,6 +71,7 @@ class ChatEServer:
         model_defaults: bool = False,
         api_key: str | None = None,
         feedback_db: str | None = None,
+        arena: Sequence[Path | str] = (),
     ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/"
@@ -82,6 +88,7 @@ class ChatEServer:
             "--feedback_db",
             self.feedback_db,
             *extra,
+            arena=arena,
         )
         env = launch_env(GRADIO_ANALYTICS_ENABLED="False", **({"CHAT_E_API_KEY": api_key} if api_key else {}))
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in stop)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from pathlib import Path
 
 import pytest
 
+from chat_e.feedback import FeedbackStore
 from chat_e.samples import EXAMPLES
 from chat_e.ui import APOLOGY
 
@@ -126,3 +128,76 @@ def test_pick_a_persona_chat_and_see_replies(server, page, expected_reply, tmp_p
     assert texts(page, USER) == [message]
     page.locator("#clear").click()
     page.wait_for_function("sel => document.querySelectorAll(sel).length === 0", arg=USER)
+
+
+# ---- feedback and the arena, clicked in the browser ------------------------------------------------------------
+
+
+def keep_screenshot(shot: Path, name: str) -> None:
+    """``CHAT_E_SCREENSHOTS=DIR`` keeps the test's screenshot as ``DIR/name`` (how README's were made)."""
+    if os.environ.get("CHAT_E_SCREENSHOTS"):
+        shutil.copy(shot, Path(os.environ["CHAT_E_SCREENSHOTS"]) / name)
+
+
+def stored(url: str, what: str, count: int, timeout: float = 60) -> list[dict]:
+    """The database's ``what`` rows (feedback or votes) once there are ``count`` of them."""
+    store = FeedbackStore(url)
+    try:
+        deadline = time.monotonic() + timeout
+        while len(rows := getattr(store, what)()) < count and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return rows
+    finally:
+        store.close()
+
+
+def test_a_thumb_clicked_on_a_reply_is_stored_with_its_exchange(server, page, expected_reply, tmp_path):
+    page.goto(server.url)
+    page.wait_for_selector("#chatbot")
+    before = len(stored(server.feedback_db, "feedback", 0))
+    message = "Do you like dogs?"
+    reply = expected_reply(message, "persona", EXAMPLES["persona"])
+    page.locator("#message textarea").fill(message)
+    page.locator("#send").click()
+    wait_for_bot(page, 1, reply)
+    page.locator(BOT).first.hover()
+    page.locator("#chatbot").get_by_label("Like", exact=True).first.click()
+    rows = stored(server.feedback_db, "feedback", before + 1)
+    assert len(rows) == before + 1
+    row = rows[-1]
+    assert (row["kind"], row["rating"], row["message"], row["mode"]) == ("rating", 1, message, "persona")
+    assert (row["context"], row["history"]) == (EXAMPLES["persona"], [])
+    assert " ".join(row["reply"].split()) == reply
+    shot = tmp_path / "feedback.png"
+    page.screenshot(path=str(shot), full_page=True)
+    keep_screenshot(shot, "chat-e-feedback.png")
+
+
+@pytest.fixture(scope="module")
+def arena(tiny_model_dir, tiny_chat_model_dir, tmp_path_factory):
+    """``chat-e arena`` on the tiny BlenderBot and the tiny chat model (``CHAT_E_ARENA_MODELS="A B"``: those)."""
+    models = os.environ.get("CHAT_E_ARENA_MODELS", "").split() or [tiny_model_dir, tiny_chat_model_dir]
+    log = tmp_path_factory.mktemp("chat-e-arena") / "arena.log"
+    with serving(ChatEServer(models[0], log, arena=models[1:])) as (srv,):
+        yield srv
+
+
+def test_an_arena_vote_clicked_is_stored_and_reveals_the_models(arena, page, tmp_path):
+    page.goto(arena.url)
+    page.wait_for_selector("#arena-message")
+    assert page.locator("#vote-model_a").is_disabled()  # nothing to vote on yet
+    page.locator("#arena-message textarea").fill("Hi! What do you like to do on weekends?")
+    page.locator("#arena-send").click()
+    page.wait_for_function("() => !document.querySelector('#vote-model_a').disabled", timeout=120_000)
+    assert page.locator("#reveal").inner_text().strip() == ""  # the names stay hidden until the vote
+    page.locator("#vote-model_a").click()
+    page.wait_for_function("() => document.querySelector('#reveal').innerText.includes('Model A')", timeout=60_000)
+    (vote,) = stored(arena.feedback_db, "votes", 1)
+    revealed = page.locator("#reveal").inner_text()
+    assert vote["winner"] == "model_a" and vote["turn"] == 1
+    assert vote["model_a"] in revealed and vote["model_b"] in revealed
+    assert revealed.index(vote["model_a"]) < revealed.index(vote["model_b"])  # A is named first
+    assert page.locator("#vote-model_b").is_disabled()  # one vote per battle
+    shot = tmp_path / "arena.png"
+    page.screenshot(path=str(shot), full_page=True)
+    keep_screenshot(shot, "chat-e-arena.png")
