@@ -197,7 +197,8 @@ def test_an_arena_vote_clicked_is_stored_and_reveals_the_models(arena, page, tmp
     assert vote["winner"] == "model_a" and vote["turn"] == 1
     assert vote["model_a"] in revealed and vote["model_b"] in revealed
     assert revealed.index(vote["model_a"]) < revealed.index(vote["model_b"])  # A is named first
-    assert page.locator("#vote-model_b").is_disabled()  # one vote per battle
+    # one vote per battle: the buttons go dead, and the windows' labels name the models
+    page.wait_for_function("() => document.querySelector('#vote-model_b').disabled", timeout=60_000)
     shot = tmp_path / "arena.png"
     page.screenshot(path=str(shot), full_page=True)
     keep_screenshot(shot, "chat-e-arena.png")
