@@ -197,3 +197,21 @@ def test_exported_rows_train_five_dpo_steps_on_two_ranks(loop, tmp_path):
     assert report["loss"] == "dpo" and report["steps"] == 5
     assert report["after"]["eval_loss"] != report["before"]["eval_loss"]
     assert (Path(out) / "config.json").is_file()
+
+
+def test_the_feedback_controls_come_with_a_store_only(tiny_chat_model_dir, tmp_path):
+    """``--no_feedback`` builds the UI without a store: no thumbs, no correction box, no feedback endpoints."""
+    from chat_e.engine import ChatEngine
+    from chat_e.ui import build_app
+
+    engine = ChatEngine.from_pretrained(tiny_chat_model_dir)
+    store = FeedbackStore(f"sqlite:///{tmp_path}/feedback.db")
+    try:
+        for demo, offered in ((build_app(engine, store=store), True), (build_app(engine), False)):
+            endpoints = {fn.api_name for fn in demo.fns.values()}
+            assert ({"rate", "correct", "prefer"} <= endpoints) is offered
+            ids = {getattr(block, "elem_id", None): block for block in demo.blocks.values()}
+            assert ("correction" in ids) is offered
+            assert bool(ids["chatbot"].feedback_options) is offered
+    finally:
+        store.close()
