@@ -34,7 +34,11 @@ def add_db_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="chat-e feedback", description=__doc__.split("\n\n")[0].strip("`: "))
+    parser = argparse.ArgumentParser(
+        prog="chat-e feedback",
+        description="What Chat-E's users told it (thumbs, corrections, choices, arena votes), as training rows, and "
+        "the feedback database's upkeep.",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     out = commands.add_parser("export", help="Write training rows (JSON Lines) made from the feedback and votes.")
     out.add_argument(
