@@ -17,8 +17,9 @@ are made once, before the first request. The reply text must be the same through
 (greedy search on the same input): the bench fails when it is not.
 
 Reported per path: median and p90 of the total latency (and of the first text, streamed), the ratio to Gradio's
-median, the geometric mean of the per-round ratios with its 95% interval, and the server's own generation time (its
-``generate:`` log lines, one per reply), so that what the serving path adds shows apart from the model's work.
+median, the geometric mean of the per-round ratios with its 95% interval, the server's own generation time (its
+``generate:`` log lines, one per reply) and the overhead: each request's total less its reply's generation time, what
+the serving path (client, HTTP, Gradio's queue or FastAPI, the reply's way back) adds to the model's work.
 
     python -m benchmarks.bench_api                      # SmolLM2-135M-Instruct, built into runs/models/smollm2
     python -m benchmarks.bench_api --model DIR --requests 20 --out runs/bench/api_latency.json
@@ -172,8 +173,9 @@ def summarize(requests: list[dict]) -> dict:
         entry = {"requests": len(done), "total": stats([r["total_s"] for r in done])}
         firsts = [r["first_text_s"] for r in done if r["first_text_s"] is not None]
         entry["first_text"] = stats(firsts) if firsts else None
-        generate = [r["generate_s"] for r in done if r.get("generate_s") is not None]
-        entry["server_generate"] = stats(generate) if generate else None
+        timed = [r for r in done if r.get("generate_s") is not None]
+        entry["server_generate"] = stats([r["generate_s"] for r in timed]) if timed else None
+        entry["overhead"] = stats([r["total_s"] - r["generate_s"] for r in timed]) if timed else None
         gradio_median = (results.get("gradio") or entry)["total"]["median_s"]  # gradio comes first
         entry["median_vs_gradio"] = round(entry["total"]["median_s"] / gradio_median, 3)
         ratios = [r["total_s"] / gradio_total[r["round"]] for r in done]
@@ -186,7 +188,7 @@ def markdown(results: dict) -> str:
     rows = []
     for path, r in results.items():
         first = r["first_text"]
-        gen = r["server_generate"]
+        gen, over = r["server_generate"], r["overhead"]
         geo, lo, hi = r["per_round_ratio_vs_gradio"]
         rows.append(
             [
@@ -198,11 +200,12 @@ def markdown(results: dict) -> str:
                 f"{first['median_s']:.3f}" if first else "(whole reply)",
                 f"{first['p90_s']:.3f}" if first else "(whole reply)",
                 f"{gen['median_s']:.3f}" if gen else "n/a",
+                f"{over['median_s']:.3f}" if over else "n/a",
             ]
         )
     header = [
         "path", "median (s)", "p90 (s)", "median vs Gradio", "per-round ratio (95% CI)", "first text median (s)",
-        "first text p90 (s)", "server generate median (s)",
+        "first text p90 (s)", "server generate median (s)", "overhead median (s)",
     ]  # fmt: skip
     return harness.markdown_table(header, rows)
 

@@ -22,6 +22,7 @@ def test_summary_gives_each_path_its_statistics_and_its_ratio_to_gradio():
     assert results["api"]["per_round_ratio_vs_gradio"][0] == pytest.approx(0.5)
     assert results["gradio"]["first_text"] is None and results["api-stream"]["first_text"]["median_s"] == 0.5
     assert results["api-stream"]["server_generate"]["median_s"] == 0.4
+    assert results["api"]["overhead"]["median_s"] == pytest.approx(0.6)  # each total less its generation time
     table = bench_api.markdown(results)
     assert "| /v1/chat/completions (openai) | 1.000 | 1.400 | 0.50 | 0.50 (0.50–0.50) |" in table
     assert "(whole reply)" in table
@@ -60,6 +61,7 @@ def test_three_requests_per_path_through_a_real_server_give_one_reply(chat_model
         assert result["requests"] == 3
         assert 0 < result["total"]["median_s"] <= result["total"]["p90_s"] <= result["total"]["max_s"]
         assert result["server_generate"]["median_s"] <= result["total"]["max_s"]
+        assert result["overhead"]["median_s"] > 0  # the server's generation time lies within the client's
         assert (result["first_text"] is not None) == (path == "api-stream")
     stream = report["results"]["api-stream"]
     assert stream["first_text"]["median_s"] <= stream["total"]["median_s"]
