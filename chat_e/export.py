@@ -61,6 +61,7 @@ class Examples:
         self.pairs: list[tuple[Mapping, str, str]] = []  # (exchange, chosen, rejected)
         self.endorsed: list[tuple[Mapping, str]] = []  # (exchange, reply)
         self.undesirable: list[tuple[Mapping, str]] = []  # (exchange, reply): both-bad first-turn votes
+        self.both_bad = 0
         newest: dict[tuple[str, str], Mapping] = {}
         for row in feedback:
             if row["kind"] == RATING:
@@ -101,10 +102,29 @@ class Examples:
         elif vote["winner"] == "tie":
             self.dropped["arena tie"] += 1
         elif vote["winner"] == "bothbad":
+            self.both_bad += 1
             self.undesirable += [(vote, reply) for reply in (vote["reply_a"], vote["reply_b"]) if clean_turn(reply)]
         else:
             won, lost = ("reply_a", "reply_b") if vote["winner"] == "model_a" else ("reply_b", "reply_a")
             self._pair(vote, vote[won], vote[lost], "arena vote between identical replies")
+
+    def unused(self, fmt: str) -> Counter:
+        """What the format ``fmt`` has no row for, by the rules: ratings make no DPO pair, a thumb down or a both-bad
+        vote no SFT target."""
+        liked = sum(1 for _, _, ok in self.ratings if ok)
+        return Counter(
+            {
+                "dpo": {
+                    "rating (KTO and SFT only)": len(self.ratings),
+                    "arena both bad (KTO only)": self.both_bad,
+                },
+                "kto": {},
+                "sft": {
+                    "thumb down (never an SFT target)": len(self.ratings) - liked,
+                    "arena both bad (KTO only)": self.both_bad,
+                },
+            }[fmt]
+        )
 
     def rows(self, fmt: str) -> list[dict]:
         """The rows of format ``fmt`` (``dpo``, ``kto`` or ``sft``), duplicates dropped (and counted)."""
@@ -134,8 +154,8 @@ class Examples:
 
 def export(feedback, votes, fmt: str, out: str | Path) -> tuple[int, Counter]:
     """Write the ``fmt`` rows of ``feedback`` and ``votes`` to ``out`` (JSON Lines, all or nothing); the number
-    written and the dropped counts."""
+    written, and the counts of what made no row and why."""
     examples = Examples(feedback, votes)
     rows = examples.rows(fmt)
     write_text_atomically(out, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
-    return len(rows), examples.dropped
+    return len(rows), +(examples.dropped + examples.unused(fmt))

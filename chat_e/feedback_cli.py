@@ -64,9 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if args.command == "export":
-            written, dropped = export(store.feedback(), store.votes(), args.format, args.out)
-            detail = ", ".join(f"{n} {why}" for why, n in dropped.most_common()) or "none"
-            print(f"Wrote {written} {args.format} rows to {args.out}; dropped: {detail}.")
+            written, unused = export(store.feedback(), store.votes(), args.format, args.out)
+            detail = ", ".join(f"{n} {why}" for why, n in sorted(unused.items())) or "nothing"
+            print(f"Wrote {written} {args.format} rows to {args.out}; no row from: {detail}.")
         elif args.command == "stats":
             print(", ".join(f"{kind}: {n}" for kind, n in store.counts().items()) + f" ({store.describe()})")
         elif args.command == "upgrade":

@@ -159,10 +159,11 @@ def serving(*servers: ChatEServer):
 
 
 @contextlib.contextmanager
-def served_engine(model_dir: Path):
-    """The model as ``chat-e`` serves it (its default quantization, one thread, :data:`TEST_SETTINGS`) in this process,
-    to predict a test server's replies: yields ``chat(message, history, mode, context) -> reply``, the request
-    checked (and made plain turns) as the ``chat`` endpoint does it, under the default limits."""
+def served_engine(model_dir: Path, model_defaults: bool = False):
+    """The model as ``chat-e`` serves it (its default quantization, one thread, :data:`TEST_SETTINGS` unless
+    ``model_defaults``) in this process, to predict a test server's replies: yields ``chat(message, history, mode,
+    context) -> reply``, the request checked (and made plain turns) as the ``chat`` endpoint does it, under the
+    default limits."""
     import torch
 
     from chat_e.__main__ import resolve_quantize
@@ -173,7 +174,7 @@ def served_engine(model_dir: Path):
     torch.set_num_threads(1)
     try:
         engine = ChatEngine.from_pretrained(model_dir, quantize=resolve_quantize("auto", "fp32"))
-        settings = engine.default_settings().replace(**TEST_SETTINGS)
+        settings = engine.default_settings().replace(**({} if model_defaults else TEST_SETTINGS))
 
         def chat(message, history, mode, context):
             checked = check_request(ChatLimits(), message=message, history=history, mode=mode, context=context)

@@ -35,14 +35,24 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
-    with serving(ChatEServer(tiny_model_dir, tmp_path_factory.mktemp("chat-e-browser") / "server.log")) as (srv,):
+def model(tiny_model_dir):
+    """The tiny BlenderBot, or ``CHAT_E_TEST_MODEL`` served with its own generation defaults (a real model, for the
+    screenshots: ``CHAT_E_TEST_MODEL=runs/demo CHAT_E_SCREENSHOTS=docs``)."""
+    chosen = os.environ.get("CHAT_E_TEST_MODEL")
+    return (Path(chosen), True) if chosen else (tiny_model_dir, False)
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    path, defaults = model
+    log = tmp_path_factory.mktemp("chat-e-browser") / "server.log"
+    with serving(ChatEServer(path, log, model_defaults=defaults)) as (srv,):
         yield srv
 
 
 @pytest.fixture(scope="module")
-def expected_reply(tiny_model_dir):
-    with served_engine(tiny_model_dir) as chat:
+def expected_reply(model):
+    with served_engine(*model) as chat:
         yield lambda message, mode, context: " ".join(chat(message, [], mode, context).split())
 
 
@@ -80,11 +90,11 @@ def wait_for_bot(page, count: int, reply: str) -> None:
     )
 
 
-def test_pick_a_persona_chat_and_see_replies(server, page, expected_reply, tmp_path, tiny_model_dir):
+def test_pick_a_persona_chat_and_see_replies(server, page, expected_reply, tmp_path, model):
     page.goto(server.url)
     page.wait_for_selector("#chatbot")
     assert page.title() == "Chat-E"
-    assert str(tiny_model_dir) in page.locator("#model-line").inner_text()
+    assert str(model[0]) in page.locator("#model-line").inner_text()
 
     # pick a persona: switching modes fills the context box with that mode's example
     page.get_by_test_id("emotion-radio-label").click()
@@ -175,10 +185,13 @@ def test_a_thumb_clicked_on_a_reply_is_stored_with_its_exchange(server, page, ex
 
 @pytest.fixture(scope="module")
 def arena(tiny_model_dir, tiny_chat_model_dir, tmp_path_factory):
-    """``chat-e arena`` on the tiny BlenderBot and the tiny chat model (``CHAT_E_ARENA_MODELS="A B"``: those)."""
+    """``chat-e arena`` on the tiny BlenderBot and the tiny chat model (``CHAT_E_ARENA_MODELS="A B"``: those, with
+    their own generation defaults)."""
     models = os.environ.get("CHAT_E_ARENA_MODELS", "").split() or [tiny_model_dir, tiny_chat_model_dir]
     log = tmp_path_factory.mktemp("chat-e-arena") / "arena.log"
-    with serving(ChatEServer(models[0], log, arena=models[1:])) as (srv,):
+    with serving(
+        ChatEServer(models[0], log, arena=models[1:], model_defaults=bool(os.environ.get("CHAT_E_ARENA_MODELS")))
+    ) as (srv,):
         yield srv
 
 

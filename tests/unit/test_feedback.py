@@ -176,7 +176,7 @@ def test_sft_rows_never_take_a_disliked_or_losing_reply():
     ]
 
 
-def test_exported_rows_pass_the_recipes_own_row_checks(tmp_path, store):
+def test_exported_rows_pass_the_recipes_own_row_checks(tmp_path, store, capsys):
     from chat_e.__main__ import main
     from chat_e.corpora import clean_rows
     from recipes.preference import clean_preference_rows, read_jsonl
@@ -195,3 +195,9 @@ def test_exported_rows_pass_the_recipes_own_row_checks(tmp_path, store):
         else:
             assert clean_preference_rows(rows, fmt, str(out)) == rows
         assert json.loads(out.read_text().splitlines()[0])  # JSON Lines
+        if fmt == "dpo":  # what made no row, and why, in one line
+            assert capsys.readouterr().out.strip() == (
+                f"Wrote 3 dpo rows to {out}; no row from: 1 arena both bad (KTO only), 1 arena tie, 1 arena vote "
+                "after the first turn, 1 correction equal to the reply, 1 duplicate, 1 empty reply, 2 rating (KTO and "
+                "SFT only), 1 rating taken back."
+            )
