@@ -35,24 +35,14 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def model(tiny_model_dir):
-    """The tiny BlenderBot, or ``CHAT_E_TEST_MODEL`` served with its own generation defaults (a real model, for the
-    screenshots: ``CHAT_E_TEST_MODEL=runs/demo CHAT_E_SCREENSHOTS=docs``)."""
-    chosen = os.environ.get("CHAT_E_TEST_MODEL")
-    return (Path(chosen), True) if chosen else (tiny_model_dir, False)
-
-
-@pytest.fixture(scope="module")
-def server(model, tmp_path_factory):
-    path, defaults = model
-    log = tmp_path_factory.mktemp("chat-e-browser") / "server.log"
-    with serving(ChatEServer(path, log, model_defaults=defaults)) as (srv,):
+def server(tiny_model_dir, tmp_path_factory):
+    with serving(ChatEServer(tiny_model_dir, tmp_path_factory.mktemp("chat-e-browser") / "server.log")) as (srv,):
         yield srv
 
 
 @pytest.fixture(scope="module")
-def expected_reply(model):
-    with served_engine(*model) as chat:
+def expected_reply(tiny_model_dir):
+    with served_engine(tiny_model_dir) as chat:
         yield lambda message, mode, context: " ".join(chat(message, [], mode, context).split())
 
 
@@ -90,11 +80,11 @@ def wait_for_bot(page, count: int, reply: str) -> None:
     )
 
 
-def test_pick_a_persona_chat_and_see_replies(server, page, expected_reply, tmp_path, model):
+def test_pick_a_persona_chat_and_see_replies(server, page, expected_reply, tmp_path, tiny_model_dir):
     page.goto(server.url)
     page.wait_for_selector("#chatbot")
     assert page.title() == "Chat-E"
-    assert str(model[0]) in page.locator("#model-line").inner_text()
+    assert str(tiny_model_dir) in page.locator("#model-line").inner_text()
 
     # pick a persona: switching modes fills the context box with that mode's example
     page.get_by_test_id("emotion-radio-label").click()
@@ -161,7 +151,22 @@ def stored(url: str, what: str, count: int, timeout: float = 60) -> list[dict]:
         store.close()
 
 
-def test_a_thumb_clicked_on_a_reply_is_stored_with_its_exchange(server, page, expected_reply, tmp_path):
+@pytest.fixture(scope="module")
+def rated(server, expected_reply, tmp_path_factory):
+    """The server the thumb is clicked on and its reply oracle: the tiny BlenderBot's, or ``CHAT_E_TEST_MODEL``
+    served with its own generation defaults (a real model, for README's screenshot:
+    ``CHAT_E_TEST_MODEL=runs/demo CHAT_E_SCREENSHOTS=docs``)."""
+    chosen = os.environ.get("CHAT_E_TEST_MODEL")
+    if not chosen:
+        yield server, expected_reply
+        return
+    log = tmp_path_factory.mktemp("chat-e-rated") / "server.log"
+    with serving(ChatEServer(Path(chosen), log, model_defaults=True)) as (srv,), served_engine(chosen, True) as chat:
+        yield srv, lambda message, mode, context: " ".join(chat(message, [], mode, context).split())
+
+
+def test_a_thumb_clicked_on_a_reply_is_stored_with_its_exchange(rated, page, tmp_path):
+    server, expected_reply = rated
     page.goto(server.url)
     page.wait_for_selector("#chatbot")
     before = len(stored(server.feedback_db, "feedback", 0))
