@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from ..conftest import BIN, ROOT, free_port, launch_env
-from .support import TEST_SETTINGS, ChatEServer, make_sensitive_model, serving
+from .support import TEST_SETTINGS, ChatEServer, make_sensitive_model, serving, stop_process
 
 KEY = "k3y-for-the-api"
 PERSONA = "I love hiking and my cat."
@@ -56,13 +56,7 @@ class TransformersServe:
         raise TimeoutError(f"transformers serve did not answer:\n{self.log_path.read_text()[-4000:]}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self._log.close()
 
 
