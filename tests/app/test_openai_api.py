@@ -14,6 +14,9 @@ import httpx
 import openai
 import pytest
 
+from chat_e.messages import message_text
+from chat_e.ui import APOLOGY
+
 from ..conftest import BIN, ROOT, free_port, launch_env
 from .support import TEST_SETTINGS, ChatEServer, make_sensitive_model, serving, stop_process
 
@@ -68,16 +71,18 @@ def model_dir(tiny_chat_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def servers(model_dir, tmp_path_factory):
-    """Started side by side: Chat-E on the model (fp32, an API key), ``transformers serve`` on it, and Chat-E with
-    ``--backend`` in front of that (it reaches its backend only when asked for a reply)."""
+    """Started side by side: Chat-E on the model (fp32, an API key), ``transformers serve`` on it, Chat-E with
+    ``--backend`` in front of that (it reaches its backend only when asked for a reply), and Chat-E with a
+    ``--backend`` where nothing listens."""
     logs = tmp_path_factory.mktemp("openai-logs")
     remote = TransformersServe(model_dir, logs / "transformers-serve.log", tmp_path_factory.mktemp("hub-cache"))
     embedded = ChatEServer(model_dir, logs / "embedded.log", "--quantize", "none", api_key=KEY)
     fronted = ChatEServer(model_dir, logs / "backend.log", "--backend", remote.url)
+    down = ChatEServer(model_dir, logs / "down.log", "--backend", f"http://127.0.0.1:{free_port()}/v1")
     try:
         remote.wait_ready()
-        with serving(embedded, fronted) as ready:
-            yield {"embedded": ready[0], "backend": ready[1], "remote": remote}
+        with serving(embedded, fronted, down) as ready:
+            yield {"embedded": ready[0], "backend": ready[1], "down": ready[2], "remote": remote}
     finally:
         remote.stop()
 
@@ -194,3 +199,27 @@ def test_backend_replies_are_transformers_serves(servers, model_dir):
     assert through == direct.strip()
     endpoint = servers["backend"].client().predict(message, [], "persona", PERSONA, api_name="/chat")
     assert endpoint == direct.strip()
+
+
+def test_a_backend_that_is_down_gets_an_apology_and_one_log_line_per_request(servers):
+    """Chat-E before a backend where nothing listens: the chat user gets the apology (through the UI's events and
+    the ``chat`` endpoint), an API client a 500 in OpenAI's shape; each failure is one log line, no traceback, and
+    an apology is no reply to give feedback on."""
+    from gradio_client.exceptions import AppError
+
+    down = servers["down"]
+    client = down.client()
+    assert client.predict("Hello?", [], "free", "", api_name="/chat") == APOLOGY
+    _, chat, *_ = client.predict("Are you there?", [], api_name="/add_message")
+    chat = client.predict(chat, "free", "", 1, False, 1.0, 1.0, 8, 1, api_name="/respond")
+    assert message_text(chat[-1]["content"]) == APOLOGY
+    with pytest.raises(AppError, match="no reply of this chat's at index 1"):
+        client.predict(1, "like", api_name="/rate")
+    api = openai.OpenAI(base_url=f"{down.url}v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.InternalServerError, match="could not generate a reply"):
+        api.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi?"}], max_tokens=4)
+    log = down.log()
+    assert "Traceback" not in log
+    failures = [line for line in log.splitlines() if "generation failed" in line]
+    assert len(failures) == 3, failures  # the chat endpoint, the UI's reply, the API; each names the backend's address
+    assert all("127.0.0.1:" in line for line in failures), failures
