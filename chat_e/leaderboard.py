@@ -17,9 +17,8 @@ every pair's head-to-head record and its heatmap.
 from __future__ import annotations
 
 import hashlib
+import io
 import math
-import os
-import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +27,8 @@ from typing import Any
 import choix
 import numpy as np
 from scipy import stats
+
+from hf_ext.atomic import write_bytes_atomically
 
 from .feedback import WINNERS
 
@@ -357,9 +358,11 @@ def plot_win_matrix(matrix: WinMatrix, path: str | Path, dpi: int = 100) -> Path
     ax.set_title("win rate among decisive votes")
     fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=dpi)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=dpi)
     plt.close(fig)
+    path = Path(path)
+    write_bytes_atomically(path, png.getvalue())
     return path
 
 
@@ -437,7 +440,5 @@ def matrix_png(matrix: WinMatrix, directory: str | Path, dpi: int = 100) -> Path
     path = Path(directory) / f"win-matrix-{hashlib.sha256(key).hexdigest()[:16]}.png"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f".{path.stem}.{uuid.uuid4().hex}.png")
-        plot_win_matrix(matrix, partial, dpi=dpi)
-        os.replace(partial, path)
+        plot_win_matrix(matrix, path, dpi=dpi)
     return path

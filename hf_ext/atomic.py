@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import shutil
+import uuid
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -85,9 +86,11 @@ def fsync_tree(root: str | Path) -> None:
 
 
 def write_bytes_atomically(path: str | Path, data: bytes) -> None:
-    """One file, all-or-nothing: ``path.tmp`` written and fsynced, renamed over ``path``, the directory fsynced."""
+    """One file, all-or-nothing: a temporary file beside it written and fsynced, renamed over ``path``, the
+    directory fsynced. The temporary name is the writer's own, so that concurrent writers of one path never share it
+    (the last rename wins, whole)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
