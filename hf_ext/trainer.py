@@ -2,8 +2,8 @@
 
 Each feature lives in its own package and is a callback or a function a stock ``Trainer`` user can add alone; these
 classes switch them all on. Public hooks are overridden (``train``, ``evaluate``, ``predict``, ``save_model``), plus
-two private methods with no public counterpart, ``_save_checkpoint`` and ``_load_optimizer_and_scheduler``:
-``tests/unit/test_private_surface.py`` fails when transformers changes either.
+three private methods with no public counterpart, ``_save_checkpoint``, ``_load_optimizer_and_scheduler`` and
+``_get_train_sampler``: ``tests/unit/test_private_surface.py`` fails when transformers changes any of them.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import logging
 from transformers import Seq2SeqTrainer as _Seq2SeqTrainer
 from transformers import Trainer as _Trainer
 
-from . import fsdp, peft, runtime
+from . import fsdp, packing, peft, runtime
 from .deepspeed import callbacks as deepspeed_callbacks
 from .evaluation.bleu import BleuEvalCallback, BleuEvalConfig
 from .evaluation.zero_eval import plain_eval_without_engine
@@ -106,6 +106,9 @@ class TrainerMixin:
 
     args_class = TrainingArguments
 
+    #: whether ``padding_free`` makes this trainer flatten its batches (TRL's trainers do it themselves)
+    collates_padding_free = True
+
     #: methods the mixin replaces without calling the next class's: atomic checkpoints, streaming saves
     REPLACED_METHODS = ("_save_checkpoint", "save_model")
 
@@ -136,6 +139,7 @@ class TrainerMixin:
             )
             self.model_accepts_loss_kwargs = False
         self.bleu_eval_callback = self._attach_generation_eval()
+        packing.enable_on_trainer(self)  # padding_free: DataCollatorWithFlattening
 
     def _attach_generation_eval(self):
         """The BLEU eval's callback: the one given in ``callbacks``, else a new one when ``generation_eval`` is on."""
@@ -150,6 +154,11 @@ class TrainerMixin:
         # the hidden-size "auto" keys, before anything (TRL's reference model) starts an engine from the config
         deepspeed_callbacks.fill_model_keys_on_trainer(self)
         fsdp.enable_on_trainer(self)  # real FSDP2 on CPU ranks too, and hybrid sharding's device mesh
+
+    def _get_train_sampler(self, train_dataset=None):
+        # Private override: stock builds its BatchRebalanceSampler with a fixed seed and a padded cost model, and no
+        # public hook sees the sampler before the dataloader holds it (hf_ext.packing.run_sampler)
+        return packing.run_sampler(self.args, super()._get_train_sampler(train_dataset))
 
     # --- training, saving and resume (hf_ext.saving, hf_ext.peft) ---
     def train(self, resume_from_checkpoint=None, *args, **kwargs):

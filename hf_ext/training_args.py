@@ -26,6 +26,7 @@ from .deepspeed.resolve import Resolution, explain_deepspeed_config
 from .errors import DeepSpeedConfigError, Problem
 from .evaluation.settings import GenerationEvalArguments
 from .fsdp.config import FsdpResolution, resolve_fsdp
+from .packing import PaddingFreeArguments
 from .runtime import (
     has_accelerator,
     launch_world_size,
@@ -198,10 +199,14 @@ def args_doc(*classes) -> str:
 
 
 @dataclass
-class TrainingArguments(TrainingArgumentsMixin, _TrainingArguments):
-    __doc__ = args_doc(_TrainingArguments, TrainingArgumentsMixin)
+class TrainingArguments(TrainingArgumentsMixin, _TrainingArguments, PaddingFreeArguments):
+    __doc__ = args_doc(_TrainingArguments, TrainingArgumentsMixin, PaddingFreeArguments)
 
 
 @dataclass
-class Seq2SeqTrainingArguments(TrainingArgumentsMixin, _Seq2SeqTrainingArguments, GenerationEvalArguments):
-    __doc__ = args_doc(_Seq2SeqTrainingArguments, TrainingArgumentsMixin, GenerationEvalArguments)
+class Seq2SeqTrainingArguments(
+    TrainingArgumentsMixin, _Seq2SeqTrainingArguments, GenerationEvalArguments, PaddingFreeArguments
+):
+    __doc__ = args_doc(
+        _Seq2SeqTrainingArguments, TrainingArgumentsMixin, GenerationEvalArguments, PaddingFreeArguments
+    )

@@ -49,6 +49,8 @@ class _TrlConfig(TrainingArgumentsMixin):
 
 
 class _TrlTrainer(TrainerMixin):
+    collates_padding_free = False  # TRL's configs have padding_free, and TRL's collators implement it
+
     def __init__(self, model, *args, **kwargs):
         if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
             raise ValueError(

@@ -75,6 +75,35 @@ class ModelArguments(LoraArguments):
     )
 
 
+@dataclass
+class DialogueTrainingArguments(Seq2SeqTrainingArguments):
+    """hf-ext's Seq2SeqTrainingArguments with the recipe's defaults: padding-free batches for a decoder-only model,
+    micro-batches rebalanced by length, and the real tokens counted (reported as train_tokens_per_second)."""
+
+    padding_free: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Concatenate each micro-batch's rows without padding, each keeping its own positions and "
+            "attention (default: on for a decoder-only model; an encoder-decoder cannot)."
+        },
+    )
+    train_sampling_strategy: str = field(
+        default="batch_rebalance",
+        metadata={
+            "help": "Training sampler: batch_rebalance (default) gives every rank and accumulation step the same cost "
+            "(packed: tokens; padded: rows x longest row); random, sequential or group_by_length as in transformers.",
+            "choices": ["random", "sequential", "group_by_length", "batch_rebalance"],
+        },
+    )
+    include_num_input_tokens_seen: str = field(
+        default="non_padding",
+        metadata={
+            "help": "Count the tokens trained on: non_padding (default), all or no.",
+            "choices": ["non_padding", "all", "no"],
+        },
+    )
+
+
 def setup_logging(args: Seq2SeqTrainingArguments) -> None:
     logging.basicConfig(
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -135,7 +164,7 @@ def bleu_before_after(log_history: list[dict]) -> tuple[dict, dict] | None:
 def main(argv: list[str] | None = None) -> dict:
     # 1. arguments: dataclass defaults < --config YAML < CLI flags
     model_args, data_args, training_args = parse_args_with_config(
-        (ModelArguments, DataArguments, Seq2SeqTrainingArguments), argv
+        (ModelArguments, DataArguments, DialogueTrainingArguments), argv
     )
     setup_logging(training_args)
     logger.info(
@@ -157,6 +186,10 @@ def main(argv: list[str] | None = None) -> dict:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     logger.info(f"Model family: {family} ({'MuDoConv string' if family == 'seq2seq' else 'chat template'} inputs)")
+    if training_args.padding_free is None:  # the default: packed rows wherever the model can take them
+        training_args.padding_free = family != "seq2seq"
+    logger.info(f"Batches: {'padding-free' if training_args.padding_free else 'padded'}, "
+                f"sampler {training_args.train_sampling_strategy}")  # fmt: skip
 
     # 3. data: texts/labels -> left-truncated inputs + labels, in the family's rendering
     raw = load_dialogue_dataset(data_args)
@@ -173,7 +206,8 @@ def main(argv: list[str] | None = None) -> dict:
         model = get_peft_model(model, model_args.lora_config("SEQ_2_SEQ_LM" if family == "seq2seq" else "CAUSAL_LM"))
         trainable, total = model.get_nb_trainable_parameters()
         logger.info(f"LoRA: {trainable:,} trainable of {total:,} parameters ({100 * trainable / total:.2f}%)")
-    # pads inputs and labels (-100); an encoder-decoder also gets decoder inputs starting at decoder_start_token_id
+    # pads inputs and labels (-100); an encoder-decoder also gets decoder inputs starting at decoder_start_token_id.
+    # With padding_free the trainer flattens the rows instead (hf_ext.packing).
     collator = DataCollatorForSeq2Seq(tokenizer, model=model if family == "seq2seq" else None, label_pad_token_id=-100)
 
     # 5. trainer
@@ -196,6 +230,9 @@ def main(argv: list[str] | None = None) -> dict:
         if merge and trainer.is_world_process_zero():
             export(out / "adapter", out, merge=True)  # the merged model is what Chat-E serves
             logger.info(f"Saved the adapter in {out / 'adapter'} and the merged model in {out}")
+        if trainer.state.num_input_tokens_seen:  # real tokens (no padding) per second, beside samples per second
+            tokens = trainer.state.num_input_tokens_seen
+            result.metrics["train_tokens_per_second"] = round(tokens / result.metrics["train_runtime"], 3)
         metrics.update(result.metrics)
         metrics["train_samples"] = len(train_dataset)
         metrics["run"] = run_summary(trainer)

@@ -181,7 +181,7 @@ def test_export_merged_adapter_generates_like_trained_model(lora_zero3, tiny_mod
 
 
 # ---- a decoder-only chat model: LoRA on every attention and MLP projection -----------------------------------------
-CHAT_LORA = ("--lora", "--lora_targets", "all-linear", "--epochs", "1", "--save_total_limit", "3")
+CHAT_LORA = ("--lora", "--lora_targets", "all-linear", "--epochs", "1", "--save_total_limit", "3", "--padding_free")
 
 
 def chat_train(launcher: str, model_dir, out: Path, dump: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -200,9 +200,18 @@ def fresh_chat_peft_model(model_dir):
 
 @pytest.fixture(scope="module")
 def chat_lora_zero3(tiny_chat_model_dir, tmp_path_factory):
+    # padding-free: rows of 5-37 tokens flattened per micro-batch, the batch_rebalance sampler balancing tokens
     root = tmp_path_factory.mktemp("chat_lora_zero3")
-    chat_train("deepspeed", tiny_chat_model_dir, root / "out", root / "trained.pt")
+    chat_train("deepspeed", tiny_chat_model_dir, root / "out", root / "trained.pt", "--samples", str(root / "samples"))
     return root
+
+
+def samples_by_step(prefix: Path) -> dict[int, list[int]]:
+    steps: dict[int, list[int]] = {}
+    for path in sorted(prefix.parent.glob(f"{prefix.name}.rank*.json")):
+        for step, sample in json.loads(path.read_text()):
+            steps.setdefault(step, []).append(sample)
+    return {step: sorted(ids) for step, ids in sorted(steps.items())}
 
 
 def test_chat_model_lora_adapter_checkpoint_resumes_two_ranks_to_one(chat_lora_zero3, tiny_chat_model_dir, tmp_path):
@@ -212,8 +221,15 @@ def test_chat_model_lora_adapter_checkpoint_resumes_two_ranks_to_one(chat_lora_z
     checkpoint = chat_lora_zero3 / "out" / "checkpoint-4"
     assert not list(checkpoint.glob("global_step*")) and not list(checkpoint.glob("model*.safetensors"))
     assert peft_checkpoint.verify_adapter(checkpoint)
-    chat_train("python", tiny_chat_model_dir, tmp_path / "out", tmp_path / "final.pt", "--resume", str(checkpoint))
+    chat_train("python", tiny_chat_model_dir, tmp_path / "out", tmp_path / "final.pt", "--resume", str(checkpoint),
+               "--samples", str(tmp_path / "samples"))  # fmt: skip
     assert_close(trainable(trained), trainable(torch.load(tmp_path / "final.pt")))
+    # the padding-free run on one rank after the resume: steps 5-8 on the rows the two ranks had there, each row of
+    # the epoch once over both runs
+    before, after = samples_by_step(chat_lora_zero3 / "samples"), samples_by_step(tmp_path / "samples")
+    assert after == {step: ids for step, ids in before.items() if step > 4}
+    seen = [i for step, ids in before.items() if step <= 4 for i in ids] + [i for ids in after.values() for i in ids]
+    assert sorted(seen) == list(range(32))
 
 
 def test_chat_model_export_merge_generates_like_the_trained_model(chat_lora_zero3, tiny_chat_model_dir, tmp_path):

@@ -127,25 +127,47 @@ def test_ranks_get_different_batches(launcher, tiny_model_dir, tmp_path):
     assert sorted(seen0 + seen1) == list(range(48))  # together they cover the epoch exactly once
 
 
+def training_rows(config: Path, model_dir: Path, **overrides):
+    """The recipe's tokenized training rows for a YAML ``config`` and CLI ``overrides`` (its data pipeline alone)."""
+    import dataclasses
+
+    import yaml
+
+    from chat_e.corpora import DataArguments, load_dialogue_dataset, tokenize_dataset
+
+    names = {f.name for f in dataclasses.fields(DataArguments)}
+    data_args = DataArguments(**{**{k: v for k, v in yaml.safe_load(config.read_text()).items() if k in names},
+                                 **overrides})  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return tokenize_dataset(load_dialogue_dataset(data_args)["train"], tokenizer, data_args, family="causal")
+
+
 def test_recipe_fine_tunes_a_decoder_only_chat_model_with_lora(tmp_path):
     """The demo's path at test scale: a chat model built on first use (chat-tiny), LoRA, ZeRO-2 on 2 ranks, chitchat +
     chatterbot, BLEU before (eval_on_start) and after, the adapter beside the merged model, base-vs-tuned replies."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    model_dir, out = tmp_path / "chat-tiny", tmp_path / "out"
+    model_dir, out, config = tmp_path / "chat-tiny", tmp_path / "out", ROOT / "recipes" / "configs" / "demo.yaml"
     proc = run(launcher_cmd("deepspeed", RECIPE) + [
-        "--config", str(ROOT / "recipes" / "configs" / "demo.yaml"), "--model_name_or_path", str(model_dir),
+        "--config", str(config), "--model_name_or_path", str(model_dir),
         "--build_model", "chat-tiny", "--output_dir", str(out), "--n_train", "48", "--n_val", "8", "--max_steps", "6",
         "--eval_steps", "6", "--logging_steps", "1", "--samples_to_print", "1", "--learning_rate", "0.01",
     ])  # fmt: skip
     assert "Model family: causal" in proc.stderr + proc.stdout
+    # padding-free by default, and its count of real tokens: 6 steps x 8 rows are the 48 training rows, once each
+    assert "Batches: padding-free, sampler batch_rebalance" in proc.stderr
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["num_input_tokens_seen"] == sum(
+        len(ids) for ids in training_rows(config, model_dir, n_train=48, n_val=8)["input_ids"]
+    )
     assert "before fine-tuning: BLEU" in proc.stdout and "after fine-tuning:  BLEU" in proc.stdout
     history = json.loads((out / "trainer_state.json").read_text())["log_history"]
     assert [e["step"] for e in history if "eval_bleu" in e] == [0, 6]  # the base model, then the tuned one
     results = load_results(out)
     assert results["run"]["engine"] == "DeepSpeedEngine" and results["run"]["zero_stage"] == 2
-    assert "eval_bleu" in results and "eval_chrf" in results
+    assert "eval_bleu" in results and "eval_chrf" in results and results["eval_loss"] > 0
+    assert results["train_tokens_per_second"] > results["train_samples_per_second"] > 0
     # the adapter, and the merged model: the base with that adapter merged, as peft merges it
     assert (out / "adapter" / "adapter_config.json").is_file()
     merged = AutoModelForCausalLM.from_pretrained(out)

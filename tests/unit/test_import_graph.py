@@ -138,7 +138,7 @@ def test_hf_ext_needs_no_product_dependency():
 #: the building blocks every feature may use
 FOUNDATIONS = {"sizes", "errors", "atomic", "batching", "ranks", "gather", "model_info", "schedule", "runtime"}
 #: one folder (or module) per feature
-FEATURES = {"memory", "peft", "fsdp", "deepspeed", "saving", "evaluation"}
+FEATURES = {"memory", "peft", "fsdp", "deepspeed", "saving", "evaluation", "packing"}
 #: the only imports from one feature into another, each with its reason
 FEATURE_EDGES = {
     ("deepspeed", "memory"): 'the resolver asks the planner to fill an "auto" stage, offload or micro-batch',

@@ -17,6 +17,9 @@ What is touched, and why no public hook does it:
   hook runs, so a crash there can lose the newest complete checkpoint.
 * ``Trainer._load_optimizer_and_scheduler`` (overridden by ``hf_ext.trainer``): the stock loader reads per-rank
   optimizer files only; hf-ext's PEFT checkpoints hold the state by parameter name, for any world size.
+* ``Trainer._get_train_sampler`` (extended by ``hf_ext.trainer``) and ``BatchRebalanceSampler``'s grouping
+  (``hf_ext.packing``): stock builds the sampler with a fixed seed and a padded cost model, and no public hook sees it
+  before the dataloader holds it; ``PackedRebalanceSampler`` replaces the grouping and the cost of a group.
 * ``Trainer.create_accelerator_and_postprocess`` (extended by ``hf_ext.trainer``): the one place where the trainer's
   ``Accelerator`` exists and the model is not prepared yet; ``hf_ext.fsdp.engine.enable_on_trainer`` switches CPU
   ranks to FSDP2 there. No callback runs that early.
@@ -378,6 +381,16 @@ PINS = [
         "hf_ext/trainer.py and hf_ext/fsdp/engine.py enable_on_trainer",
         source_hash(f"{T}.create_accelerator_and_postprocess",
                     "d649720bec7e782ad57f9126c98eb5cd3bc0ee59118f5445655f1a5744e436bc")),
+    Pin("transformers", "Trainer._get_train_sampler", "source sha256", "hf_ext/trainer.py, hf_ext/packing.py run_sampler",
+        source_hash(f"{T}._get_train_sampler", "1580d7493244e637dc53324da1ee594fdc5645b06972bb8cbc49ea08141dc88d")),
+    Pin("transformers", "BatchRebalanceSampler._assign / _balance_groups / _group_cost and its attributes",
+        "source lines", "hf_ext/packing.py PackedRebalanceSampler, run_sampler",
+        all_of(source_has("transformers.trainer_pt_utils:BatchRebalanceSampler._assign",
+                          "all_groups = self._balance_groups(sorted_pairs)", "self._group_cost(g)"),
+               source_has("transformers.trainer_pt_utils:BatchRebalanceSampler.__init__",
+                          "self.lengths = list(lengths)", "self.effective_batch_size = effective_batch_size",
+                          "self.dp_size = dp_size", "self.grad_accum = grad_accum", "self.shuffle = shuffle",
+                          "self.rank = rank", "self.drop_last = drop_last"))),
     Pin("transformers", "Trainer._get_output_dir", "signature", CHECKPOINTS,
         signature(f"{T}._get_output_dir", ["self", "trial"])),
     Pin("transformers", "Trainer._save_optimizer_and_scheduler", "signature", CHECKPOINTS,

@@ -30,7 +30,7 @@ import torch
 import torch.distributed.fsdp
 import torch.distributed.tensor
 import transformers
-from transformers import AutoConfig, AutoTokenizer, default_data_collator
+from transformers import AutoConfig, AutoTokenizer, DataCollatorWithFlattening, default_data_collator
 
 import hf_ext
 from hf_ext.deepspeed.resolve import load_deepspeed_config
@@ -57,19 +57,34 @@ def ds_config(stage: int, gather: str, own_scheduler: bool = True) -> dict:
     return config
 
 
-def synthetic_dataset(n: int, vocab: int, seed: int = 0, causal: bool = False) -> list[dict]:
-    """12 context tokens -> 8 reply tokens + eos (id 2). A decoder-only row is the context followed by the reply,
-    with the loss on the reply only."""
+def synthetic_dataset(n: int, vocab: int, seed: int = 0, causal: bool = False, varied: bool = False) -> list[dict]:
+    """12 context tokens -> 8 reply tokens + eos (id 2); ``varied``: 3-24 context and 1-12 reply tokens. A
+    decoder-only row is the context followed by the reply, with the loss on the reply only."""
     g = torch.Generator().manual_seed(seed)
     rows = []
     for _ in range(n):
-        context = torch.randint(4, vocab, (12,), generator=g).tolist()
-        reply = torch.randint(4, vocab, (8,), generator=g).tolist() + [2]
+        n_context, n_reply = (
+            (int(torch.randint(3, 25, (), generator=g)), int(torch.randint(1, 13, (), generator=g)))
+            if varied
+            else (12, 8)
+        )
+        context = torch.randint(4, vocab, (n_context,), generator=g).tolist()
+        reply = torch.randint(4, vocab, (n_reply,), generator=g).tolist() + [2]
         if causal:
-            rows.append({"input_ids": context + reply, "attention_mask": [1] * 21, "labels": [-100] * 12 + reply})
+            ids = context + reply
+            rows.append({"input_ids": ids, "attention_mask": [1] * len(ids), "labels": [-100] * n_context + reply})
         else:
             rows.append({"input_ids": context, "attention_mask": [1] * 12, "labels": reply})
     return rows
+
+
+class FlatteningWithSampleIds(DataCollatorWithFlattening):
+    """Flattens the rows as hf-ext's padding-free collator does, and carries their sample ids beside them."""
+
+    def __call__(self, features, *args, **kwargs):
+        batch = super().__call__([{k: v for k, v in f.items() if k != "sample_id"} for f in features], *args, **kwargs)
+        batch["sample_id"] = torch.tensor([f["sample_id"] for f in features])
+        return batch
 
 
 class SampleRecordingTrainer(hf_ext.Seq2SeqTrainer):
@@ -208,6 +223,10 @@ def main() -> None:
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision")
     parser.add_argument("--eval_first", action="store_true", help="evaluate (loss + BLEU) on the rows before training")
     parser.add_argument(
+        "--padding_free", action="store_true",
+        help="decoder-only: rows of varied lengths, padding_free with the batch_rebalance sampler",
+    )  # fmt: skip
+    parser.add_argument(
         "--stock_fsdp_check",
         default=None,
         help="first train 1 step with stock transformers and the same --fsdp; write its engine here",
@@ -239,6 +258,8 @@ def main() -> None:
         save_max_shard_size=opts.max_shard_size,
         bf16=opts.bf16,
         per_device_eval_batch_size=4,
+        padding_free=opts.padding_free,
+        train_sampling_strategy="batch_rebalance" if opts.padding_free else "random",
     )
     transformers.set_seed(0)
     config = AutoConfig.from_pretrained(opts.model)
@@ -253,18 +274,20 @@ def main() -> None:
         targets = "all-linear" if opts.lora_targets == "all-linear" else opts.lora_targets.split(",")
         lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, modules_to_save=modules_to_save)
         model = get_peft_model(model, lora)
-    data = synthetic_dataset(opts.n, config.vocab_size, causal=causal)
+    data = synthetic_dataset(opts.n, config.vocab_size, causal=causal, varied=opts.padding_free)
+    collator = default_data_collator
     if opts.stock_fsdp_check:
         stock_check(opts, model, data)
     trainer_class = hf_ext.Seq2SeqTrainer
     if opts.samples:
         data = [dict(row, sample_id=i) for i, row in enumerate(data)]
         trainer_class = SampleRecordingTrainer
+        collator = FlatteningWithSampleIds() if opts.padding_free else collator
     trainer = trainer_class(
         model=model,
         args=args,
         train_dataset=data,
-        data_collator=default_data_collator,
+        data_collator=collator,
         processing_class=AutoTokenizer.from_pretrained(opts.model),
     )
 

@@ -1,0 +1,150 @@
+"""Padding-free training: a micro-batch's rows concatenated into one, each with its own positions and attention.
+
+transformers does the work. ``DataCollatorWithFlattening`` concatenates the rows of a micro-batch, restarts
+``position_ids`` at 0 for each row and puts a ``-100`` label where two rows meet (so no row learns to predict the next
+row's first token); a decoder-only model whose masks come from ``transformers.masking_utils`` finds the row boundaries
+in ``position_ids`` when no ``attention_mask`` and no cache are given (the Trainer sets the model's ``use_cache`` to
+``TrainingArguments.use_cache``, ``False`` by default; hf-ext refuses ``True`` with ``padding_free``) and builds a block-diagonal causal mask (SDPA, eager, flex;
+flash-attention reads the same boundaries). The loss stays on the labelled tokens, normalized by their count over the
+whole global batch as in a padded run.
+
+What hf-ext adds:
+
+* the switch, ``padding_free`` (:class:`PaddingFreeArguments`): the trainer's padding collator is replaced by
+  ``DataCollatorWithFlattening`` for training and evaluation, and a model that cannot take packed rows is refused in
+  one line. An encoder-decoder (BlenderBot) cannot: its encoder's positions come from the padded shape
+  (``BlenderbotLearnedPositionalEmbedding`` takes no ``position_ids``) and its masks from ``attention_mask`` only, so
+  rows packed into one would attend to each other; ``train_sampling_strategy="batch_rebalance"`` cuts its padding
+  instead;
+* the cost :class:`PackedRebalanceSampler` balances: stock's ``BatchRebalanceSampler`` prices a micro-batch by its
+  padded size (rows × longest row), a packed one costs its tokens (plus attention's quadratic term per row), so with
+  ``padding_free`` each rank and accumulation step gets about the same number of real tokens;
+* the run's seed for that sampler (stock builds it with its default seed, 42, whatever ``seed``/``data_seed`` say).
+
+The sampler cuts every global batch out of one seeded permutation of the dataset (``seed + epoch``) and only then
+splits it over ranks and accumulation steps, so an optimizer step trains on the same rows on every world size, and a
+resume on another world size (hf-ext keeps the global batch) sees each row once.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from dataclasses import dataclass, field
+
+from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening, DataCollatorWithPadding
+from transformers.data.data_collator import DefaultDataCollator, default_data_collator
+from transformers.trainer_pt_utils import BatchRebalanceSampler
+
+logger = logging.getLogger(__name__)
+
+#: the collators ``padding_free`` stands in for: they only pad, which flattening makes unnecessary
+PADDING_COLLATORS = (DataCollatorWithPadding, DataCollatorForSeq2Seq, DefaultDataCollator)
+
+
+@dataclass(kw_only=True)
+class PaddingFreeArguments:
+    """The padding-free field of :class:`hf_ext.TrainingArguments` and :class:`hf_ext.Seq2SeqTrainingArguments`
+    (TRL's configs have their own ``padding_free``, which TRL's trainers implement).
+
+    Args:
+        padding_free (`bool`, defaults to `False`):
+            Concatenate each micro-batch's rows into one without padding (``DataCollatorWithFlattening``), each row
+            keeping its own positions and attention; decoder-only models. With
+            ``train_sampling_strategy="batch_rebalance"`` every rank and accumulation step gets about the same number
+            of tokens.
+    """
+
+    padding_free: bool = field(
+        default=False,
+        metadata={
+            "help": "Concatenate each micro-batch's rows without padding (DataCollatorWithFlattening), each row keeping "
+            "its own positions and attention (decoder-only models)."
+        },
+    )
+
+
+class PackedRebalanceSampler(BatchRebalanceSampler):
+    """``BatchRebalanceSampler`` for packed micro-batches: a group of rows costs its tokens, not its padded size, and
+    the groups are filled longest row first, each row joining the cheapest group so far (stock cuts the sorted rows
+    into contiguous runs, which minimizes padding but balances packed tokens poorly)."""
+
+    def _row_cost(self, length: int) -> float:
+        # a packed micro-batch computes every token once and attends within each row
+        return length + self.QUADRATIC_COST_COEF * length * length
+
+    def _group_cost(self, group):
+        return float(sum(self._row_cost(length) for _, length in group))  # group: (index, length) pairs
+
+    def _balance_groups(self, sorted_pairs):
+        groups_count = self.dp_size * self.grad_accum
+        if len(sorted_pairs) < groups_count:
+            raise ValueError(
+                f"{len(sorted_pairs)} rows cannot give each of the {groups_count} micro-batches of a step one. "
+                "Fix: a larger global batch, or fewer ranks or accumulation steps."
+            )
+        groups = [[] for _ in range(groups_count)]
+        heap = [(0.0, g) for g in range(groups_count)]
+        for pair in sorted_pairs:  # sorted longest first, identically on every rank
+            cost, g = heapq.heappop(heap)
+            groups[g].append(pair)
+            heapq.heappush(heap, (cost + self._row_cost(pair[1]), g))
+        return groups
+
+
+def run_sampler(args, sampler):
+    """The train sampler hf-ext uses in place of the stock one ``sampler``: stock's ``BatchRebalanceSampler``
+    rebuilt with the run's seed, and pricing packed micro-batches when ``padding_free`` is on; any other unchanged."""
+    if type(sampler) is not BatchRebalanceSampler:
+        return sampler
+    cls = PackedRebalanceSampler if getattr(args, "padding_free", False) else BatchRebalanceSampler
+    return cls(
+        lengths=sampler.lengths,
+        effective_batch_size=sampler.effective_batch_size,
+        dp_size=sampler.dp_size,
+        grad_accum=sampler.grad_accum,
+        shuffle=sampler.shuffle,
+        seed=args.data_seed if args.data_seed is not None else args.seed,
+        rank=sampler.rank,
+        drop_last=sampler.drop_last,
+    )
+
+
+def padding_free_collator(model, collator):
+    """``DataCollatorWithFlattening`` standing in for ``collator``, or a ``ValueError`` saying why it cannot."""
+    if isinstance(collator, DataCollatorWithFlattening):
+        return collator
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"padding_free=True needs a decoder-only model, and {type(model).__name__} is an encoder-decoder (its "
+            "encoder takes positions and masks from the padded shape). Fix: padding_free=False, with "
+            'train_sampling_strategy="batch_rebalance" to cut the padding.'
+        )
+    if collator is not None and collator is not default_data_collator and not isinstance(collator, PADDING_COLLATORS):
+        raise ValueError(
+            f"padding_free=True replaces the data collator with DataCollatorWithFlattening, and {type(collator).__name__} "
+            "does more than pad. Fix: pass no data_collator, or padding_free=False."
+        )
+    return DataCollatorWithFlattening()
+
+
+def enable_on_trainer(trainer) -> None:
+    """With ``padding_free`` on, the trainer's collator becomes ``DataCollatorWithFlattening`` (unless the trainer
+    flattens batches itself, as TRL's do) and ``include_num_input_tokens_seen="non_padding"`` counts every token."""
+    args = trainer.args
+    if not getattr(args, "padding_free", False):
+        return
+    if args.use_cache:
+        raise ValueError(
+            "padding_free=True needs use_cache=False: a model that starts a cache does not look for row boundaries in "
+            "position_ids (transformers.masking_utils), and packed rows would attend to each other. Fix: "
+            "use_cache=False (the default)."
+        )
+    if trainer.collates_padding_free:
+        trainer.data_collator = padding_free_collator(trainer.model, trainer.data_collator)
+        logger.info("Padding-free: each micro-batch is one row of concatenated examples (DataCollatorWithFlattening).")
+    if args.include_num_input_tokens_seen == "non_padding":
+        # a packed batch has no padding and no attention_mask: stock would count the tokens unequal to the pad id,
+        # which misses every real token that shares it (the end-of-turn token, when it doubles as padding)
+        args.include_num_input_tokens_seen = "all"
