@@ -16,6 +16,12 @@ What hf-ext adds:
   (``BlenderbotLearnedPositionalEmbedding`` takes no ``position_ids``) and its masks from ``attention_mask`` only, so
   rows packed into one would attend to each other; ``train_sampling_strategy="batch_rebalance"`` cuts its padding
   instead;
+* logits only where a label follows: the loss uses no other position, and the vocabulary projection is a large share
+  of a small model's step (SmolLM2-135M: 28M of its 135M parameters, and a 49k-wide softmax per position). The
+  collator (:class:`LabelledLogitsCollator`) passes transformers' own ``logits_to_keep`` as a boolean mask, the
+  model projects those positions alone, and :func:`labelled_logits_loss` (the Trainer's public ``compute_loss_func``)
+  takes the cross-entropy there, normalized as the model's own loss is. Only where nothing else reads the logits (no
+  ``compute_metrics``, ``compute_loss_func`` or label smoothing) and the model's ``forward`` takes ``logits_to_keep``;
 * the cost :class:`PackedRebalanceSampler` balances: stock's ``BatchRebalanceSampler`` prices a micro-batch by its
   padded size (rows × longest row), a packed one costs its tokens (plus attention's quadratic term per row), so with
   ``padding_free`` each rank and accumulation step gets about the same number of real tokens;
@@ -29,9 +35,11 @@ resume on another world size (hf-ext keeps the global batch) sees each row once.
 from __future__ import annotations
 
 import heapq
+import inspect
 import logging
 from dataclasses import dataclass, field
 
+import torch
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening, DataCollatorWithPadding
 from transformers.data.data_collator import DefaultDataCollator, default_data_collator
 from transformers.trainer_pt_utils import BatchRebalanceSampler
@@ -92,6 +100,39 @@ class PackedRebalanceSampler(BatchRebalanceSampler):
         return groups
 
 
+class LabelledLogitsCollator(DataCollatorWithFlattening):
+    """``DataCollatorWithFlattening`` that also asks the model for logits only at the positions followed by a label
+    (``logits_to_keep``, a boolean mask: transformers then returns them flattened, in order)."""
+
+    def __call__(self, features, return_tensors=None, separator_id=None):
+        batch = super().__call__(features, return_tensors, separator_id)
+        labels = batch["labels"]
+        keep = torch.zeros_like(labels, dtype=torch.bool)
+        keep[:, :-1] = labels[:, 1:] != -100  # the logit at t predicts the label at t + 1
+        batch["logits_to_keep"] = keep
+        return batch
+
+
+def labelled_logits_loss(outputs, labels, num_items_in_batch=None):
+    """The causal-LM loss of logits :class:`LabelledLogitsCollator` kept: the summed cross-entropy over the labelled
+    tokens divided by ``num_items_in_batch`` (the labelled tokens of the whole global batch), else their mean; what
+    transformers' ``ForCausalLMLoss`` computes from all logits."""
+    logits = outputs["logits"]
+    targets = labels[:, 1:][labels[:, 1:] != -100].to(logits.device)
+    if num_items_in_batch is None:
+        return torch.nn.functional.cross_entropy(logits.float(), targets)
+    loss = torch.nn.functional.cross_entropy(logits.float(), targets, reduction="sum")
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
+def takes_logits_to_keep(model) -> bool:
+    get_base = getattr(model, "get_base_model", None)  # PEFT
+    base = get_base() if callable(get_base) else model
+    return "logits_to_keep" in inspect.signature(base.forward).parameters
+
+
 def run_sampler(args, sampler):
     """The train sampler hf-ext uses in place of the stock one ``sampler``: stock's ``BatchRebalanceSampler``
     rebuilt with the run's seed, and pricing packed micro-batches when ``padding_free`` is on; any other unchanged."""
@@ -142,8 +183,22 @@ def enable_on_trainer(trainer) -> None:
             "use_cache=False (the default)."
         )
     if trainer.collates_padding_free:
-        trainer.data_collator = padding_free_collator(trainer.model, trainer.data_collator)
-        logger.info("Padding-free: each micro-batch is one row of concatenated examples (DataCollatorWithFlattening).")
+        given = trainer.data_collator
+        trainer.data_collator = padding_free_collator(trainer.model, given)
+        labelled_only = (
+            trainer.data_collator is not given  # a flattening collator of the user's own is kept as it is
+            and trainer.compute_loss_func is None
+            and trainer.compute_metrics is None
+            and trainer.label_smoother is None
+            and takes_logits_to_keep(trainer.model)
+        )
+        if labelled_only:
+            trainer.data_collator = LabelledLogitsCollator()
+            trainer.compute_loss_func = labelled_logits_loss
+        logger.info(
+            "Padding-free: each micro-batch is one row of concatenated examples (DataCollatorWithFlattening)"
+            + (", logits only where a label follows." if labelled_only else ".")
+        )
     if args.include_num_input_tokens_seen == "non_padding":
         # a packed batch has no padding and no attention_mask: stock would count the tokens unequal to the pad id,
         # which misses every real token that shares it (the end-of-turn token, when it doubles as padding)

@@ -14,7 +14,18 @@ DOCS = ROOT / "docs"
 README = ROOT / "README.md"
 INDEX = DOCS / "README.md"
 PAGES = [README, *sorted(DOCS.glob("*.md"))]
-FEATURE_PAGES = ["deepspeed", "fsdp", "memory", "saving", "evaluation", "trl", "chat-e", "feedback", "multinode"]
+FEATURE_PAGES = [
+    "deepspeed",
+    "fsdp",
+    "memory",
+    "saving",
+    "evaluation",
+    "padding-free",
+    "trl",
+    "chat-e",
+    "feedback",
+    "multinode",
+]
 README_MAX_LINES = 250
 
 FENCE = re.compile(r"^\s*(```|~~~)")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -28,7 +29,13 @@ from transformers import (
 from transformers.trainer_pt_utils import BatchRebalanceSampler
 
 import hf_ext
-from hf_ext.packing import PackedRebalanceSampler, padding_free_collator, run_sampler
+from hf_ext.packing import (
+    LabelledLogitsCollator,
+    PackedRebalanceSampler,
+    labelled_logits_loss,
+    padding_free_collator,
+    run_sampler,
+)
 
 LENGTHS = [(9, 4), (23, 7), (5, 3), (31, 2), (14, 9)]  # (prompt, reply) tokens per row
 
@@ -136,6 +143,32 @@ def test_a_cache_would_hide_the_row_boundaries_so_the_trainer_refuses_it(model_a
         hf_ext.Trainer(model=model, args=args, processing_class=tokenizer)
 
 
+def test_the_trainers_loss_and_gradients_match_the_stock_padded_trainers(model_and_rows, tmp_path):
+    """End to end through ``compute_loss``: hf-ext's packed batch with logits only where a label follows against stock
+    ``transformers.Trainer`` on the padded batch, the loss normalized by a global token count as in training."""
+    model, tokenizer, examples = model_and_rows
+    args = dict(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    stock = transformers.Trainer(model=model, args=transformers.TrainingArguments(**args), processing_class=tokenizer,
+                                 data_collator=DataCollatorForSeq2Seq(tokenizer))  # fmt: skip
+    ours = hf_ext.Trainer(model=model, args=hf_ext.TrainingArguments(**args, padding_free=True),
+                          processing_class=tokenizer, data_collator=DataCollatorForSeq2Seq(tokenizer))  # fmt: skip
+    assert isinstance(ours.data_collator, LabelledLogitsCollator) and ours.compute_loss_func is labelled_logits_loss
+    params = [p for p in model.parameters() if p.requires_grad]
+    labelled = sum(int((torch.tensor(e["labels"][1:]) != -100).sum()) for e in examples)
+    for num_items in (torch.tensor(3 * labelled), None):  # training (a global count), evaluation (a mean)
+        losses, grads = [], []
+        for trainer in (stock, ours):
+            batch = trainer.data_collator(examples)
+            loss = trainer.compute_loss(model, batch, num_items_in_batch=num_items)
+            losses.append(loss)
+            grads.append(torch.autograd.grad(loss, params))
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+        for g_stock, g_ours in zip(*grads):
+            torch.testing.assert_close(g_ours, g_stock, rtol=1e-5, atol=1e-6)
+    kept = ours.data_collator(examples)["logits_to_keep"]
+    assert int(kept.sum()) == labelled  # one logit per labelled token, no more
+
+
 def test_trainer_flattens_and_counts_every_token(tiny_chat_model_dir, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_chat_model_dir)
     tokenizer = AutoTokenizer.from_pretrained(tiny_chat_model_dir)
@@ -145,6 +178,10 @@ def test_trainer_flattens_and_counts_every_token(tiny_chat_model_dir, tmp_path):
                              data_collator=DataCollatorForSeq2Seq(tokenizer))  # fmt: skip
     assert isinstance(trainer.data_collator, DataCollatorWithFlattening)
     assert trainer.args.include_num_input_tokens_seen == "all"  # every packed token is a real one
+    # a flattening collator of the user's own is kept, and the logits stay whole
+    own = DataCollatorWithFlattening(return_seq_idx=True)
+    trainer = hf_ext.Trainer(model=model, args=args, processing_class=tokenizer, data_collator=own)
+    assert trainer.data_collator is own and trainer.compute_loss_func is None
 
 
 # --- the sampler ----------------------------------------------------------------------------------------------------
