@@ -7,7 +7,9 @@ For each model (the BlenderBot-400M shape, random-init, and SmolLM2-135M-Instruc
 and each ZeRO stage, one 2-rank launch of benchmarks.worker (hf-ext path, freed memory returned to the OS as in a
 planned run) per variant: checkpointing off; on through ``TrainingArguments(activation_checkpointing=True)``; on
 through the DeepSpeed config's top-level ``"gradient_checkpointing": true``, which DeepSpeed ignores and hf-ext turns
-into the same setting (``--key_configs`` says for which stages). Reported per row: the peak resident memory above the
+into the same setting (``--key_sizes`` / ``--key_configs`` say for which models and stages). The micro-batches
+(``--batches``, per model) are large enough that activations, not the optimizer step's temporaries, set the peak
+without checkpointing. Reported per row: the peak resident memory above the
 RSS before the model existed (larger rank), the planner's prediction of that increment (its probe measures the
 model's activations with checkpointing on or off), their ratio, and the median step time after ``--warmup`` steps.
 The planner's largest micro-batch for ``--budget_gib`` per rank, with and without checkpointing, closes each model's
@@ -30,23 +32,23 @@ MODULE = "benchmarks.bench_checkpointing"
 VARIANTS = {"off": "off", "flag": "TrainingArguments flag", "ds_key": 'DeepSpeed "gradient_checkpointing" key'}
 
 
-def launch(model: Path, config: str, variant: str, opts, work: Path) -> dict:
+def launch(model: Path, config: str, variant: str, batch: int, opts, work: Path) -> dict:
     config_arg = config
     if variant == "ds_key":
         ds = load_deepspeed_config(config)
         ds["gradient_checkpointing"] = True
         config_arg = str(harness.write_json(Path(f"{work}_{config}_key.json"), ds))
-    args = ["--model", str(model), "--config", config_arg, "--path", "hf-ext", "--batch", str(opts.batch),
+    args = ["--model", str(model), "--config", config_arg, "--path", "hf-ext", "--batch", str(batch),
             "--seq_len", str(opts.seq_len), "--steps", str(opts.steps), *RELEASE]  # fmt: skip
     args += ["--activation_checkpointing"] * (variant == "flag")
     started = time.time()
-    result = harness.launch_worker(args, Path(f"{work}_{model.name}_{config}_{variant}"), reuse=opts.reuse)
+    result = harness.launch_worker(args, Path(f"{work}_{model.name}_{config}_{variant}_b{batch}"), reuse=opts.reuse)
     if isinstance(result, str):
         raise SystemExit(f"{model.name} {config} {variant}: {result}")
     rank0 = next(r for r in result if r["rank"] == 0)
     ends = rank0["step_end_times"]
     return {
-        "model": model.name, "config": config, "variant": variant, "batch": opts.batch, "seq_len": opts.seq_len,
+        "model": model.name, "config": config, "variant": variant, "batch": batch, "seq_len": opts.seq_len,
         "increment_bytes": max(r["increment_bytes"] for r in result),
         "peak_bytes": max(r["peak_bytes"] for r in result),
         "step_s": statistics.median(b - a for a, b in zip(ends[opts.warmup - 1 :], ends[opts.warmup :])),
@@ -65,8 +67,8 @@ def predict(rows: list[dict], model: Path, opts) -> dict:
     for row in rows:
         ckpt = row["variant"] != "off"
         facts, profile = inputs[ckpt]
-        candidate, zero, precision = planned_setup(row["config"], model, opts.batch)
-        plan = formulas.plan(candidate, facts, profile, 2, opts.batch, precision, zero=zero, device=device)
+        candidate, zero, precision = planned_setup(row["config"], model, row["batch"])
+        plan = formulas.plan(candidate, facts, profile, 2, row["batch"], precision, zero=zero, device=device)
         row["planned_increment_bytes"] = plan.total_bytes
         row["planned_over_measured"] = plan.total_bytes / row["increment_bytes"]
         key = f"{row['config']}, checkpointing {'on' if ckpt else 'off'}"
@@ -78,14 +80,14 @@ def predict(rows: list[dict], model: Path, opts) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    header = ["model", "ZeRO", "checkpointing", "peak increment GiB (larger rank)", "planner GiB", "planner ÷ measured",
+    header = ["model", "ZeRO", "micro-batch", "checkpointing", "peak increment GiB (larger rank)", "planner GiB", "planner ÷ measured",
               "step s", "step time vs off"]  # fmt: skip
     off = {(r["model"], r["config"]): r for r in rows if r["variant"] == "off"}
     cells = []
     for r in rows:
         base = off.get((r["model"], r["config"]))
         cells.append([
-            r["model"], r["zero_stage"], VARIANTS[r["variant"]], f"{r['increment_bytes'] / GiB:.2f}",
+            r["model"], r["zero_stage"], f"{r['batch']} × {r['seq_len']}", VARIANTS[r["variant"]], f"{r['increment_bytes'] / GiB:.2f}",
             f"{r['planned_increment_bytes'] / GiB:.2f}", f"{r['planned_over_measured']:.2f}", f"{r['step_s']:.2f}",
             f"{r['step_s'] / base['step_s']:.2f}×" if base else "–",
         ])  # fmt: skip
@@ -97,8 +99,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sizes", nargs="+", default=["400m", "smollm2"], help=harness.SIZE_HELP)
     parser.add_argument("--configs", nargs="+", default=["zero2", "zero3"])
     parser.add_argument("--variants", nargs="+", default=["off", "flag"], choices=list(VARIANTS))
+    parser.add_argument("--key_sizes", nargs="*", default=["smollm2"], help="models also run with the DeepSpeed key")
     parser.add_argument("--key_configs", nargs="*", default=["zero2"], help="stages also run with the DeepSpeed key")
-    parser.add_argument("--batch", type=int, default=2, help="per-rank micro-batch")
+    parser.add_argument("--batches", nargs="+", type=int, default=[12, 8],
+                        help="per-rank micro-batch per size, in --sizes order (large enough that activations, not the "
+                        "optimizer step, set the peak)")  # fmt: skip
     parser.add_argument("--seq_len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1, help="steps left out of the step time")
@@ -110,15 +115,14 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(opts.out)
     work = out.with_suffix("")
     rows, largest = [], {}
+    batches = dict(zip(opts.sizes, opts.batches + opts.batches[-1:] * len(opts.sizes)))
     for size in opts.sizes:
         model = harness.ensure_model(size)
         model_rows = []
         for config in opts.configs:
-            variants = list(opts.variants) + ["ds_key"] * (
-                config in opts.key_configs and "ds_key" not in opts.variants
-            )
-            for variant in variants:
-                model_rows.append(launch(model, config, variant, opts, work))
+            key = config in opts.key_configs and size in opts.key_sizes and "ds_key" not in opts.variants
+            for variant in list(opts.variants) + ["ds_key"] * key:
+                model_rows.append(launch(model, config, variant, batches[size], opts, work))
                 print(model_rows[-1], flush=True)
         largest[model.name] = predict(model_rows, model, opts)
         rows += model_rows

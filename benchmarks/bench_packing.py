@@ -103,6 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the throughput")
     parser.add_argument("--repeats", type=int, default=1, help="launches per path and model")
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS for every path")
+    parser.add_argument("--reuse", action="store_true", help="reuse the launches an interrupted run left")
     parser.add_argument("--out", default="runs/bench/packing.json")
     parser.add_argument("--doc", default=None, help="write the table into this Markdown file's packing section")
     args = parser.parse_args(argv)
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
                 result = harness.launch_worker(
                     ["--model", str(model), "--path", path, "--config", str(config), "--epochs", str(args.epochs),
                      "--n_train", str(args.n_train), "--batch", str(args.batch), *flags],
-                    Path(f"{work}_{name}_{path}_{repeat}"), env, target="benchmarks.packing_worker",
+                    Path(f"{work}_{name}_{path}_{repeat}"), env, target="benchmarks.packing_worker", reuse=args.reuse,
                 )  # fmt: skip
                 if isinstance(result, str):
                     raise SystemExit(f"{name} {path}: {result}")

@@ -30,7 +30,7 @@ import hf_ext
 from chat_e.corpora import DataArguments, load_dialogue_dataset, tokenize_dataset
 from hf_ext.deepspeed.resolve import load_deepspeed_config
 from hf_ext.memory.measure import current_rss, peak_rss, reset_peak_rss
-from hf_ext.runtime import start_deepspeed_comm
+from hf_ext.runtime import end_distributed, start_deepspeed_comm
 
 
 class TokenClock(transformers.TrainerCallback):
@@ -126,3 +126,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_distributed()  # every path: a process group left to interpreter exit can abort it (std::terminate)

@@ -99,7 +99,8 @@ class TrainerMixin:
     ``class MyTrainer(hf_ext.TrainerMixin, SomeTrainer): args_class = MyConfig`` gives ``SomeTrainer`` the
     ``deepspeed=`` keyword (a preset name, a path, a dict), every ``"auto"`` resolved, the memory plan, streaming
     16-bit saves under ZeRO-3, adapter-only checkpoints that resume on any world size, FSDP2 on CPU ranks, the
-    one-line failures and, when its arguments have ``generation_eval`` on, the BLEU eval. ``args_class`` is the
+    one-line failures, padding-free batches when its arguments have ``padding_free`` on (:mod:`hf_ext.packing`) and,
+    when they have ``generation_eval`` on, the BLEU eval. ``args_class`` is the
     arguments class stock arguments are converted to: ``SomeConfig`` with :class:`hf_ext.TrainingArgumentsMixin`
     (:mod:`hf_ext.trl` has the classes for TRL's trainers).
     """
