@@ -12,6 +12,12 @@ from torch.distributed.fsdp import FSDPModule
 from transformers import AutoConfig, PretrainedConfig
 
 
+def base_model_of(model):
+    """The transformers model inside a PEFT wrapper (``get_base_model()``), else ``model`` itself."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
 def hidden_size_of(model) -> int | None:
     """The hidden size transformers uses for the bucket sizes: ``hidden_size``, else ``max(hidden_sizes)``, also in
     ``text_config``. ``model`` is a model, a config, or a path / hub id."""

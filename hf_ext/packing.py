@@ -4,8 +4,8 @@ transformers does the work. ``DataCollatorWithFlattening`` concatenates the rows
 ``position_ids`` at 0 for each row and puts a ``-100`` label where two rows meet (so no row learns to predict the next
 row's first token); a decoder-only model whose masks come from ``transformers.masking_utils`` finds the row boundaries
 in ``position_ids`` when no ``attention_mask`` and no cache are given (the Trainer sets the model's ``use_cache`` to
-``TrainingArguments.use_cache``, ``False`` by default; hf-ext refuses ``True`` with ``padding_free``) and builds a block-diagonal causal mask (SDPA, eager, flex;
-flash-attention reads the same boundaries). The loss stays on the labelled tokens, normalized by their count over the
+``TrainingArguments.use_cache``, ``False`` by default; hf-ext refuses ``True`` with ``padding_free``) and builds a
+block-diagonal causal mask (SDPA, eager, flex; flash-attention reads the same boundaries). The loss stays on the labelled tokens, normalized by their count over the
 whole global batch as in a padded run.
 
 What hf-ext adds:
@@ -43,6 +43,8 @@ import torch
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening, DataCollatorWithPadding
 from transformers.data.data_collator import DefaultDataCollator, default_data_collator
 from transformers.trainer_pt_utils import BatchRebalanceSampler
+
+from .model_info import base_model_of
 
 logger = logging.getLogger(__name__)
 
@@ -128,9 +130,7 @@ def labelled_logits_loss(outputs, labels, num_items_in_batch=None):
 
 
 def takes_logits_to_keep(model) -> bool:
-    get_base = getattr(model, "get_base_model", None)  # PEFT
-    base = get_base() if callable(get_base) else model
-    return "logits_to_keep" in inspect.signature(base.forward).parameters
+    return "logits_to_keep" in inspect.signature(base_model_of(model).forward).parameters
 
 
 def run_sampler(args, sampler):

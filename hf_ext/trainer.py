@@ -21,6 +21,7 @@ from .deepspeed import callbacks as deepspeed_callbacks
 from .evaluation.bleu import BleuEvalCallback, BleuEvalConfig
 from .evaluation.zero_eval import plain_eval_without_engine
 from .memory.measure import MemoryPlanCallback
+from .model_info import base_model_of
 from .saving import checkpoints, resume
 from .saving import zero as saving
 from .schedule import ResumedScheduleCallback
@@ -70,8 +71,7 @@ def loss_ignores_num_items(model) -> bool:
     """
     if model is None:
         return False
-    get_base = getattr(model, "get_base_model", None)  # PEFT
-    base = get_base() if callable(get_base) else model
+    base = base_model_of(model)  # PEFT
     if hasattr(base, "accepts_loss_kwargs"):
         return False  # the model says itself; stock reads the same attribute
     return getattr(getattr(base, "config", None), "model_type", None) in OWN_MEAN_LOSS_MODEL_TYPES

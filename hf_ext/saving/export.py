@@ -22,7 +22,7 @@ from peft import PeftConfig, PeftModel
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from ..atomic import atomic_directory, work_path
-from ..model_info import model_class, save_beside_weights
+from ..model_info import base_model_of, model_class, save_beside_weights
 from .checkpoints import last_complete_checkpoint
 from .model_dir import model_dir_kind
 from .writer import DEFAULT_MAX_SHARD_SIZE, is_weight_file, verify_saved_weights
@@ -111,7 +111,7 @@ def export(
             model, base_dir = _load(src, kind, merge, torch_dtype, base_model, workdir)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
-        target = model.get_base_model() if hasattr(model, "get_base_model") else model
+        target = base_model_of(model)
         _attach_generation_config(target, src, src.parent, base_dir)
         model.save_pretrained(str(staged), max_shard_size=max_shard_size)
         tokenizer = _load_tokenizer(src, src.parent, base_dir)
