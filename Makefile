@@ -10,7 +10,7 @@ STAMP := $(VENV)/.hf-ext-installed
 DEMO_DIR ?= runs/demo
 NPROC ?= 2
 
-.PHONY: setup demo demo-preference demo-blenderbot serve space test test-fast test-gpu lint clean browser
+.PHONY: setup demo demo-preference demo-blenderbot serve space test test-fast test-peer test-gpu lint clean browser
 
 setup: $(STAMP)
 
@@ -60,7 +60,7 @@ browser:
 				"run 'sudo apt-get update && sudo apt-get install -y chromium', or the browser test will be skipped."; \
 		fi; }
 
-# every tier (unit, integration, distributed, app) and the benchmarks' own tests; the browser note comes last
+# every tier (unit, peer, integration, distributed, app) and the benchmarks' own tests; the browser note comes last
 test: setup browser
 	@status=0; $(BIN)/python -m pytest tests benchmarks/tests --ignore=tests/gpu || status=$$?; \
 	if [ ! -x /usr/bin/chromium ]; then \
@@ -70,6 +70,12 @@ test: setup browser
 # the GPU tier, on a machine with a CUDA GPU only (make test never runs it): make TORCH="... cu128 index" test-gpu
 test-gpu: setup
 	$(BIN)/python -m pytest tests/gpu -s
+
+# the peer tier: stock transformers' classes and hf-ext's through the same tests (docs/drop-in.md);
+# PEER=stock or PEER=hf_ext runs one side only
+PEER ?= both
+test-peer: setup
+	HF_EXT_PEER=$(PEER) $(BIN)/python -m pytest tests/peer
 
 # the unit tier: no training, no subprocess (well under a minute)
 test-fast: setup

@@ -1,8 +1,9 @@
 """Shared fixtures: a tiny BlenderBot and a tiny ChatML decoder built once per session, the vendored config corpus,
 and a runner for real 2-rank launches.
 
-Tiers: ``unit/`` (no training, no subprocess, under a minute), ``integration/`` (in-process training, marked
-``slow``), ``distributed/`` (real 2-rank launches, marked ``distributed``), ``app/`` (server and browser)."""
+Tiers: ``unit/`` (no training, no subprocess, under a minute), ``peer/`` (stock and hf-ext classes through the same
+tests, docs/drop-in.md), ``integration/`` (in-process training, marked ``slow``), ``distributed/`` (real 2-rank
+launches, marked ``distributed``), ``app/`` (server and browser)."""
 
 from __future__ import annotations
 

@@ -84,9 +84,9 @@ class MemoryPlanCallback(TrainerCallback):
     GPUs), read and never reset: the process's counters stay its owner's. When training raised it, the peak is
     training's and is compared with the plan's total above the memory in use at train start; when an earlier phase
     (model loading) peaked higher, training's peak is only known to lie below it, and the line says so. Results are
-    kept in ``self.result`` (and ``state.log_history`` gets ``memory_peak_gib`` / ``memory_predicted_gib``). Usable
-    with the stock :class:`transformers.Trainer` too: pass ``MemoryPlanCallback(plan)``, or with no plan to only
-    measure.
+    kept in ``self.result``, and ``memory_peak_gib`` / ``memory_predicted_gib`` join the train summary in
+    ``state.log_history``. Usable with the stock :class:`transformers.Trainer` too: pass ``MemoryPlanCallback(plan)``,
+    or with no plan to only measure.
     """
 
     def __init__(self, plan=None):
@@ -117,7 +117,12 @@ class MemoryPlanCallback(TrainerCallback):
             self.result["ratio"] = (peak - self.baseline) / predicted if predicted and raised else None
         logger.info(line)
         if state.log_history is not None:
-            entry = {"memory_peak_gib": round(peak / GiB, 4), "step": state.global_step}
+            entry = {"memory_peak_gib": round(peak / GiB, 4)}
             if self.plan is not None:
                 entry["memory_predicted_gib"] = round(self.plan.total_bytes / GiB, 4)
-            state.log_history.append(entry)
+            # into the train summary stock logged just before on_train_end: log_history[-1] stays that summary
+            summary = state.log_history[-1] if state.log_history else None
+            if summary is not None and "train_runtime" in summary:
+                summary.update(entry)
+            else:
+                state.log_history.append({**entry, "step": state.global_step})
