@@ -135,24 +135,42 @@ def test_auto_find_batch_size_lowers_the_batch_until_it_fits_and_a_resume_keeps_
 
 
 # what stock writes into a checkpoint of a plain (non-DeepSpeed) run; hf-ext adds its completion marker
-STOCK_CHECKPOINT_FILES = ["config.json", "model.safetensors", "optimizer.pt", "rng_state.pth", "scheduler.pt",
-                          "trainer_state.json", "training_args.bin"]  # fmt: skip
+STOCK_CHECKPOINT_FILES = ["model.safetensors", "optimizer.pt", "rng_state.pth", "scheduler.pt", "trainer_state.json",
+                          "training_args.bin"]  # fmt: skip
+
+
+class PlainRegression(torch.nn.Module):
+    """The regression model as a plain ``nn.Module``: no config, no ``save_pretrained``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Parameter(torch.tensor(0.0)), torch.nn.Parameter(torch.tensor(0.0))
+
+    def forward(self, input_x, labels=None, **kwargs):
+        y = input_x * self.a + self.b
+        return (y,) if labels is None else (torch.nn.functional.mse_loss(y, labels), y)
 
 
 @pytest.mark.peer_difference("checkpoint-marker")
-def test_a_checkpoint_holds_the_stock_files(peer, tmp_path):
-    run = trainer(peer, tmp_path, save_steps=STEPS)
+@pytest.mark.parametrize("kind", ["pretrained", "plain"])
+def test_a_checkpoint_and_a_saved_model_hold_the_stock_files(peer, tmp_path, kind):
+    run = trainer(peer, tmp_path, model=regression_model() if kind == "pretrained" else PlainRegression(),
+                  save_steps=STEPS)  # fmt: skip
     run.train()
+    run.save_model(str(tmp_path / "final"))
+    config = ["config.json"] if kind == "pretrained" else []
     checkpoint = tmp_path / f"checkpoint-{STEPS}"
-    expected = STOCK_CHECKPOINT_FILES if peer.stock else sorted([*STOCK_CHECKPOINT_FILES, "hf_ext_checkpoint.json"])
-    assert sorted(os.listdir(checkpoint)) == expected
+    files = sorted([*STOCK_CHECKPOINT_FILES, *config] + ([] if peer.stock else ["hf_ext_checkpoint.json"]))
+    assert sorted(os.listdir(checkpoint)) == files
+    assert sorted(os.listdir(tmp_path / "final")) == sorted([*config, "model.safetensors", "training_args.bin"])
     if not peer.stock:
         marker = json.loads((checkpoint / "hf_ext_checkpoint.json").read_text())
         assert marker["complete"] is True and marker["global_step"] == STEPS
-    # the weights file loads into a fresh model as the trained weights; the state file is the trainer's state
-    fresh = regression_model()
-    fresh.load_state_dict(load_file(checkpoint / "model.safetensors"))
-    assert weights(fresh) == weights(run.model)
+    # the weights files load into a fresh model as the trained weights; the state file is the trainer's state
+    for folder in (checkpoint, tmp_path / "final"):
+        fresh = regression_model()
+        fresh.load_state_dict(load_file(folder / "model.safetensors"))
+        assert weights(fresh) == weights(run.model)
     state = TrainerState.load_from_json(checkpoint / "trainer_state.json")
     assert state.global_step == STEPS and state.max_steps == STEPS and state.num_train_epochs == 3
     args = torch.load(checkpoint / "training_args.bin", weights_only=False)
