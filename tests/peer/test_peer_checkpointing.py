@@ -39,6 +39,15 @@ def test_rotation_keeps_the_best_checkpoint_and_the_newest(peer, tmp_path, save_
     assert weights(run.model) == (saved["a"].item(), saved["b"].item())
 
 
+def test_save_strategy_best_saves_each_new_best_only(peer, tmp_path):
+    # the eval loss falls at every evaluation, so with greater_is_better only the first one is a best
+    run = trainer(peer, tmp_path, eval_strategy="steps", eval_steps=5, save_strategy="best",
+                  metric_for_best_model="loss", greater_is_better=True)  # fmt: skip
+    run.train()
+    assert _checkpoints(tmp_path) == ["checkpoint-5"]
+    assert run.state.best_global_step == 5 and run.state.best_model_checkpoint == str(tmp_path / "checkpoint-5")
+
+
 def test_rotation_without_best_model_keeps_the_newest(peer, tmp_path):
     trainer(peer, tmp_path, save_steps=5, save_total_limit=2).train()
     assert _checkpoints(tmp_path) == ["checkpoint-20", f"checkpoint-{STEPS}"]
@@ -137,6 +146,8 @@ def test_auto_find_batch_size_lowers_the_batch_until_it_fits_and_a_resume_keeps_
 # what stock writes into a checkpoint of a plain (non-DeepSpeed) run; hf-ext adds its completion marker
 STOCK_CHECKPOINT_FILES = ["model.safetensors", "optimizer.pt", "rng_state.pth", "scheduler.pt", "trainer_state.json",
                           "training_args.bin"]  # fmt: skip
+# save_only_model: no optimizer, scheduler or RNG state
+MODEL_ONLY_FILES = ["model.safetensors", "trainer_state.json", "training_args.bin"]
 
 
 class PlainRegression(torch.nn.Module):
@@ -152,15 +163,16 @@ class PlainRegression(torch.nn.Module):
 
 
 @pytest.mark.peer_difference("checkpoint-marker")
-@pytest.mark.parametrize("kind", ["pretrained", "plain"])
+@pytest.mark.parametrize("kind", ["pretrained", "plain", "model only"])
 def test_a_checkpoint_and_a_saved_model_hold_the_stock_files(peer, tmp_path, kind):
-    run = trainer(peer, tmp_path, model=regression_model() if kind == "pretrained" else PlainRegression(),
-                  save_steps=STEPS)  # fmt: skip
+    run = trainer(peer, tmp_path, model=PlainRegression() if kind == "plain" else regression_model(),
+                  save_steps=STEPS, save_only_model=kind == "model only")  # fmt: skip
     run.train()
     run.save_model(str(tmp_path / "final"))
-    config = ["config.json"] if kind == "pretrained" else []
+    config = [] if kind == "plain" else ["config.json"]
     checkpoint = tmp_path / f"checkpoint-{STEPS}"
-    files = sorted([*STOCK_CHECKPOINT_FILES, *config] + ([] if peer.stock else ["hf_ext_checkpoint.json"]))
+    stock_files = STOCK_CHECKPOINT_FILES if kind != "model only" else MODEL_ONLY_FILES
+    files = sorted([*stock_files, *config] + ([] if peer.stock else ["hf_ext_checkpoint.json"]))
     assert sorted(os.listdir(checkpoint)) == files
     assert sorted(os.listdir(tmp_path / "final")) == sorted([*config, "model.safetensors", "training_args.bin"])
     if not peer.stock:
