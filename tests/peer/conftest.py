@@ -13,6 +13,9 @@ import os
 from types import SimpleNamespace
 
 import pytest
+import transformers
+
+import hf_ext
 
 SIDES = ("stock", "hf_ext")
 
@@ -54,10 +57,6 @@ def pytest_collection_modifyitems(config, items):
 
 def classes(side: str) -> SimpleNamespace:
     """The four classes a Trainer user imports, from stock transformers or from hf-ext."""
-    import transformers
-
-    import hf_ext
-
     module = transformers if side == "stock" else hf_ext
     names = ("Trainer", "Seq2SeqTrainer", "TrainingArguments", "Seq2SeqTrainingArguments")
     return SimpleNamespace(side=side, stock=side == "stock", **{name: getattr(module, name) for name in names})

@@ -202,7 +202,7 @@ def test_label_smoothing_gives_torchs_smoothed_cross_entropy(peer, tmp_path):
     assert metrics["eval_loss"] == pytest.approx(expected.item(), rel=1e-5)
 
 
-def test_a_model_without_its_own_loss_cannot_train_without_labels_names(peer, tmp_path):
+def test_a_logits_only_model_without_label_smoothing_has_no_loss(peer, tmp_path):
     # sanity of the oracle above: without smoothing, the Trainer has no loss for a logits-only model
     run = trainer(peer, tmp_path, model=TokenClassifier(TokenClassifierConfig()), train_dataset=TokenRows(),
                   max_steps=1)  # fmt: skip
