@@ -10,7 +10,7 @@ STAMP := $(VENV)/.hf-ext-installed
 DEMO_DIR ?= runs/demo
 NPROC ?= 2
 
-.PHONY: setup demo demo-preference demo-blenderbot serve space test test-fast test-peer test-gpu lint clean browser
+.PHONY: setup demo demo-preference demo-blenderbot serve space test test-fast test-peer test-gpu test-kernels lint clean browser
 
 setup: $(STAMP)
 
@@ -86,3 +86,8 @@ lint: setup
 
 clean:
 	rm -rf runs .pytest_cache
+
+# every test that compares floats exactly, under each ATEN_CPU_CAPABILITY and 1 or 2 threads per rank
+# (docs/testing.md; about 45 minutes on 2 cores)
+test-kernels: setup
+	$(BIN)/python scripts/kernel_matrix.py --out runs/kernel_matrix.json --doc docs/testing.md

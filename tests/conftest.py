@@ -133,11 +133,19 @@ def free_port() -> int:
 LAUNCHED_SITE = ROOT / "tests" / "launched"
 
 
+#: threads per process for every test process and launched rank, when set (scripts/kernel_matrix.py)
+TEST_THREADS = "HF_EXT_TEST_THREADS"
+
+
 def launch_env(**extra) -> dict:
     env = dict(os.environ)
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{LAUNCHED_SITE}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    # the ranks place their own threads (hf-ext: cores // local ranks), unless a run pins them for every process:
+    # HF_EXT_TEST_THREADS (scripts/kernel_matrix.py's threads-per-rank setting, docs/testing.md)
     env.pop("OMP_NUM_THREADS", None)
+    if os.environ.get(TEST_THREADS):
+        env["OMP_NUM_THREADS"] = os.environ[TEST_THREADS]
     env.update({k: str(v) for k, v in extra.items()})
     return env
 

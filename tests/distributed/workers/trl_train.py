@@ -84,7 +84,8 @@ def write(trainer, path: Path, extra: dict | None = None) -> None:
     state = gathered_state_dict(trainer.model)  # every rank takes part in the gather
     if trainer.args.process_index == 0:
         torch.save({k: v.float().cpu() for k, v in state.items()}, path.with_suffix(".pt"))
-        info = {"losses": losses(trainer), "world_size": trainer.args.world_size, **(extra or {})}
+        info = {"losses": losses(trainer), "world_size": trainer.args.world_size, "threads": torch.get_num_threads(),
+                **(extra or {})}  # fmt: skip
         path.with_suffix(".json").write_text(json.dumps(info, indent=1))
 
 
