@@ -150,6 +150,14 @@ def launch_env(**extra) -> dict:
     return env
 
 
+#: the launcher of the launches whose fact is not the launcher. torchrun starts the same ranks, which start the same
+#: DeepSpeed engine, about 4.5 s sooner than DeepSpeed's launcher: its runner and its launch process each import
+#: deepspeed (1.7 s each here) and the launch process polls its ranks once a second. DeepSpeed's launcher itself runs
+#: under test_recipe_distributed (ZeRO-2 and ZeRO-3, the ranks' batches, the decoder-only recipe), test_comm_layer
+#: and test_preference_recipe.
+TRAIN_LAUNCHER = "torchrun"
+
+
 def launcher_cmd(launcher: str, script: str | Path, nproc: int = 2) -> list[str]:
     """The command prefix of ``launcher`` (deepspeed, torchrun, accelerate:<yaml>, python) for ``script``."""
     port = free_port()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ..bleu_support import N_EVAL, decoded_labels, eval_dataset, read_jsonl
-from ..conftest import ROOT, launcher_cmd, run
+from ..conftest import ROOT, TRAIN_LAUNCHER, launcher_cmd, run
 
 pytestmark = pytest.mark.distributed
 
@@ -18,7 +18,7 @@ WORKER = ROOT / "tests" / "distributed" / "workers" / "bleu_eval_worker.py"
 
 
 def launch_worker(model_dir: Path, out: Path, stage: int, *extra: str) -> list[dict]:
-    run(launcher_cmd("deepspeed", WORKER) + [
+    run(launcher_cmd(TRAIN_LAUNCHER, WORKER) + [
         "--model", str(model_dir), "--out", str(out), "--stage", str(stage), "--n_eval", str(N_EVAL), *extra,
     ])  # fmt: skip
     return [json.loads((out / f"result-rank{r}.json").read_text()) for r in range(2)]

@@ -12,7 +12,7 @@ import pytest
 from hf_ext.memory import formulas as planner
 from hf_ext.memory.probe import model_facts, probe_activations, weight_file_bytes
 
-from ..conftest import ROOT, launcher_cmd, run
+from ..conftest import ROOT, TRAIN_LAUNCHER, launcher_cmd, run
 
 pytestmark = pytest.mark.distributed
 
@@ -21,7 +21,7 @@ WORKER = ROOT / "tests" / "distributed" / "workers" / "memory_worker.py"
 
 def _launch(tmp_path, model_dir, config: str, *extra: str) -> list[dict]:
     out = tmp_path / f"mem_{Path(config).stem}"
-    launcher = "torchrun" if config == "ddp" else "deepspeed"
+    launcher = "torchrun" if config == "ddp" else TRAIN_LAUNCHER
     cmd = launcher_cmd(launcher, WORKER) + ["--model", str(model_dir), "--config", config, "--out", str(out)]
     run(cmd + ["--seq_len", "32", "--batch", "2", "--steps", "3", *extra])
     return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in (0, 1)]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ..conftest import ROOT, launcher_cmd, run, walk
+from ..conftest import ROOT, TRAIN_LAUNCHER, launcher_cmd, run, walk
 from ..ds_support import deepspeed_accepts
 
 pytestmark = pytest.mark.distributed
@@ -41,7 +41,7 @@ def two_rank_runs(tiny_model_dir, tmp_path_factory):
             cmd = ["--model", str(tiny_model_dir), "--out", str(out), "--config", config]
             if config == "auto":
                 cmd += ["--memory_per_device", str(AUTO_BUDGET)]
-            run(launcher_cmd("deepspeed", SCRIPT) + cmd)
+            run(launcher_cmd(TRAIN_LAUNCHER, SCRIPT) + cmd)
         return out / config
 
     return get

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ..conftest import ROOT, launcher_cmd, run
+from ..conftest import ROOT, TRAIN_LAUNCHER, launcher_cmd, run
 
 pytestmark = pytest.mark.distributed
 
@@ -30,7 +30,7 @@ TOLERANCE = 2e-6
 
 
 def train(model_dir, out: Path, ranks: int, stage: int, *extra: str):
-    cmd = [*launcher_cmd("deepspeed", SCRIPT, nproc=ranks), "--model", str(model_dir), "--out", str(out / "out"),
+    cmd = [*launcher_cmd(TRAIN_LAUNCHER, SCRIPT, nproc=ranks), "--model", str(model_dir), "--out", str(out / "out"),
            "--stage", str(stage), "--no_dropout", "--epochs", "1", "--save_total_limit", "3",
            "--dump", str(out / "trained.pt"), "--samples", str(out / "samples"), *extra]  # fmt: skip
     return run(cmd)
@@ -169,7 +169,7 @@ def test_a_checkpoint_the_tool_cannot_convert_stops_every_rank_with_one_line(run
     shutil.copytree(runs["root"] / "one" / "out" / "checkpoint-4", broken)
     optim = next((broken / "global_step4").glob("*optim_states.pt"))
     optim.write_bytes(optim.read_bytes()[:1000])  # truncated: DeepSpeed's converter cannot read it
-    cmd = [*launcher_cmd("deepspeed", SCRIPT, nproc=2), "--model", str(tiny_model_dir), "--out", str(tmp_path / "out"),
+    cmd = [*launcher_cmd(TRAIN_LAUNCHER, SCRIPT, nproc=2), "--model", str(tiny_model_dir), "--out", str(tmp_path / "out"),
            "--stage", str(runs["stage"]), "--no_dropout", "--epochs", "1", "--accum", "2", "--resume", str(broken)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0  # and not a hang: the other rank does not wait for a conversion that failed

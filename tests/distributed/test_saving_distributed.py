@@ -20,7 +20,7 @@ from hf_ext.saving import checkpoints
 from hf_ext.saving import writer as saving
 from hf_ext.sizes import parse_bytes
 
-from ..conftest import ROOT, launch_env, launcher_cmd, run
+from ..conftest import ROOT, TRAIN_LAUNCHER, launch_env, launcher_cmd, run
 from ..saving_support import named_params
 
 pytestmark = pytest.mark.distributed
@@ -30,7 +30,7 @@ TIMINGS = ("train_runtime", "train_samples_per_second", "train_steps_per_second"
 
 
 def train(tiny_model_dir, out: Path, *extra: str, check: bool = True, **env) -> subprocess.CompletedProcess:
-    cmd = [*launcher_cmd("deepspeed", SCRIPT), "--model", str(tiny_model_dir), "--out", str(out), *extra]
+    cmd = [*launcher_cmd(TRAIN_LAUNCHER, SCRIPT), "--model", str(tiny_model_dir), "--out", str(out), *extra]
     if check:
         return run(cmd, **env)
     return subprocess.run(cmd, cwd=ROOT, env=launch_env(**env), capture_output=True, text=True, timeout=900)

@@ -1,23 +1,25 @@
 """hf-ext's TRL trainers against stock TRL: real DeepSpeed on 2 CPU ranks, the tiny chat model, SFT and DPO.
 
-Each case is one 2-rank launch (stock TRL, then ``hf_ext.trl``, on the same rows, seed and resolved DeepSpeed config)
-and one 1-rank launch that resumes hf-ext's step-2 checkpoint with the same command line. The cases cover both
-stages, both trainers, full and LoRA fine-tuning, and DPO's two reference models: under full fine-tuning TRL starts
-an engine of its own for it from the trainer's config; under LoRA the reference is the model with its adapter off.
-SFT also runs under FSDP2 (hf-ext shards on CPU ranks, where stock accelerate drops FSDP) against stock TRL on DDP.
+Each case trains ``hf_ext.trl``'s trainer, then stock TRL's, on the same rows, seed and resolved DeepSpeed config, on 2
+ranks, and resumes hf-ext's step-2 checkpoint on 1 rank with the same command line; one launch trains every case and
+one resumes them all. The cases cover both stages, both trainers, full and LoRA fine-tuning, and DPO's two reference
+models: under full fine-tuning TRL starts an engine of its own for it from the trainer's config; under LoRA the
+reference is the model with its adapter off. SFT also runs under FSDP2 (hf-ext shards on CPU ranks, where stock
+accelerate drops FSDP) against stock TRL on DDP.
 
-Tolerances. Stock and hf-ext run the same engine on the same config, rows and seed, but not on the same number of
-torch threads: hf-ext gives each rank ``usable cores // local ranks`` threads (1 on 2 cores), while accelerate gives
-the stock run psutil's count of physical cores (2 here: under DeepSpeed's launcher accelerate sees one local rank).
-Both are the libraries' deliberate defaults, so the test keeps them and records each run's count. Threaded kernels
-may split a sum differently, and which kernel runs depends on the CPU (``ATEN_CPU_CAPABILITY``, MKL's ISA dispatch).
-Measured (issue #44): on an Intel AVX512 host the stock run's step-4 SFT loss was 6.7757368 against hf-ext's
-6.7757378, 9.5e-7 apart (2 fp32 ulps, 1.4e-7 relative; steps 1-3 equal), and equal there under
-``ATEN_CPU_CAPABILITY=avx2``. On the AMD AVX512 host of docs/testing.md, 1, 2 or 4 stock threads, either run order,
-with or without the step-2 checkpoint, under ``default``, ``avx2`` and ``avx512`` all give equal losses; between
-capabilities one path's step-3 loss moves by 1 ulp. So the per-step losses are compared within ``LOSS_RTOL`` = 1e-6
-(about 14 ulps at these losses, 7x the largest difference measured), while consecutive steps move the loss by
-3e-3 to 3e-2 relative: a difference in what a step computes still fails.
+Tolerances. Stock and hf-ext run the same engine on the same config, rows and seed, but not always on the same number
+of torch threads: hf-ext gives each rank ``usable cores // local ranks`` threads (the cores this process may run on),
+accelerate gives the stock run ``psutil's physical cores // the local ranks it sees`` (the host's cores, whatever the
+process may use; under DeepSpeed's launcher it sees one local rank). Both are the libraries' deliberate defaults, so
+the test keeps them and records each run's count. Threaded kernels may split a sum differently, and which kernel runs
+depends on the CPU (``ATEN_CPU_CAPABILITY``, and the BLAS library's own dispatch). Measured (issue #44): on that
+issue's AVX512 host the stock run's step-4 SFT loss was 6.7757368 against hf-ext's 6.7757378, 9.5e-7 apart (2 fp32
+ulps, 1.4e-7 relative; steps 1-3 equal), and equal there under ``ATEN_CPU_CAPABILITY=avx2``. On the AMD AVX512 host of
+docs/testing.md, 1, 2 or 4 stock threads against hf-ext's 1, either run order, with or without the step-2 checkpoint,
+under ``default``, ``avx2`` and ``avx512``, all give equal losses; between capabilities one path's step-3 loss moves by
+1 ulp. So the per-step losses are compared within ``LOSS_RTOL`` = 1e-6 (about 14 ulps at these losses, 7x the largest
+difference measured), while the step-4 update moves each case's loss by 1.6e-3 to 8e-2 relative: a difference in what a
+step computes still fails.
 
 A resume on 1 rank with 2 accumulation steps computes the same per-sample gradients as the uninterrupted 2-rank run,
 summed in another order (all-reduce against accumulation): they differ by a few fp32 ulps after 4 Adam steps, well
@@ -36,7 +38,7 @@ import torch
 
 from hf_ext.runtime import usable_cores
 
-from ..conftest import ROOT, TEST_THREADS, launcher_cmd, run
+from ..conftest import ROOT, TEST_THREADS, TRAIN_LAUNCHER, launcher_cmd, run
 
 pytestmark = pytest.mark.distributed
 
@@ -53,34 +55,22 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def launched(tiny_chat_model_dir, tmp_path_factory):
-    """``launched(name)``: the case's two launches, run once per module on first use."""
+    """``launched(name)``: a case's runs. One 2-rank launch trains every case (hf-ext, then stock TRL, case after case),
+    one 1-rank launch resumes each case's step-2 checkpoint with the same command line."""
+    root = tmp_path_factory.mktemp("trl")
+    cases = [f"--case={name}={trainer}:{stage}:{'lora' if lora else 'full'}"
+             for name, (trainer, stage, lora) in CASES.items()]  # fmt: skip
+    args = ["--model", str(tiny_chat_model_dir), "--out", str(root), *cases]
+    run([*launcher_cmd(TRAIN_LAUNCHER, SCRIPT, nproc=2), *args])
+    run([*launcher_cmd(TRAIN_LAUNCHER, SCRIPT, nproc=1), *args, "--resume"])
     done = {}
-
-    def get(name: str) -> dict:
-        if name not in done:
-            trainer, stage, lora = CASES[name]
-            out = tmp_path_factory.mktemp(name)
-            args = [
-                "--trainer",
-                trainer,
-                "--stage",
-                str(stage),
-                "--model",
-                str(tiny_chat_model_dir),
-                "--out",
-                str(out),
-            ]
-            args += ["--lora"] if lora else []
-            run([*launcher_cmd("deepspeed", SCRIPT, nproc=2), *args])
-            checkpoint = out / "hf_ext" / "checkpoint-2"
-            run([*launcher_cmd("deepspeed", SCRIPT, nproc=1), *args, "--resume", str(checkpoint)])
-            found = {run_name: json.loads((out / f"{run_name}.json").read_text())
-                     for run_name in ("stock", "hf_ext", "resumed")}  # fmt: skip
-            done[name] = dict(name=name, trainer=trainer, stage=stage, lora=lora, out=out, model=tiny_chat_model_dir,
-                              **found)  # fmt: skip
-        return done[name]
-
-    return get
+    for name, (trainer, stage, lora) in CASES.items():
+        out = root / name
+        found = {run_name: json.loads((out / f"{run_name}.json").read_text())
+                 for run_name in ("stock", "hf_ext", "resumed")}  # fmt: skip
+        done[name] = dict(name=name, trainer=trainer, stage=stage, lora=lora, out=out, model=tiny_chat_model_dir,
+                          **found)  # fmt: skip
+    return done.__getitem__
 
 
 @pytest.fixture(params=list(CASES))

@@ -1,16 +1,20 @@
 """Train the tiny chat model with TRL's SFTTrainer or DPOTrainer, stock and hf-ext's, on the same rows, seed and
 DeepSpeed config, and leave what the tests compare.
 
-    deepspeed --num_gpus 2 tests/distributed/workers/trl_train.py --trainer sft|dpo --stage 2|3 [--lora]
-        --model DIR --out DIR [--resume CHECKPOINT --accum 2]
+    torchrun --nproc_per_node 2 tests/distributed/workers/trl_train.py --trainer sft|dpo --stage 2|3 [--lora]
+        --model DIR --out DIR [--resume CHECKPOINT]
+    torchrun --nproc_per_node 2 tests/distributed/workers/trl_train.py --case NAME=sft:2:full --case ... \
+        --model DIR --out DIR [--resume]
 
-Without --resume, one launch trains stock TRL first, then hf-ext's trainer, each for 4 steps of 2 rows per rank:
-``stock.json`` / ``hf_ext.json`` hold the per-step losses, hf-ext's run writes ``checkpoint-2`` and its final save
-into ``hf_ext/``, and ``hf_ext.pt`` holds its gathered weights (rank 0). Stock TRL gets the config hf-ext resolved
-(every model-dependent ``"auto"`` filled; the step-count keys stay ``"auto"`` for transformers to fill, as it does).
-With --resume (one rank), hf-ext's trainer resumes that checkpoint and finishes the 4 steps: ``resumed.json`` and
-``resumed.pt``. With --engine fsdp (torchrun), hf-ext's trainer with FSDP2 full shard; with --engine ddp, stock TRL
-with plain DDP: ``fsdp.*`` / ``ddp.*`` and the final saves in those folders. Dropout is off so that runs on different world sizes compare within float tolerance.
+Without --resume, a case trains hf-ext's trainer first, then stock TRL, each for 4 steps of 2 rows per rank:
+``stock.json`` / ``hf_ext.json`` hold the per-step losses and each run's torch threads, hf-ext's run writes
+``checkpoint-2`` and its final save into ``hf_ext/``, and ``hf_ext.pt`` holds its gathered weights (rank 0). Stock TRL
+gets the config hf-ext resolved (every model-dependent ``"auto"`` filled; the step-count keys stay ``"auto"`` for
+transformers to fill, as it does). With --resume (one rank), hf-ext's trainer resumes that checkpoint and finishes the
+4 steps: ``resumed.json`` and ``resumed.pt``. Each --case runs one after the other in the same launch, into
+``OUT/NAME`` (the tests pay one launch for all cases, one for all resumes). With --engine fsdp (torchrun), hf-ext's
+trainer with FSDP2 full shard; with --engine ddp, stock TRL with plain DDP: ``fsdp.*`` / ``ddp.*`` and the final saves
+in those folders. Dropout is off so that runs on different world sizes compare within float tolerance.
 """
 
 from __future__ import annotations
@@ -94,41 +98,15 @@ def release() -> None:
     gc.collect()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--trainer", choices=["sft", "dpo"], required=True)
-    parser.add_argument("--stage", type=int, choices=[2, 3], default=3)
-    parser.add_argument(
-        "--engine",
-        choices=["deepspeed", "fsdp", "ddp"],
-        default="deepspeed",
-        help="fsdp: hf-ext's trainer with FSDP2 full shard; ddp: stock TRL with plain DDP (torchrun)",
-    )
-    parser.add_argument("--lora", action="store_true")
-    parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (the GPU tier); fp32 otherwise")
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--resume", default=None)
-    parser.add_argument("--accum", type=int, default=1)
-    parser.add_argument("--local_rank", type=int, default=-1)
-    opts = parser.parse_args()
-    out = Path(opts.out)
-
-    if opts.engine != "deepspeed":  # one run, under torchrun
-        module = hf_ext.trl if opts.engine == "fsdp" else trl
-        trainer = build(opts, module, str(out / opts.engine), None, fsdp="full_shard" if opts.engine == "fsdp" else "")
-        trainer.train()
-        trainer.save_model()
-        parameters = list(trainer.model_wrapped.parameters())
-        write(trainer, out / opts.engine, {"dtensors": sum(isinstance(p, DTensor) for p in parameters),
-                                           "parameters": len(parameters)})  # fmt: skip
-        return
-
+def run_case(opts, out: Path) -> None:
+    """One case under DeepSpeed: hf-ext's trainer then stock TRL's (2 ranks), or hf-ext's resume (--resume)."""
     if opts.resume:
         # the 2-rank run's command line, on this world size: hf-ext keeps the global batch by itself
         trainer = build(opts, hf_ext.trl, str(out / "hf_ext"), f"zero{opts.stage}")
         trainer.train(resume_from_checkpoint=opts.resume)
         write(trainer, out / "resumed", {"accumulation": trainer.args.gradient_accumulation_steps})
+        del trainer
+        release()
         return
 
     hf = build(opts, hf_ext.trl, str(out / "hf_ext"), f"zero{opts.stage}")
@@ -148,6 +126,60 @@ def main() -> None:
     stock = build(opts, trl, str(out / "stock"), copy.deepcopy(resolved))
     stock.train()
     write(stock, out / "stock")
+    del stock
+    release()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--trainer", choices=["sft", "dpo"], default="sft")
+    parser.add_argument("--stage", type=int, choices=[2, 3], default=3)
+    parser.add_argument(
+        "--engine",
+        choices=["deepspeed", "fsdp", "ddp"],
+        default="deepspeed",
+        help="fsdp: hf-ext's trainer with FSDP2 full shard; ddp: stock TRL with plain DDP (torchrun)",
+    )
+    parser.add_argument("--lora", action="store_true")
+    parser.add_argument(
+        "--case",
+        action="append",
+        default=[],
+        metavar="NAME=TRAINER:STAGE:full|lora",
+        help="run these cases one after the other in this launch, each into OUT/NAME (instead of --trainer, "
+        "--stage and --lora into OUT); with --resume, each resumes OUT/NAME/hf_ext/checkpoint-2",
+    )
+    parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (the GPU tier); fp32 otherwise")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--resume", nargs="?", const=True, default=None, help="CHECKPOINT (without --case)")
+    parser.add_argument("--accum", type=int, default=1)
+    parser.add_argument("--local_rank", type=int, default=-1)
+    opts = parser.parse_args()
+    out = Path(opts.out)
+
+    if opts.engine != "deepspeed":  # one run, under torchrun
+        module = hf_ext.trl if opts.engine == "fsdp" else trl
+        trainer = build(opts, module, str(out / opts.engine), None, fsdp="full_shard" if opts.engine == "fsdp" else "")
+        trainer.train()
+        trainer.save_model()
+        parameters = list(trainer.model_wrapped.parameters())
+        write(trainer, out / opts.engine, {"dtensors": sum(isinstance(p, DTensor) for p in parameters),
+                                           "parameters": len(parameters)})  # fmt: skip
+        return
+
+    if not opts.case:
+        run_case(opts, out)
+        return
+    for case in opts.case:
+        name, spec = case.split("=")
+        trainer, stage, kind = spec.split(":")
+        case_opts = argparse.Namespace(
+            **{**vars(opts), "trainer": trainer, "stage": int(stage), "lora": kind == "lora"}
+        )
+        if opts.resume:
+            case_opts.resume = str(out / name / "hf_ext" / f"checkpoint-{SAVE_AT}")
+        run_case(case_opts, out / name)
 
 
 if __name__ == "__main__":
