@@ -9,13 +9,20 @@ naming it, at once.
 
 A failing rank does not wait for the others for long (:data:`FAILED_RANK_WAIT`): a peer stuck in another collective
 (one the failing rank skipped) is released when the failing process exits and its connections close.
+
+Once every rank knows of the failure, each destroys its process groups when the interpreter exits (an ``atexit``
+hook, which runs while the interpreter is still whole). Left to finalization, gloo's worker threads can outlive the
+interpreter and abort the process ("terminate called without an active exception"), turning a clear error into a
+crash report.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import logging
+import sys
 
 import torch
 import torch.distributed as dist
@@ -64,10 +71,14 @@ def agree(what: str, error: BaseException | None = None) -> None:
         logger.error(f"rank {rank} failed while {what}: {one_line(error)}")
         with contextlib.suppress(Exception):  # the others may be gone already, or stuck elsewhere
             work.wait(timeout=FAILED_RANK_WAIT)
+            # every rank took note: nothing is pending in the process group, so it can be destroyed at exit (with
+            # the all-reduce still queued, destroying it would wait on a peer that waits on this process's exit)
+            _destroy_process_groups_at_exit()
         return
     work.wait()
     failing = int(failed.item())
     if failing:
+        _destroy_process_groups_at_exit()
         raise RankFailure(f"rank {failing - 1} failed while {what} (its error is above); rank {rank} stops too.")
 
 
@@ -84,3 +95,22 @@ def shared_outcome(what: str):
         agree(what, err)
         raise
     agree(what)
+
+
+def destroy_process_groups() -> None:
+    """Destroy this process's process groups, DeepSpeed's comm layer's references to them first. Local: no collective."""
+    ds_comm = sys.modules.get("deepspeed.comm.comm")
+    if ds_comm is not None and getattr(ds_comm, "cdb", None) is not None and ds_comm.is_initialized():
+        ds_comm.destroy_process_group()  # torch's groups and DeepSpeed's references to them
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+_AT_EXIT_REGISTERED = False
+
+
+def _destroy_process_groups_at_exit() -> None:
+    global _AT_EXIT_REGISTERED
+    if not _AT_EXIT_REGISTERED:
+        atexit.register(destroy_process_groups)
+        _AT_EXIT_REGISTERED = True

@@ -21,6 +21,8 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from .ranks import destroy_process_groups
+
 logger = logging.getLogger(__name__)
 
 # Read once, at import, before accelerate or DeepSpeed rewrite them: only the user's and the launcher's values count
@@ -283,11 +285,7 @@ def end_distributed() -> None:
     dist.barrier()
     for engine in _deepspeed_engines():
         engine.destroy()
-    ds_comm = sys.modules.get("deepspeed.comm.comm")
-    if ds_comm is not None and getattr(ds_comm, "cdb", None) is not None and ds_comm.is_initialized():
-        ds_comm.destroy_process_group()  # torch's groups and DeepSpeed's references to them
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    destroy_process_groups()
 
 
 _SHM_RELEASED = False

@@ -4,7 +4,8 @@
   last shard and the index, ...): ``output_dir`` then loads with ``from_pretrained`` and equals the old or the new
   weights bit for bit, and the next run removes what the killed one left;
 * rank 1 alone raises inside a checkpoint save, the final save and a resume, with the two ranks started as plain
-  processes (no launcher to kill the survivor): both exit non-zero within 60 s of the error.
+  processes (no launcher to kill the survivor): both exit non-zero within 60 s of the error, each with its process
+  groups destroyed before the interpreter finalizes.
 """
 
 from __future__ import annotations
@@ -157,3 +158,6 @@ def test_one_rank_fails_every_rank_stops(where, old_run, tiny_model_dir, tmp_pat
     assert "No space left on device (rank 1" in logs[1] and "No space left on device" not in logs[0]
     assert "RankFailure: rank 1 failed while" in logs[0], logs[0][-3000:]
     assert "terminate called" not in logs[0] + logs[1]
+    # each rank destroyed its process groups before the interpreter's finalization (left to it, gloo's threads can
+    # outlive the interpreter and abort the process: "terminate called without an active exception")
+    assert all("at exit: process group alive: False" in log for log in logs), [log[-1500:] for log in logs]

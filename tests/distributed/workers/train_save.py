@@ -21,6 +21,7 @@ tensor written, the index, the model files, the fsync, the swap: see ``save_even
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import signal
@@ -305,6 +306,10 @@ def main() -> None:
 
     if opts.raise_on_rank1:
         raise_on_rank1(trainer, opts.raise_on_rank1)
+        # registered before any hook of hf_ext's, so it runs after them (atexit runs last-in first-out)
+        atexit.register(
+            lambda: print(f"at exit: process group alive: {torch.distributed.is_initialized()}", flush=True)
+        )
     first_eval = trainer.evaluate(data) if opts.eval_first else None
     resume = {"true": True, None: None}.get(opts.resume, opts.resume)
     trainer.train(resume_from_checkpoint=resume)
