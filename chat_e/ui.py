@@ -73,8 +73,10 @@ def import_gradio():
 
 
 def to_display(text: str) -> str:
-    """Text as the chat window shows it: HTML-escaped, so markup and scripts appear as typed."""
-    return html.escape(text, quote=False).replace("\n", "<br>")
+    """Text as the chat window shows it: HTML-escaped, so markup and scripts appear as typed. Tabs travel as an entity:
+    Gradio's Chatbot passes a message through ``inspect.cleandoc``, which would expand them into spaces, and the reply
+    a user saw would no longer be the one stored with their feedback."""
+    return html.escape(text, quote=False).replace("\t", "&#9;").replace("\n", "<br>")
 
 
 def from_display(content: Any) -> str:

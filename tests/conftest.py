@@ -27,6 +27,12 @@ def _has_cuda() -> bool:
 #: the GPU tier runs where a GPU is (``make test-gpu``); a CPU run does not collect it (``make test`` leaves it out too)
 collect_ignore = [] if _has_cuda() else ["gpu"]
 BIN = Path(sys.executable).parent
+# The environment's executables first for the whole session, this process and all it launches: DeepSpeed's launcher
+# and console scripts, and ninja. DeepSpeed's CPU ops are compiled once and reused while the compile command is the
+# same, and ninja's versions hash commands differently: a process that found the system's ninja would rebuild them
+# (25-45 s each) and the next one with the environment's would rebuild them again (scripts/build_deepspeed_ops.py).
+if os.environ.get("PATH", "").split(os.pathsep)[0] != str(BIN):
+    os.environ["PATH"] = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
 RECIPE = ROOT / "recipes" / "blenderbot.py"
 TINY_YAML = ROOT / "recipes" / "configs" / "tiny.yaml"
 DATA = ROOT / "tests" / "data"
@@ -139,7 +145,6 @@ TEST_THREADS = "HF_EXT_TEST_THREADS"
 
 def launch_env(**extra) -> dict:
     env = dict(os.environ)
-    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{LAUNCHED_SITE}{os.pathsep}{env.get('PYTHONPATH', '')}"
     # the ranks place their own threads (hf-ext: cores // local ranks), unless a run pins them for every process:
     # HF_EXT_TEST_THREADS (scripts/kernel_matrix.py's threads-per-rank setting, docs/testing.md)

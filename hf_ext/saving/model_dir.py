@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..model_info import TRAINING_ARGS_NAME
-
 ADAPTER_CONFIG = "adapter_config.json"
 #: DeepSpeed's checkpoint: the file naming the newest tag (a ``global_stepN`` folder beside it)
 DEEPSPEED_TAG_FILE = "latest"
@@ -24,6 +22,9 @@ def has_zero_checkpoint(path: str | Path) -> bool:
 
 
 def _has_weights(path: Path) -> bool:
+    # a CLI that checks its arguments and model directory first (chat-e) answers a mistake without torch
+    from ..model_info import TRAINING_ARGS_NAME  # noqa: PLC0415 (model_info imports torch and transformers)
+
     return any(p.is_file() and p.name != TRAINING_ARGS_NAME for pattern in WEIGHT_GLOBS for p in path.glob(pattern))
 
 

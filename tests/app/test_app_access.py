@@ -4,6 +4,7 @@ warning for a server others can reach with neither. Real servers in subprocesses
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 
 import httpx
@@ -160,3 +161,11 @@ def test_bad_access_flags_are_refused_with_the_fix(tmp_path, extra, error):
         timeout=120,
     )
     assert proc.returncode == 2 and error in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_flag_checks_run_before_torch_and_transformers_are_imported():
+    """What the refusals above answer comes from chat-e's own modules: they import neither torch nor transformers
+    (seconds of start-up), which the server imports once the flags and the model directory are checked."""
+    code = "import sys, chat_e.__main__; print(sorted(m for m in ('torch', 'transformers', 'gradio') if m in sys.modules))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=launch_env(), capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.split() == ["[]"], proc.stderr[-2000:]

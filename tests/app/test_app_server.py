@@ -10,6 +10,7 @@ import sys
 import threading
 import urllib.request
 
+import gradio as gr
 import httpx
 import pytest
 from gradio_client.exceptions import AppError
@@ -368,8 +369,11 @@ def test_regenerate_undo_and_display_helpers():
     assert message == "second\nline & <i>" and rest == Handlers.regenerate(chat)[:2]
     assert Handlers.undo([]) == ([], "")
     assert Handlers.clear() == ([], "")
-    for text in ["<script>alert(1)</script>", "a &amp; b", "line\nbreak", "&lt;"]:
+    chatbot = gr.Chatbot()  # what the browser and gradio_client receive: the Chatbot's own postprocessing
+    for text in ["<script>alert(1)</script>", "a &amp; b", "line\nbreak", "&lt;", "a reply\twith\t tabs\n\tand more"]:
         assert from_display(to_display(text)) == text
+        shown = chatbot.postprocess([{"role": "assistant", "content": to_display(text)}]).root[0].content
+        assert [from_display(m.text) for m in shown] == [text]
 
 
 def test_int8_with_bf16_is_refused_with_the_fix(tiny_model_dir):
