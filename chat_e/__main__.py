@@ -24,6 +24,7 @@ from .feedback_cli import main as feedback_main
 from .guard import API_KEY_ENV, AUTH_ENV, exposure_warning, parse_auth
 from .limits import ChatLimits
 from .remote import BACKEND_API_KEY_ENV
+from .server import bind
 from .settings import SETTINGS, setting_type
 
 logger = logging.getLogger("chat-e")
@@ -196,6 +197,11 @@ def remote_engine(args, model: str):
     return engine, settings
 
 
+def cannot_serve(args, err: OSError) -> int:
+    print(f"chat-e: error: cannot serve on {args.host}:{args.port}: {err}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["feedback"]:
@@ -255,6 +261,11 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 2
         logger.info("feedback: stored in %s", store.describe())
+    if args.port:  # a port in use is said now, not after loading the models (port 0: serving picks a free one)
+        try:
+            bind(args.host, args.port).close()
+        except OSError as err:
+            return cannot_serve(args, err)
     engines, settings = {}, {}
     try:
         for model in models:
@@ -290,8 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         serve(demo, host=args.host, port=args.port, auth=auth, api_key=api_key, limits=limits, routers=routers)
     except OSError as err:
-        print(f"chat-e: error: cannot serve on {args.host}:{args.port}: {err}", file=sys.stderr)
-        return 2
+        return cannot_serve(args, err)
     except RuntimeError as err:
         print(f"chat-e: error: {err}", file=sys.stderr)
         return 1

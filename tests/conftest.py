@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -176,6 +177,18 @@ def launcher_cmd(launcher: str, script: str | Path, nproc: int = 2) -> list[str]
     if launcher == "python":
         return [sys.executable, str(script)]
     raise ValueError(launcher)
+
+
+def run_side_by_side(cmds: list[list[str]], timeout: int = 300, cwd: Path = ROOT) -> list[subprocess.CompletedProcess]:
+    """Independent single-process commands (a CLI, an export), as many at once as there are cores: each spends its
+    seconds importing on one core. Their results in order, output captured; nothing is checked here."""
+    env = launch_env()
+
+    def one(cmd: list[str]) -> subprocess.CompletedProcess:
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(len(cmds), os.cpu_count() or 1))) as pool:
+        return list(pool.map(one, cmds))
 
 
 def run(cmd: list[str], timeout: int = 900, **env) -> subprocess.CompletedProcess:

@@ -398,8 +398,8 @@ def test_cpu_serving_defaults_to_int8_for_fp32_weights():
 
 @pytest.mark.parametrize("feedback", [True, False], ids=["feedback", "no_feedback"])
 def test_a_port_in_use_is_one_line_and_exit_code_2(tiny_model_dir, tmp_path, feedback):
-    """...and the feedback database is opened first, in the run directory by default, unless --no_feedback (run
-    from ``tmp_path``, so the default run directory is there)."""
+    """...before the model is loaded, and after the feedback database is opened, in the run directory by default,
+    unless --no_feedback (run from ``tmp_path``, so the default run directory is there)."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -409,5 +409,6 @@ def test_a_port_in_use_is_one_line_and_exit_code_2(tiny_model_dir, tmp_path, fee
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].startswith(f"chat-e: error: cannot serve on 127.0.0.1:{port}: ")
     assert "Traceback" not in proc.stderr + proc.stdout
+    assert "INFO chat-e: loaded" not in proc.stderr  # said before loading the model (its log line when loaded)
     assert (tmp_path / "runs" / "chat-e" / "feedback.db").is_file() is feedback
     assert ("feedback: stored in sqlite:///runs/chat-e/feedback.db" in proc.stderr) is feedback

@@ -21,7 +21,7 @@ from transformers import BlenderbotForConditionalGeneration
 
 from hf_ext import atomic
 
-from ..conftest import ROOT, launch_env
+from ..conftest import ROOT, launch_env, run_side_by_side
 
 pytestmark = pytest.mark.slow
 
@@ -29,10 +29,13 @@ WORKER = ROOT / "tests" / "integration" / "workers" / "export_kill.py"
 SHARD = "40KB"
 
 
+def export_cmd(src: Path, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, str(WORKER), str(src), str(out), "--max_shard_size", SHARD, *extra]
+
+
 def export(src: Path, out: Path, *extra: str, preexec=None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(WORKER), str(src), str(out), "--max_shard_size", SHARD, *extra]
-    return subprocess.run(cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=300,
-                          preexec_fn=preexec)  # fmt: skip
+    return subprocess.run(export_cmd(src, out, *extra), cwd=ROOT, env=launch_env(), capture_output=True, text=True,
+                          timeout=300, preexec_fn=preexec)  # fmt: skip
 
 
 def weights(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -74,23 +77,32 @@ def test_export_killed_at_any_write_event_leaves_old_or_new(old_and_new, tiny_mo
     points |= set(random.Random(0).sample([i for i in range(1, len(events) + 1) if i not in points], 1))
     cleaned = {shards[0], events.index("swapped") + 1}
     seen, outcomes = {"old": 0, "new": 0}, {}
-    for k in sorted(points):
-        out = tmp_path / f"kill{k}"
-        shutil.copytree(root / "old", out)
-        proc = export(tiny_model_dir, out, "--dtype", "bf16", "--kill_at", str(k))
+    for k in points:
+        shutil.copytree(root / "old", tmp_path / f"kill{k}")
+    # each export kills itself at its own event: they run side by side
+    killed = run_side_by_side(
+        [
+            export_cmd(tiny_model_dir, tmp_path / f"kill{k}", "--dtype", "bf16", "--kill_at", str(k))
+            for k in sorted(points)
+        ]
+    )
+    for k, proc in zip(sorted(points), killed):
         assert proc.returncode == -signal.SIGKILL, (k, proc.stdout[-500:], proc.stderr[-2000:])
-        loaded = weights(out)
+        loaded = weights(tmp_path / f"kill{k}")
         which = "old" if same(loaded, old) else "new" if same(loaded, new) else None
         assert which is not None, f"killed at event {k} ({events[k - 1]}): neither the old nor the new weights"
         seen[which] += 1
         outcomes[f"{k} ({events[k - 1]})"] = which
-        if k not in cleaned:
-            continue
-        # the next export into the same directory removes what the killed one left, and completes: checked on each
-        # side of the swap (before it the staged new content is left over, after it the old one set aside)
-        proc = export(tiny_model_dir, out, "--dtype", "bf16")
+    # the next export into the same directory removes what the killed one left, and completes: checked on each side
+    # of the swap (before it the staged new content is left over, after it the old one set aside)
+    for k, proc in zip(
+        sorted(cleaned),
+        run_side_by_side(
+            [export_cmd(tiny_model_dir, tmp_path / f"kill{k}", "--dtype", "bf16") for k in sorted(cleaned)]
+        ),
+    ):
         assert proc.returncode == 0, proc.stderr[-2000:]
-        assert same(weights(out), new)
+        assert same(weights(tmp_path / f"kill{k}"), new)
         assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(f".kill{k}.")]
     print(json.dumps(outcomes, indent=1))
     assert seen["old"] and seen["new"]  # the schedule reached both sides of the swap

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import ROOT, launch_env
+from ..conftest import ROOT, launch_env, run_side_by_side
 
 pytestmark = pytest.mark.slow
 BROKEN = {
@@ -41,10 +41,11 @@ def test_console_script_says_one_line_for_each_unreadable_file(tmp_path):
     }
     script = Path(sys.executable).parent / "hf-ext"
     for name, data in files.items():
-        path = tmp_path / name
-        path.write_bytes(data)
-        proc = subprocess.run([str(script), "ds", "doctor", str(path), "--output_dir", str(tmp_path)],
-                              capture_output=True, text=True, env=launch_env(), timeout=300)  # fmt: skip
+        (tmp_path / name).write_bytes(data)
+    procs = run_side_by_side(
+        [[str(script), "ds", "doctor", str(tmp_path / name), "--output_dir", str(tmp_path)] for name in files]
+    )
+    for name, proc in zip(files, procs):
         output = (proc.stdout + proc.stderr).strip().splitlines()
         output = [line for line in output if "real_accelerator.py" not in line]  # DeepSpeed's import-time notice
         assert proc.returncode == 1 and len(output) == 1 and output[0].startswith("error: "), (name, output)
@@ -52,31 +53,28 @@ def test_console_script_says_one_line_for_each_unreadable_file(tmp_path):
 
 def test_fsdp_doctor_one_line_per_problem_then_the_fix_resolves(tmp_path):
     script = Path(sys.executable).parent / "hf-ext"
-
-    def doctor(*args):
-        return subprocess.run([str(script), "fsdp", "doctor", *args], capture_output=True, text=True,
-                              env=launch_env(), timeout=300)  # fmt: skip
-
-    broken = doctor("hybrid_shard", "--fsdp_config", '{"sharding_factor": 3, "verison": 2}', "--world_size", "4")
+    # an accelerate launch config file: accelerate itself would run it with the typo ignored
+    yaml_file = tmp_path / "fsdp.yaml"
+    yaml_file.write_text((ROOT / "recipes" / "accelerate" / "fsdp.yaml").read_text().replace(
+        "fsdp_state_dict_type", "fsdp_state_dict_typ"))  # fmt: skip
+    doctor = [str(script), "fsdp", "doctor"]
+    broken, fixed, broken_yaml, recipe = run_side_by_side([
+        [*doctor, "hybrid_shard", "--fsdp_config", config, "--world_size", "4"]
+        for config in ('{"sharding_factor": 3, "verison": 2}', '{"sharding_factor": 2, "version": 2}')
+    ] + [[*doctor, "--accelerate_config", str(path)]
+         for path in (yaml_file, ROOT / "recipes" / "accelerate" / "fsdp.yaml")])  # fmt: skip
     assert broken.returncode == 1 and "Traceback" not in broken.stdout + broken.stderr
     assert broken.stdout.splitlines() == [
         "error: fsdp_config.verison: unknown key. Fix: did you mean 'version'?",
         "error: fsdp_config.sharding_factor: 3 does not divide the 4 ranks into equal groups. Fix: set it to one of "
         '1, 2, 4 (or "auto": the ranks of one node)',
     ]
-    fixed = doctor("hybrid_shard", "--fsdp_config", '{"sharding_factor": 2, "version": 2}', "--world_size", "4")
     assert fixed.returncode == 0
     assert fixed.stdout.splitlines()[0] == (
         "ok: hybrid_shard on 4 ranks runs FSDP2: each parameter split over 2 rank(s), 2 replica(s) of each shard"
     )
-    # an accelerate launch config file: accelerate itself would run it with the typo ignored
-    yaml_file = tmp_path / "fsdp.yaml"
-    yaml_file.write_text((ROOT / "recipes" / "accelerate" / "fsdp.yaml").read_text().replace(
-        "fsdp_state_dict_type", "fsdp_state_dict_typ"))  # fmt: skip
-    broken = doctor("--accelerate_config", str(yaml_file))
-    assert broken.returncode == 1 and broken.stdout.splitlines() == [
+    assert broken_yaml.returncode == 1 and broken_yaml.stdout.splitlines() == [
         "error: fsdp_config.fsdp_state_dict_typ: unknown key: accelerate launch ignores it. "
         "Fix: did you mean 'fsdp_state_dict_type'?"
     ]
-    recipe = doctor("--accelerate_config", str(ROOT / "recipes" / "accelerate" / "fsdp.yaml"))
     assert recipe.returncode == 0 and recipe.stdout.startswith("ok: full_shard on 2 ranks runs FSDP2")
