@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import functools
 import logging
 import sys
 
@@ -106,11 +107,6 @@ def destroy_process_groups() -> None:
         dist.destroy_process_group()
 
 
-_AT_EXIT_REGISTERED = False
-
-
+@functools.cache  # once per process
 def _destroy_process_groups_at_exit() -> None:
-    global _AT_EXIT_REGISTERED
-    if not _AT_EXIT_REGISTERED:
-        atexit.register(destroy_process_groups)
-        _AT_EXIT_REGISTERED = True
+    atexit.register(destroy_process_groups)

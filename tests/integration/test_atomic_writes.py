@@ -75,34 +75,29 @@ def test_export_killed_at_any_write_event_leaves_old_or_new(old_and_new, tiny_mo
     # one more drawn by a seeded schedule
     points = {shards[0], shards[-1], events.index("swap") + 1, events.index("swapped") + 1}
     points |= set(random.Random(0).sample([i for i in range(1, len(events) + 1) if i not in points], 1))
-    cleaned = {shards[0], events.index("swapped") + 1}
     seen, outcomes = {"old": 0, "new": 0}, {}
-    for k in points:
-        shutil.copytree(root / "old", tmp_path / f"kill{k}")
+    out = {k: tmp_path / f"kill{k}" for k in sorted(points)}
+    for path in out.values():
+        shutil.copytree(root / "old", path)
     # each export kills itself at its own event: they run side by side
     killed = run_side_by_side(
-        [
-            export_cmd(tiny_model_dir, tmp_path / f"kill{k}", "--dtype", "bf16", "--kill_at", str(k))
-            for k in sorted(points)
-        ]
+        [export_cmd(tiny_model_dir, out[k], "--dtype", "bf16", "--kill_at", str(k)) for k in out]
     )
-    for k, proc in zip(sorted(points), killed):
+    for k, proc in zip(out, killed):
         assert proc.returncode == -signal.SIGKILL, (k, proc.stdout[-500:], proc.stderr[-2000:])
-        loaded = weights(tmp_path / f"kill{k}")
+        loaded = weights(out[k])
         which = "old" if same(loaded, old) else "new" if same(loaded, new) else None
         assert which is not None, f"killed at event {k} ({events[k - 1]}): neither the old nor the new weights"
         seen[which] += 1
         outcomes[f"{k} ({events[k - 1]})"] = which
     # the next export into the same directory removes what the killed one left, and completes: checked on each side
     # of the swap (before it the staged new content is left over, after it the old one set aside)
+    cleaned = sorted({shards[0], events.index("swapped") + 1})
     for k, proc in zip(
-        sorted(cleaned),
-        run_side_by_side(
-            [export_cmd(tiny_model_dir, tmp_path / f"kill{k}", "--dtype", "bf16") for k in sorted(cleaned)]
-        ),
+        cleaned, run_side_by_side([export_cmd(tiny_model_dir, out[k], "--dtype", "bf16") for k in cleaned])
     ):
         assert proc.returncode == 0, proc.stderr[-2000:]
-        assert same(weights(tmp_path / f"kill{k}"), new)
+        assert same(weights(out[k]), new)
         assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(f".kill{k}.")]
     print(json.dumps(outcomes, indent=1))
     assert seen["old"] and seen["new"]  # the schedule reached both sides of the swap
