@@ -17,11 +17,11 @@ from transformers import Seq2SeqTrainer as _Seq2SeqTrainer
 from transformers import Trainer as _Trainer
 
 from . import fsdp, packing, peft, runtime
+from . import loss as losses
 from .deepspeed import callbacks as deepspeed_callbacks
 from .evaluation.bleu import BleuEvalCallback, BleuEvalConfig
 from .evaluation.zero_eval import plain_eval_without_engine
 from .memory.measure import MemoryPlanCallback
-from .model_info import base_model_of
 from .saving import checkpoints, resume
 from .saving import zero as saving
 from .schedule import ResumedScheduleCallback
@@ -49,32 +49,6 @@ def as_hf_ext_args(args, args_class, deepspeed=None):
             logger.warning("`deepspeed=` passed to the trainer overrides `TrainingArguments.deepspeed`.")
         values["deepspeed"] = deepspeed
     return args_class(**values)
-
-
-#: model types whose ``forward`` takes ``**kwargs`` but returns the mean loss of its own batch, whatever
-#: ``num_items_in_batch`` says (they compute ``CrossEntropyLoss()`` themselves, not ``self.loss_function``).
-#: ``tests/unit/test_loss_rule.py`` checks each against a hand-computed mean cross-entropy.
-OWN_MEAN_LOSS_MODEL_TYPES = frozenset(
-    {
-        "bart", "mbart", "plbart", "mvp", "blenderbot", "blenderbot-small", "marian", "pegasus", "pegasus_x",
-        "bigbird_pegasus", "led", "m2m_100", "nllb-moe", "t5", "mt5", "umt5", "longt5", "switch_transformers",
-    }
-)  # fmt: skip
-
-
-def loss_ignores_num_items(model) -> bool:
-    """True when the model averages its own loss although its ``forward`` takes ``**kwargs`` (BART family,
-    BlenderBot): by the model's own ``accepts_loss_kwargs`` when it declares one, else by its model type.
-
-    The stock Trainer then believes the model divides by the token count of the *global* batch, and multiplies the
-    loss by the number of processes: the logged loss and the gradients come out N times too large on N ranks.
-    """
-    if model is None:
-        return False
-    base = base_model_of(model)  # PEFT
-    if hasattr(base, "accepts_loss_kwargs"):
-        return False  # the model says itself; stock reads the same attribute
-    return getattr(getattr(base, "config", None), "model_type", None) in OWN_MEAN_LOSS_MODEL_TYPES
 
 
 def _bind_trainer_args(init, args: tuple, kwargs: dict, args_class, deepspeed):
@@ -134,13 +108,28 @@ class TrainerMixin:
         deepspeed_callbacks.add_resolved_config_callback(self)  # the resolved config file at train start
         self.add_callback(MemoryPlanCallback())  # plan at train start, measured peak at train end
         self.add_callback(ResumedScheduleCallback())  # a resumed run starts at its own schedule's learning rate
-        if self.model_accepts_loss_kwargs and loss_ignores_num_items(self.model):
-            logger.info(
-                f"{type(self.model).__name__} averages its own loss: not rescaling it by the global token count."
-            )
-            self.model_accepts_loss_kwargs = False
+        self._normalize_own_mean_loss()
         self.bleu_eval_callback = self._attach_generation_eval()
         packing.enable_on_trainer(self)  # padding_free: DataCollatorWithFlattening
+
+    def _normalize_own_mean_loss(self) -> None:
+        """A model that averages its own micro-batch (BlenderBot) gets its loss over the whole global batch instead
+        (:mod:`hf_ext.loss`), unless a loss of the user's own (``compute_loss_func``, label smoothing) is in place."""
+        if not losses.loss_ignores_num_items(self.model):
+            return
+        name = type(self.model).__name__
+        if losses.takes_global_token_mean(self.model) and self.compute_loss_func is None and self.label_smoother is None:
+            self.compute_loss_func = losses.global_token_mean_loss
+            logger.info(f"{name} averages its own micro-batch: its loss is taken from its logits over the labelled "
+                        "tokens of the whole global batch, as for other models.")  # fmt: skip
+        elif self.model_accepts_loss_kwargs:
+            logger.info(f"{name} averages its own loss: not rescaling it by the global token count.")
+        self.model_accepts_loss_kwargs = False  # nothing to pass to a forward that ignores it
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        if self.compute_loss_func is losses.global_token_mean_loss:  # the forward gets no labels: decoder inputs
+            inputs = losses.with_decoder_inputs(self.model, inputs)
+        return super().compute_loss(model, inputs, *args, **kwargs)
 
     def _attach_generation_eval(self):
         """The BLEU eval's callback: the one given in ``callbacks``, else a new one when ``generation_eval`` is on."""

@@ -8,7 +8,14 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-from hf_ext.trainer import OWN_MEAN_LOSS_MODEL_TYPES, loss_ignores_num_items
+from hf_ext.loss import (
+    OWN_MEAN_LOSS_MODEL_TYPES,
+    ROUTER_LOSS_MODEL_TYPES,
+    global_token_mean_loss,
+    loss_ignores_num_items,
+    takes_global_token_mean,
+    with_decoder_inputs,
+)
 
 BART_LIKE = dict(
     d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
@@ -49,6 +56,18 @@ def test_listed_models_average_their_own_loss(model_type):
         out = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels, num_items_in_batch=NUM_ITEMS)
     # aux losses (mixture-of-experts routers) are off in these configs: the loss is the plain token mean
     torch.testing.assert_close(out.loss, mean_ce(out.logits, labels), rtol=1e-5, atol=1e-5)
+    # hf-ext's replacement: the same forward without labels (decoder inputs built as the model builds them), the
+    # summed token loss over a count; with the batch's own count it is the model's own loss
+    assert takes_global_token_mean(model) == (model_type not in ROUTER_LOSS_MODEL_TYPES)
+    if not takes_global_token_mean(model):
+        return
+    with torch.no_grad():
+        bare = model(**with_decoder_inputs(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                                                   "labels": labels}) | {"labels": None})  # fmt: skip
+    own_count = int((labels != -100).sum())
+    torch.testing.assert_close(global_token_mean_loss(bare, labels, own_count), out.loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(global_token_mean_loss(bare, labels, torch.tensor(NUM_ITEMS)),
+                               out.loss * own_count / NUM_ITEMS, rtol=1e-5, atol=1e-7)  # fmt: skip
 
 
 def test_a_model_that_divides_by_num_items_is_left_to_stock():

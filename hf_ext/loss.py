@@ -1,0 +1,109 @@
+"""The loss of models that average their own batch: normalized over the whole global batch, as stock normalizes the
+others.
+
+transformers divides a model's summed token loss by ``num_items_in_batch``, the labelled tokens of every micro-batch
+of the optimizer step on every rank, so that the gradient does not depend on how the global batch is split over
+ranks and accumulation steps. The BART family (BlenderBot, T5, Pegasus...) computes ``CrossEntropyLoss()`` itself: the
+mean over its own micro-batch, whatever ``num_items_in_batch`` says. The step's gradient is then the mean of
+per-micro-batch means, which weighs a token by how many tokens share its micro-batch: 16 rows on 1 rank and 8 + 8 on
+2 ranks train differently, and ``batch_rebalance``, which puts long rows into small micro-batches and short rows into
+large ones, makes the difference large (37 % of the update after 20 steps of the tiny BlenderBot recipe).
+
+For those models hf-ext takes the loss from the logits: the cross-entropy summed over the labelled tokens, divided
+by ``num_items_in_batch`` (:func:`global_token_mean_loss`, the Trainer's public ``compute_loss_func``). Stock then
+scales it exactly as it scales a model that uses ``num_items_in_batch``, and a run gives the same gradient on any
+world size and accumulation split up to the order fp32 sums it in. Mixture-of-experts models of the family add router
+losses that are per-micro-batch means by design; they keep their own loss.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+
+import torch
+
+from .model_info import base_model_of
+
+#: model types whose ``forward`` takes ``**kwargs`` but returns the mean loss of its own batch, whatever
+#: ``num_items_in_batch`` says (they compute ``CrossEntropyLoss()`` themselves, not ``self.loss_function``).
+#: ``tests/unit/test_loss_rule.py`` checks each against a hand-computed mean cross-entropy.
+OWN_MEAN_LOSS_MODEL_TYPES = frozenset(
+    {
+        "bart", "mbart", "plbart", "mvp", "blenderbot", "blenderbot-small", "marian", "pegasus", "pegasus_x",
+        "bigbird_pegasus", "led", "m2m_100", "nllb-moe", "t5", "mt5", "umt5", "longt5", "switch_transformers",
+    }
+)  # fmt: skip
+
+#: those whose loss adds mixture-of-experts router terms (with ``output_router_logits``): kept as the model computes it
+ROUTER_LOSS_MODEL_TYPES = frozenset({"nllb-moe", "switch_transformers"})
+
+
+def _model_type(model) -> str | None:
+    return getattr(getattr(base_model_of(model), "config", None), "model_type", None)
+
+
+def loss_ignores_num_items(model) -> bool:
+    """True when the model averages its own loss although its ``forward`` takes ``**kwargs`` (BART family,
+    BlenderBot): by the model's own ``accepts_loss_kwargs`` when it declares one, else by its model type.
+
+    The stock Trainer then believes the model divides by the token count of the *global* batch, and multiplies the
+    loss by the number of processes: the logged loss and the gradients come out N times too large on N ranks.
+    """
+    if model is None:
+        return False
+    if hasattr(base_model_of(model), "accepts_loss_kwargs"):
+        return False  # the model says itself; stock reads the same attribute
+    return _model_type(model) in OWN_MEAN_LOSS_MODEL_TYPES
+
+
+def decoder_inputs_from_labels(model):
+    """What builds the decoder inputs from the labels as the model's own ``forward`` does when it gets labels: its
+    ``prepare_decoder_input_ids_from_labels`` (BART, T5, Pegasus...), else its module's
+    ``shift_tokens_right(labels, pad_token_id, decoder_start_token_id)`` (BlenderBot, M2M100); ``None`` for neither."""
+    base = base_model_of(model)
+    prepare = getattr(base, "prepare_decoder_input_ids_from_labels", None)
+    if prepare is not None:
+        return lambda labels: prepare(labels=labels)
+    shift = getattr(sys.modules.get(type(base).__module__), "shift_tokens_right", None)
+    if shift is None or list(inspect.signature(shift).parameters)[1:] != ["pad_token_id", "decoder_start_token_id"]:
+        return None
+    config = base.config
+    return lambda labels: shift(labels, config.pad_token_id, config.decoder_start_token_id)
+
+
+def takes_global_token_mean(model) -> bool:
+    """True when hf-ext replaces the model's own per-micro-batch mean by :func:`global_token_mean_loss`: an
+    encoder-decoder of :data:`OWN_MEAN_LOSS_MODEL_TYPES` (labels aligned with its logits) without router losses, whose
+    decoder inputs can be built from the labels as its ``forward`` builds them."""
+    config = getattr(base_model_of(model), "config", None) if model is not None else None
+    return (
+        loss_ignores_num_items(model)
+        and bool(getattr(config, "is_encoder_decoder", False))
+        and _model_type(model) not in ROUTER_LOSS_MODEL_TYPES
+        and decoder_inputs_from_labels(model) is not None
+    )
+
+
+def global_token_mean_loss(outputs, labels, num_items_in_batch=None):
+    """The cross-entropy of an encoder-decoder's logits against its (unshifted) labels, summed over the labelled
+    tokens and divided by ``num_items_in_batch`` (the labelled tokens of the whole global batch); their mean when no
+    count is given (``CrossEntropyLoss()``, what the model computes itself). Computed in fp32, as transformers' own
+    loss functions do."""
+    logits = outputs["logits"]
+    labels = labels.to(logits.device)
+    flat_logits, flat_labels = logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1)
+    if num_items_in_batch is None:
+        return torch.nn.functional.cross_entropy(flat_logits, flat_labels, ignore_index=-100)
+    loss = torch.nn.functional.cross_entropy(flat_logits, flat_labels, ignore_index=-100, reduction="sum")
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
+def with_decoder_inputs(model, inputs: dict) -> dict:
+    """``inputs`` with the decoder inputs the model would build from its labels, for a forward that gets no labels
+    (``compute_loss_func`` takes them out first); the collator's own ones are kept."""
+    if "labels" not in inputs or "decoder_input_ids" in inputs or "decoder_inputs_embeds" in inputs:
+        return inputs
+    return {**inputs, "decoder_input_ids": decoder_inputs_from_labels(model)(inputs["labels"])}
