@@ -110,3 +110,13 @@ def destroy_process_groups() -> None:
 @functools.cache  # once per process
 def _destroy_process_groups_at_exit() -> None:
     atexit.register(destroy_process_groups)
+
+
+def max_over_ranks(values: list[int]) -> list[int]:
+    """The element-wise maximum of ``values`` over every rank (one all-reduce); ``values`` itself with one rank."""
+    dist = _world()
+    if dist is None:
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.int64, device=_device(dist))
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return [int(v) for v in tensor.tolist()]

@@ -16,7 +16,7 @@ import logging
 from transformers import Seq2SeqTrainer as _Seq2SeqTrainer
 from transformers import Trainer as _Trainer
 
-from . import fsdp, packing, peft, runtime
+from . import fsdp, packing, peft, preemption, runtime
 from . import loss as losses
 from .deepspeed import callbacks as deepspeed_callbacks
 from .evaluation.bleu import BleuEvalCallback, BleuEvalConfig
@@ -108,6 +108,7 @@ class TrainerMixin:
         deepspeed_callbacks.add_resolved_config_callback(self)  # the resolved config file at train start
         self.add_callback(MemoryPlanCallback())  # plan at train start, measured peak at train end
         self.add_callback(ResumedScheduleCallback())  # a resumed run starts at its own schedule's learning rate
+        self.add_callback(preemption.PreemptionCallback())  # a signal: one agreed checkpoint, then exit 75
         self._normalize_own_mean_loss()
         self.bleu_eval_callback = self._attach_generation_eval()
         packing.enable_on_trainer(self)  # padding_free: DataCollatorWithFlattening
@@ -160,7 +161,9 @@ class TrainerMixin:
         self.resume_plan = plan = resume.plan_resume(self, resume_from_checkpoint)  # decided once, on every rank
         resume.apply_resume_plan(self, plan)
         with resume.peft_state_under_deepspeed(self, plan):
-            return super().train(plan.resume_from_checkpoint, *args, **kwargs)
+            output = super().train(plan.resume_from_checkpoint, *args, **kwargs)
+        preemption.exit_if_preempted(self)
+        return output
 
     # --- evaluation (hf_ext.evaluation) ---
     def _generation_kwargs(self, kwargs: dict) -> dict:

@@ -27,6 +27,7 @@ from .errors import DeepSpeedConfigError, Problem
 from .evaluation.settings import GenerationEvalArguments
 from .fsdp.config import FsdpResolution, resolve_fsdp
 from .packing import PaddingFreeArguments
+from .preemption import PreemptionArguments
 from .runtime import (
     has_accelerator,
     launch_world_size,
@@ -43,7 +44,7 @@ DEFAULT_LAUNCHER_PRESET = "zero2"
 
 
 @dataclass(kw_only=True)
-class TrainingArgumentsMixin:
+class TrainingArgumentsMixin(PreemptionArguments):
     """hf-ext's settings, and the resolution of what stock ``TrainingArguments`` leaves to the user, for any
     ``TrainingArguments`` subclass: put it first among the bases of a ``@dataclass``
     (``@dataclass class MyConfig(hf_ext.TrainingArgumentsMixin, SFTConfig)``).
@@ -118,6 +119,7 @@ class TrainingArgumentsMixin:
         return self.deepspeed_resolution.memory_plan if self.deepspeed_resolution is not None else None
 
     def _validate_hf_ext(self) -> None:
+        self._validate_preemption()
         for name in ("save_max_shard_size", "save_gather_size", "memory_per_device"):
             value = getattr(self, name)
             if value is None:
@@ -196,6 +198,10 @@ def _accelerate_inline_fields_consumed(consumed: bool):
 def args_doc(*classes) -> str:
     """The docstring of an arguments class built from ``classes``: the first one's whole, the others' ``Args:``."""
     return (classes[0].__doc__ or "") + "".join((c.__doc__ or "").split("Args:", 1)[-1] for c in classes[1:])
+
+
+# the preemption fields are the mixin's own: documented with it, wherever it goes (TRL's configs too)
+TrainingArgumentsMixin.__doc__ = args_doc(TrainingArgumentsMixin, PreemptionArguments)
 
 
 @dataclass

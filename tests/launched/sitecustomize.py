@@ -35,3 +35,8 @@ def pytest_filters() -> list[str]:
 
 for _entry in pytest_filters():
     warnings.filterwarnings(*parse(_entry))
+
+if __import__("os").environ.get("HF_EXT_TEST_SIGNAL_AT"):  # the preemption tests' signal at an exact step
+    import signal_at
+
+    signal_at.install_from_env()

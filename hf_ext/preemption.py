@@ -1,0 +1,178 @@
+"""Preemption: a signal to any one rank, or to the launcher, ends the run with one checkpoint every rank agreed on.
+
+Clusters take machines away with a signal and a grace period: SLURM sends SIGTERM (or the signal of
+``--signal=USR1@120``) to every process of the job step, Kubernetes sends SIGTERM to each container and waits
+``terminationGracePeriodSeconds``, torchrun and DeepSpeed's launcher pass a SIGTERM on to their workers. Stock
+``Trainer`` ignores it (``enable_jit_checkpoint`` sets a flag per rank that nothing agrees across ranks, so the ranks
+can reach the collective save at different steps and hang).
+
+With ``save_on_preemption`` (on by default), :class:`PreemptionCallback`
+
+* catches the signals of ``save_on_preemption_signals`` (SIGTERM and SIGUSR1) while ``train()`` runs: the handler
+  only records the signal;
+* at every ``save_on_preemption_check_steps``-th step boundary, all-reduces "which signal, on which rank" (one
+  all-reduce of two integers), so every rank learns of a signal that reached any of them at the same step;
+* then has the trainer write that step's checkpoint through hf-ext's atomic path (``tmp-checkpoint-N``, renamed once
+  every rank is done) and stop, skipping an evaluation due at that step;
+* after ``train()`` returns, :func:`exit_if_preempted` tears the process group down and exits with
+  :data:`PREEMPTED_EXIT_CODE` (75, ``EX_TEMPFAIL``: the run is not finished; ``resume_from_checkpoint=True`` goes on
+  from that checkpoint).
+
+A signal during a checkpoint or an evaluation lets it finish; the run stops at the next step boundary. The same
+signal arriving again within :data:`REPEAT_WINDOW_S` is the same request (SLURM signals every process and the launcher
+forwards it too); a signal after that exits at once with ``128 + signal``, which leaves only complete checkpoints,
+since a checkpoint appears under its name only when complete.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from transformers import TrainerCallback
+
+from .ranks import max_over_ranks
+from .runtime import end_distributed
+
+logger = logging.getLogger(__name__)
+
+#: the exit status of a run that stopped with a preemption checkpoint (sysexits.h ``EX_TEMPFAIL``)
+PREEMPTED_EXIT_CODE = 75
+DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
+#: seconds within which a repeated signal is the same preemption, not a request to exit at once
+REPEAT_WINDOW_S = 2.0
+
+
+def parse_signal(name: str | int) -> signal.Signals:
+    """``"SIGTERM"``, ``"TERM"``, ``"usr1"`` or ``15`` as a signal this process can catch; ``ValueError`` otherwise."""
+    text = str(name).strip().upper()
+    try:
+        sig = signal.Signals(int(text)) if text.isdigit() else signal.Signals[text if text.startswith("SIG") else "SIG" + text]
+    except (KeyError, ValueError):
+        raise ValueError(f"{name!r} is not a signal name") from None
+    if sig in (signal.SIGKILL, signal.SIGSTOP):
+        raise ValueError(f"{sig.name} cannot be caught")
+    return sig
+
+
+@dataclass(kw_only=True)
+class PreemptionArguments:
+    """The preemption fields of every hf-ext arguments class.
+
+    Args:
+        save_on_preemption (`bool`, defaults to `True`):
+            On a signal of ``save_on_preemption_signals`` to any rank or to the launcher, every rank saves one
+            checkpoint at the same step boundary and the process exits with status 75 (resume it with
+            ``resume_from_checkpoint=True``).
+        save_on_preemption_signals (`list[str]`, defaults to ``["SIGTERM", "SIGUSR1"]``):
+            The signals that mean preemption.
+        save_on_preemption_check_steps (`int`, defaults to 1):
+            Agree on a signal every this many optimizer steps (one all-reduce of two integers each time).
+    """
+
+    save_on_preemption: bool = field(
+        default=True,
+        metadata={"help": "On SIGTERM/SIGUSR1 to any rank or the launcher, every rank saves one checkpoint at the "
+                  "same step and the run exits with status 75 (resume with --resume_from_checkpoint True)."},
+    )  # fmt: skip
+    save_on_preemption_signals: list[str] = field(
+        default_factory=lambda: list(DEFAULT_SIGNALS),
+        metadata={"help": "The signals that mean preemption (default: SIGTERM SIGUSR1)."},
+    )
+    save_on_preemption_check_steps: int = field(
+        default=1, metadata={"help": "Agree on a preemption signal every this many optimizer steps."}
+    )
+
+    def _validate_preemption(self) -> None:
+        if isinstance(self.save_on_preemption_signals, str):  # "SIGTERM,SIGUSR1" from a config file
+            self.save_on_preemption_signals = [s for s in self.save_on_preemption_signals.split(",") if s.strip()]
+        for name in self.save_on_preemption_signals:
+            try:
+                parse_signal(name)
+            except ValueError as err:
+                raise ValueError(f"`save_on_preemption_signals`: {err}. Use names like SIGTERM or SIGUSR1.") from None
+        if not isinstance(self.save_on_preemption_check_steps, int) or self.save_on_preemption_check_steps < 1:
+            raise ValueError(
+                f"`save_on_preemption_check_steps`={self.save_on_preemption_check_steps!r}: it must be a whole "
+                "number of steps, 1 or more."
+            )
+        if self.save_on_preemption and getattr(self, "enable_jit_checkpoint", False):
+            raise ValueError(
+                "enable_jit_checkpoint=True: hf-ext's save_on_preemption (on by default) saves on SIGTERM with every "
+                "rank stopping at the same step. Fix: drop enable_jit_checkpoint, or set save_on_preemption=False "
+                "to use stock's."
+            )
+
+
+class PreemptionCallback(TrainerCallback):
+    """Saves one agreed checkpoint and stops training when a preemption signal reached any rank (module docstring).
+    A stock ``Trainer`` with hf-ext's arguments can use it alone: add it, then call :func:`exit_if_preempted` after
+    ``train()``."""
+
+    def __init__(self):
+        self.received: int = 0  # the signal this process got (0: none)
+        self.first_received_at: float | None = None
+        self.saved_at: int | None = None  # the step of the preemption checkpoint
+        self.signal_name: str = ""
+        self._previous: dict[signal.Signals, object] = {}
+
+    def _handle(self, signum, frame) -> None:
+        # in a signal handler: record, and write with os.write (no lock that the interrupted code may hold)
+        now = time.monotonic()
+        if not self.received:
+            self.received, self.first_received_at = signum, now
+            os.write(2, f"[hf-ext] {signal.Signals(signum).name} received: saving a checkpoint at the next step "
+                        "boundary, then exiting. A second signal exits at once.\n".encode())  # fmt: skip
+            return
+        if now - self.first_received_at < REPEAT_WINDOW_S:
+            return  # the same preemption, delivered twice (the launcher forwards it, SLURM signals every process)
+        os.write(2, f"[hf-ext] {signal.Signals(signum).name} again: exiting now; only complete checkpoints "
+                    "remain.\n".encode())  # fmt: skip
+        os._exit(128 + signum)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.received, self.first_received_at, self.saved_at = 0, None, None
+        if not getattr(args, "save_on_preemption", False):
+            return
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning("save_on_preemption: training runs outside the main thread, where Python cannot catch "
+                           "signals; preemption signals keep their default action.")  # fmt: skip
+            return
+        for name in args.save_on_preemption_signals:
+            sig = parse_signal(name)
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if not self._previous or state.global_step % args.save_on_preemption_check_steps:
+            return
+        signum, rank = max_over_ranks([self.received, args.process_index + 1 if self.received else 0])
+        if not signum:
+            return
+        control.should_save, control.should_training_stop, control.should_evaluate = True, True, False
+        self.saved_at, self.signal_name = state.global_step, signal.Signals(signum).name
+        logger.warning(f"{self.signal_name} reached rank {rank - 1}: every rank saves checkpoint-{state.global_step} "
+                       f"and stops.")  # fmt: skip
+
+    def on_train_end(self, args, state, control, **kwargs):
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
+
+
+def exit_if_preempted(trainer) -> None:
+    """After ``train()``: when it stopped for a preemption, tear down the process group and exit with
+    :data:`PREEMPTED_EXIT_CODE` (the checkpoint is complete on disk); otherwise nothing."""
+    callback = next((cb for cb in trainer.callback_handler.callbacks if isinstance(cb, PreemptionCallback)), None)
+    if callback is None or callback.saved_at is None:
+        return
+    if trainer.args.should_log:
+        logger.warning(f"Preempted ({callback.signal_name}): checkpoint-{callback.saved_at} is saved in "
+                       f"{trainer.args.output_dir}; exiting with status {PREEMPTED_EXIT_CODE}. Resume with "
+                       "resume_from_checkpoint=True (--resume_from_checkpoint True).")  # fmt: skip
+    end_distributed()
+    sys.exit(PREEMPTED_EXIT_CODE)
