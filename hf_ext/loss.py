@@ -65,7 +65,9 @@ def decoder_inputs_from_labels(model):
     prepare = getattr(base, "prepare_decoder_input_ids_from_labels", None)
     if prepare is not None:
         return lambda labels: prepare(labels=labels)
-    shift = getattr(sys.modules.get(type(base).__module__), "shift_tokens_right", None)
+    # the model's class, or the one FSDP2 derives from it (defined in torch's module)
+    modules = (sys.modules.get(cls.__module__) for cls in type(base).__mro__)
+    shift = next((m.shift_tokens_right for m in modules if hasattr(m, "shift_tokens_right")), None)
     if shift is None or list(inspect.signature(shift).parameters)[1:] != ["pad_token_id", "decoder_start_token_id"]:
         return None
     config = base.config
@@ -101,9 +103,9 @@ def global_token_mean_loss(outputs, labels, num_items_in_batch=None):
     return loss / num_items_in_batch
 
 
-def with_decoder_inputs(model, inputs: dict) -> dict:
-    """``inputs`` with the decoder inputs the model would build from its labels, for a forward that gets no labels
-    (``compute_loss_func`` takes them out first); the collator's own ones are kept."""
+def with_decoder_inputs(build, inputs: dict) -> dict:
+    """``inputs`` with the decoder inputs ``build`` (:func:`decoder_inputs_from_labels`) makes from the labels, for a
+    forward that gets no labels (``compute_loss_func`` takes them out first); the collator's own ones are kept."""
     if "labels" not in inputs or "decoder_input_ids" in inputs or "decoder_inputs_embeds" in inputs:
         return inputs
-    return {**inputs, "decoder_input_ids": decoder_inputs_from_labels(model)(inputs["labels"])}
+    return {**inputs, "decoder_input_ids": build(inputs["labels"])}

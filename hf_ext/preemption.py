@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from transformers import TrainerCallback
 
 from .ranks import max_over_ranks
-from .runtime import end_distributed
+from .runtime import end_distributed, local_rank
 
 logger = logging.getLogger(__name__)
 
@@ -159,8 +159,14 @@ class PreemptionCallback(TrainerCallback):
                        f"and stops.")  # fmt: skip
 
     def on_train_end(self, args, state, control, **kwargs):
+        if self.saved_at is None:
+            self.release()
+        # else the handlers stay until exit_if_preempted: a launcher signalling the ranks now must not kill one
+
+    def release(self, ignore: bool = False) -> None:
+        """Give the caught signals their previous handlers back (``ignore``: ignore them from now on)."""
         for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
+            signal.signal(sig, signal.SIG_IGN if ignore else previous)
         self._previous = {}
 
 
@@ -175,4 +181,7 @@ def exit_if_preempted(trainer) -> None:
                        f"{trainer.args.output_dir}; exiting with status {PREEMPTED_EXIT_CODE}. Resume with "
                        "resume_from_checkpoint=True (--resume_from_checkpoint True).")  # fmt: skip
     end_distributed()
+    # a launcher's worker ignores the launcher's own SIGTERM while it exits (when one rank exits first, torchrun and
+    # DeepSpeed's launcher signal the others); in-process, the signals get their previous handlers back
+    callback.release(ignore=local_rank() is not None)
     sys.exit(PREEMPTED_EXIT_CODE)

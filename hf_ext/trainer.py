@@ -121,6 +121,7 @@ class TrainerMixin:
         name = type(self.model).__name__
         if losses.takes_global_token_mean(self.model) and self.compute_loss_func is None and self.label_smoother is None:
             self.compute_loss_func = losses.global_token_mean_loss
+            self._decoder_inputs_from_labels = losses.decoder_inputs_from_labels(self.model)  # before any wrapping
             logger.info(f"{name} averages its own micro-batch: its loss is taken from its logits over the labelled "
                         "tokens of the whole global batch, as for other models.")  # fmt: skip
         elif self.model_accepts_loss_kwargs:
@@ -129,7 +130,7 @@ class TrainerMixin:
 
     def compute_loss(self, model, inputs, *args, **kwargs):
         if self.compute_loss_func is losses.global_token_mean_loss:  # the forward gets no labels: decoder inputs
-            inputs = losses.with_decoder_inputs(self.model, inputs)
+            inputs = losses.with_decoder_inputs(self._decoder_inputs_from_labels, inputs)
         return super().compute_loss(model, inputs, *args, **kwargs)
 
     def _attach_generation_eval(self):

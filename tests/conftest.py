@@ -50,6 +50,20 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_model_no_dropout_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny BlenderBot with its dropout off: runs on different world sizes then compute the same function."""
+    import json
+    import shutil
+
+    out = tmp_path_factory.mktemp("models") / "tiny_no_dropout"
+    shutil.copytree(tiny_model_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    config.update(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_chat_model_dir(tmp_path_factory) -> Path:
     """A random-init tiny LlamaForCausalLM with SmolLM2's ChatML tokens and chat template (the project's builder)."""
     from chat_e.models import build_chat_model

@@ -123,7 +123,11 @@ def remove_leftovers(run_dir: str | Path) -> None:
 
 
 def resolve_resume_from_checkpoint(trainer, resume_from_checkpoint):
-    """``True`` → the newest complete checkpoint of ``output_dir`` (incomplete ones skipped with a warning)."""
+    """``True`` → the newest complete checkpoint of ``output_dir`` (incomplete ones skipped with a warning). The
+    string ``"true"`` (any case, what ``--resume_from_checkpoint True`` gives a script) means the same, unless a
+    directory of that name exists."""
+    if isinstance(resume_from_checkpoint, str) and resume_from_checkpoint.strip().lower() == "true":
+        resume_from_checkpoint = not Path(resume_from_checkpoint).exists() or resume_from_checkpoint
     if not (isinstance(resume_from_checkpoint, bool) and resume_from_checkpoint):
         return resume_from_checkpoint
     found = last_complete_checkpoint(trainer.args.output_dir, warn=trainer.is_world_process_zero())

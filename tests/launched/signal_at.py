@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 from transformers import TrainerCallback
 
@@ -29,8 +30,8 @@ class SignalAt(TrainerCallback):
         if state.global_step != self.step or args.process_index != min(self.rank, args.world_size - 1):
             return
         pid = os.getppid() if self.target == "launcher" else os.getpid()
-        print(f"rank {args.process_index}: {self.sig.name} to {self.target} (pid {pid}) at step {self.step}",
-              flush=True)  # fmt: skip
+        print(f"rank {args.process_index}: {self.sig.name} to {self.target} (pid {pid}) at step {self.step} at "
+              f"{time.time()}", flush=True)  # fmt: skip
         for _ in range(self.times):
             os.kill(pid, self.sig)
 

@@ -11,6 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 from hf_ext.loss import (
     OWN_MEAN_LOSS_MODEL_TYPES,
     ROUTER_LOSS_MODEL_TYPES,
+    decoder_inputs_from_labels,
     global_token_mean_loss,
     loss_ignores_num_items,
     takes_global_token_mean,
@@ -62,7 +63,7 @@ def test_listed_models_average_their_own_loss(model_type):
     if not takes_global_token_mean(model):
         return
     with torch.no_grad():
-        bare = model(**with_decoder_inputs(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+        bare = model(**with_decoder_inputs(decoder_inputs_from_labels(model), {"input_ids": ids, "attention_mask": torch.ones_like(ids),
                                                    "labels": labels}) | {"labels": None})  # fmt: skip
     own_count = int((labels != -100).sum())
     torch.testing.assert_close(global_token_mean_loss(bare, labels, own_count), out.loss, rtol=1e-5, atol=1e-5)
