@@ -33,10 +33,12 @@ USER_OMP_NUM_THREADS = LAUNCH_ENV.get("OMP_NUM_THREADS")
 
 
 def detect_launcher(env=None) -> str:
-    """What started this process: ``deepspeed``, ``accelerate``, ``torchrun``, ``mpi`` or ``python``."""
+    """What started this process: ``deepspeed``, ``ray``, ``accelerate``, ``torchrun``, ``mpi`` or ``python``."""
     env = os.environ if env is None else env
     if "CROSS_RANK" in env and "LOCAL_SIZE" in env:  # DeepSpeed's launcher sets both
         return "deepspeed"
+    if "RAY_RAYLET_PID" in env:  # a Ray worker (Ray Train also sets ACCELERATE_TORCH_DEVICE and LOCAL_RANK)
+        return "ray"
     if any(key.startswith("ACCELERATE_") for key in env) and "LOCAL_RANK" in env:
         return "accelerate"
     if "TORCHELASTIC_RUN_ID" in env:

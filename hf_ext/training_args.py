@@ -28,6 +28,7 @@ from .evaluation.settings import GenerationEvalArguments
 from .fsdp.config import FsdpResolution, resolve_fsdp
 from .packing import PaddingFreeArguments
 from .preemption import PreemptionArguments
+from .saving.resume import RESUME_GLOBAL_BATCH_POLICIES
 from .runtime import (
     has_accelerator,
     launch_world_size,
@@ -75,6 +76,11 @@ class TrainingArgumentsMixin(PreemptionArguments):
             Default: on when the memory planner plans the run, off otherwise.
         save_max_shard_size (`str`, defaults to ``"5GB"``):
             Largest safetensors shard ``save_model`` writes (``"200MB"``, ``"5GB"``, ``"1GiB"``).
+        resume_global_batch (`str`, defaults to ``"keep"``):
+            A resume on another number of ranks keeps the checkpoint's global batch by changing the gradient
+            accumulation. When this world size and micro-batch cannot make it: ``"keep"`` refuses with the fixes,
+            ``"nearest"`` goes on with the nearest global batch these ranks make and says so (the learning rate and
+            the schedule are not rescaled).
         save_gather_size (`str`, defaults to ``"256MiB"``):
             Under ZeRO-3, the bound on the extra memory a save needs per rank (with ``save_max_shard_size``: the
             smaller of the two counts). Half of it is gathered at a time, as the collectives stage a second copy.
@@ -109,6 +115,12 @@ class TrainingArgumentsMixin(PreemptionArguments):
             "half of it is gathered at a time."
         },
     )
+    resume_global_batch: str = field(
+        default="keep",
+        metadata={"help": "On a resume on another number of ranks whose micro-batch cannot make the checkpoint's "
+                  "global batch: keep (refuse, with the fix) or nearest (go on with the nearest global batch these "
+                  "ranks make, said in the log; nothing is rescaled).", "choices": list(RESUME_GLOBAL_BATCH_POLICIES)},
+    )  # fmt: skip
     # what resolution found: declared, not passed (init=False keeps them out of to_dict and the command line)
     deepspeed_resolution: Resolution | None = field(default=None, init=False, repr=False)
     fsdp_resolution: FsdpResolution | None = field(default=None, init=False, repr=False)
@@ -120,6 +132,9 @@ class TrainingArgumentsMixin(PreemptionArguments):
 
     def _validate_hf_ext(self) -> None:
         self._validate_preemption()
+        if self.resume_global_batch not in RESUME_GLOBAL_BATCH_POLICIES:
+            raise ValueError(f"`resume_global_batch`={self.resume_global_batch!r}: use one of "
+                             f"{', '.join(RESUME_GLOBAL_BATCH_POLICIES)}.")  # fmt: skip
         for name in ("save_max_shard_size", "save_gather_size", "memory_per_device"):
             value = getattr(self, name)
             if value is None:

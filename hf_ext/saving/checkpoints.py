@@ -123,14 +123,21 @@ def remove_leftovers(run_dir: str | Path) -> None:
 
 
 def resolve_resume_from_checkpoint(trainer, resume_from_checkpoint):
-    """``True`` → the newest complete checkpoint of ``output_dir`` (incomplete ones skipped with a warning). The
-    string ``"true"`` (any case, what ``--resume_from_checkpoint True`` gives a script) means the same, unless a
-    directory of that name exists."""
-    if isinstance(resume_from_checkpoint, str) and resume_from_checkpoint.strip().lower() == "true":
-        resume_from_checkpoint = not Path(resume_from_checkpoint).exists() or resume_from_checkpoint
-    if not (isinstance(resume_from_checkpoint, bool) and resume_from_checkpoint):
+    """``True`` → the newest complete checkpoint of ``output_dir`` (incomplete ones skipped with a warning); the
+    string ``"true"`` (any case, what ``--resume_from_checkpoint True`` gives a script) means the same. ``"last"``:
+    the newest complete checkpoint if there is one, else a fresh start (as Lightning's ``ckpt_path="last"``), for a
+    command that a requeued job or an elastic restart runs again unchanged. A directory of either name is a path."""
+    word = resume_from_checkpoint.strip().lower() if isinstance(resume_from_checkpoint, str) else None
+    if word in ("true", "last") and not Path(resume_from_checkpoint).exists():
+        resume_from_checkpoint = True
+    elif not (isinstance(resume_from_checkpoint, bool) and resume_from_checkpoint):
         return resume_from_checkpoint
     found = last_complete_checkpoint(trainer.args.output_dir, warn=trainer.is_world_process_zero())
+    if found is None and word == "last":
+        if trainer.is_world_process_zero():
+            logger.info(f"resume_from_checkpoint='last': no checkpoint in {trainer.args.output_dir} yet, training "
+                        "from the start.")  # fmt: skip
+        return None
     if found is None:
         raise ValueError(f"No valid checkpoint found in output directory ({trainer.args.output_dir})")
     return found

@@ -168,28 +168,50 @@ def _filled_from_args(resolution, key: str) -> bool:
     return any(c.key == key and c.action in ("filled", "added") for c in resolution.changes)
 
 
+#: what a resume does when this world size and micro-batch cannot make the checkpoint's global batch
+RESUME_GLOBAL_BATCH_POLICIES = ("keep", "nearest")
+
+
+def nearest_accumulation(total: int, world: int, micro: int) -> int:
+    """The gradient accumulation whose global batch on ``world`` ranks of ``micro`` rows is nearest ``total`` (the
+    smaller one on a tie)."""
+    low = max(1, total // (world * micro))
+    return min((low, low + 1), key=lambda a: (abs(world * micro * a - total), a))
+
+
 def global_batch(args, checkpoint: ZeroCheckpoint) -> tuple[int | None, str]:
     """The gradient accumulation that makes this run's global batch the checkpoint's (``None``: as asked), and a
-    phrase for the log line. The per-rank batch is left as asked. Raises ``ValueError`` with the arithmetic and a fix
-    when the checkpoint's global batch cannot be made on this world size with that micro-batch."""
+    phrase for the log line. The per-rank batch is left as asked. When the checkpoint's global batch cannot be made on
+    this world size with that micro-batch: with ``resume_global_batch="nearest"`` the accumulation of the nearest
+    global batch (the phrase says what changes); otherwise ``ValueError`` with the arithmetic and the fixes."""
     world, micro, accum = args.world_size, args.per_device_train_batch_size, args.gradient_accumulation_steps
     total = checkpoint.train_batch_size
     if not isinstance(total, int) or world * micro * accum == total:
         return None, f"global batch {world * micro * accum} as before"
-    if total % (world * micro):
-        if total % world:
-            divisors = [str(d) for d in range(1, total + 1) if total % d == 0]
-            fix = f"resume on a number of ranks that divides {total} ({', '.join(divisors)})"
-        else:
-            new_micro, new_accum = split_batch(total, world, micro)
-            fix = (f"pass --per_device_train_batch_size {new_micro} --gradient_accumulation_steps {new_accum} "
-                   f"({world} x {new_micro} x {new_accum} = {total})")  # fmt: skip
-        raise ValueError(
-            f"{checkpoint.path.name} was trained with a global batch of {total} ({checkpoint.batch_arithmetic()}); "
-            f"{world} ranks x micro-batch {micro} cannot make {total} with any gradient accumulation. Fix: {fix}."
+    if total % (world * micro) == 0:
+        new_accum = total // (world * micro)
+        return new_accum, f"gradient accumulation {accum} -> {new_accum} keeps the global batch of {total}"
+    nearest = nearest_accumulation(total, world, micro)
+    if getattr(args, "resume_global_batch", "keep") == "nearest":
+        return nearest, (
+            f"resume_global_batch='nearest': the global batch changes {total} -> {world * micro * nearest} "
+            f"({world} ranks x micro-batch {micro} x accumulation {nearest}; {checkpoint.path.name} was trained with "
+            f"{checkpoint.batch_arithmetic()}). The learning rate and the schedule are not rescaled, and the resumed "
+            f"epoch skips the rows of the steps done counted in batches of {world * micro * nearest}"
         )
-    new_accum = total // (world * micro)
-    return new_accum, f"gradient accumulation {accum} -> {new_accum} keeps the global batch of {total}"
+    if total % world:
+        divisors = [str(d) for d in range(1, total + 1) if total % d == 0]
+        fix = f"resume on a number of ranks that divides {total} ({', '.join(divisors)})"
+    else:
+        new_micro, new_accum = split_batch(total, world, micro)
+        fix = (f"pass --per_device_train_batch_size {new_micro} --gradient_accumulation_steps {new_accum} "
+               f"({world} x {new_micro} x {new_accum} = {total})")  # fmt: skip
+    raise ValueError(
+        f"{checkpoint.path.name} was trained with a global batch of {total} ({checkpoint.batch_arithmetic()}); "
+        f"{world} ranks x micro-batch {micro} cannot make {total} with any gradient accumulation. Fix: {fix}; or "
+        f"pass --resume_global_batch nearest to go on with the nearest global batch these ranks make "
+        f"({world * micro * nearest})."
+    )
 
 
 def keep_global_batch(trainer, checkpoint: ZeroCheckpoint) -> str:
@@ -197,7 +219,7 @@ def keep_global_batch(trainer, checkpoint: ZeroCheckpoint) -> str:
     returns the phrase for the log line."""
     accumulation, phrase = global_batch(trainer.args, checkpoint)
     if accumulation is not None:
-        _set_accumulation(trainer, accumulation, checkpoint.train_batch_size)
+        _set_accumulation(trainer, accumulation)
     return phrase
 
 
@@ -210,9 +232,11 @@ def _engine_configs(trainer) -> list[dict]:
     return list(configs.values())
 
 
-def _set_accumulation(trainer, accumulation: int, total: int) -> None:
-    """``gradient_accumulation_steps`` in the arguments and in the DeepSpeed config the engine will start from."""
+def _set_accumulation(trainer, accumulation: int) -> None:
+    """``gradient_accumulation_steps`` (and the global batch it makes) in the arguments and in the DeepSpeed config
+    the engine will start from."""
     args = trainer.args
+    total = args.world_size * args.per_device_train_batch_size * accumulation
     resolution = getattr(args, "deepspeed_resolution", None)
     wanted = {"gradient_accumulation_steps": accumulation, "train_batch_size": total}
     for config in _engine_configs(trainer):
@@ -221,8 +245,8 @@ def _set_accumulation(trainer, accumulation: int, total: int) -> None:
                 continue
             if resolution is not None and not _filled_from_args(resolution, key):
                 raise ValueError(
-                    f"The DeepSpeed config fixes {key} to {config[key]}, but keeping the checkpoint's global batch of "
-                    f'{total} on {args.world_size} ranks needs {value}. Fix: set {key} to "auto" in the config.'
+                    f"The DeepSpeed config fixes {key} to {config[key]}, but a global batch of {total} on "
+                    f'{args.world_size} ranks needs {value}. Fix: set {key} to "auto" in the config.'
                 )
             config[key] = value
     args.gradient_accumulation_steps = accumulation
@@ -313,9 +337,12 @@ def apply_resume_plan(trainer, plan: ResumePlan) -> None:
     """Before the engine starts: the gradient accumulation that keeps the checkpoint's global batch, and DeepSpeed's
     ``checkpoint.load_universal`` for a universal conversion, in the arguments and the configs the engine starts
     from; one log line for a resume on another world size."""
-    if plan.accumulation is not None:
-        _set_accumulation(trainer, plan.accumulation, plan.written_on.train_batch_size)
     args = trainer.args
+    if plan.accumulation is not None:
+        _set_accumulation(trainer, plan.accumulation)
+        if args.world_size * args.per_device_train_batch_size * plan.accumulation != plan.written_on.train_batch_size:
+            if args.should_log:  # resume_global_batch="nearest": said whatever the resume's kind
+                logger.warning(f"Resuming {plan.checkpoint.name}: {plan.batch}.")
     if plan.kind == "universal":
         for config in _engine_configs(trainer):
             config.setdefault("checkpoint", {})["load_universal"] = True

@@ -46,7 +46,7 @@ def weights(trainer) -> dict[str, torch.Tensor]:
 
 def test_sigterm_saves_one_checkpoint_exits_75_and_resumes_to_the_same_weights(tiny_model_dir, tmp_path):
     uninterrupted = trainer_for(tiny_model_dir, tmp_path / "full")
-    uninterrupted.train()
+    uninterrupted.train(resume_from_checkpoint="last")  # nothing to resume yet: from the start
 
     # SIGTERM at step 3, checked every 2 steps: the run saves checkpoint-4 (save_strategy "no": no other checkpoint)
     out = tmp_path / "preempted"
@@ -58,8 +58,8 @@ def test_sigterm_saves_one_checkpoint_exits_75_and_resumes_to_the_same_weights(t
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # in-process: given back before the exit
 
     resumed = trainer_for(tiny_model_dir, out)
-    resumed.train(resume_from_checkpoint="True")  # as --resume_from_checkpoint True gives it
-    assert resumed.state.global_step == 12
+    resumed.train(resume_from_checkpoint="last")  # as a requeued job's unchanged command gives it
+    assert resumed.state.global_step == 12 and resumed.resume_plan.checkpoint.name == "checkpoint-4"
     full, ours = weights(uninterrupted), weights(resumed)
     assert max((full[k] - ours[k]).abs().max().item() for k in full) <= TOLERANCE
 

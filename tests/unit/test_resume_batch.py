@@ -21,11 +21,11 @@ def written_on_two_ranks(micro: int, accum: int) -> ZeroCheckpoint:
     return ZeroCheckpoint(Path("run/checkpoint-4"), "global_step4", 2, 2 * micro * accum, micro, accum)
 
 
-def trainer_with(tmp_path, micro: int, accum: int, **config):
+def trainer_with(tmp_path, micro: int, accum: int, policy: str = "keep", **config):
     ds = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
           "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 2}, **config}  # fmt: skip
     args = hf_ext.TrainingArguments(str(tmp_path), per_device_train_batch_size=micro, gradient_accumulation_steps=accum,
-                                    deepspeed=ds, report_to=[])  # fmt: skip
+                                    deepspeed=ds, report_to=[], resume_global_batch=policy)  # fmt: skip
     return SimpleNamespace(args=args, accelerator=SimpleNamespace(state=None))
 
 
@@ -58,6 +58,23 @@ def test_a_global_batch_the_micro_batch_cannot_make_is_refused_with_a_fix_that_w
     fixed = trainer_with(tmp_path, micro=micro, accum=accum)
     keep_global_batch(fixed, checkpoint)
     assert fixed.args.gradient_accumulation_steps == accum
+
+
+def test_nearest_goes_on_with_the_nearest_global_batch_and_says_what_changed(tmp_path):
+    checkpoint = written_on_two_ranks(micro=3, accum=1)  # global batch 6; here 1 rank x micro-batch 4: 4 or 8
+    with pytest.raises(ValueError, match=r"or pass --resume_global_batch nearest .* \(4\)\.$"):
+        keep_global_batch(trainer_with(tmp_path, micro=4, accum=1), checkpoint)
+    trainer = trainer_with(tmp_path, micro=4, accum=3, policy="nearest")  # 4 and 8 are both 2 away: the smaller
+    said = keep_global_batch(trainer, checkpoint)
+    assert "the global batch changes 6 -> 4 (1 ranks x micro-batch 4 x accumulation 1" in said
+    assert "not rescaled" in said
+    config = trainer.args.hf_deepspeed_config.config
+    assert trainer.args.gradient_accumulation_steps == 1
+    assert (config["gradient_accumulation_steps"], config["train_batch_size"]) == (1, 4)
+    trainer = trainer_with(tmp_path, micro=2, accum=1, policy="nearest")  # 6 is reachable: kept, as with "keep"
+    assert keep_global_batch(trainer, checkpoint) == "gradient accumulation 1 -> 3 keeps the global batch of 6"
+    with pytest.raises(ValueError, match="resume_global_batch.*keep, nearest"):
+        trainer_with(tmp_path, micro=2, accum=1, policy="closest")
 
 
 def test_an_accumulation_fixed_by_the_config_is_named_with_its_fix(tmp_path):
