@@ -67,3 +67,25 @@ def load_yaml_defaults(path: str, parser: argparse.ArgumentParser) -> dict:
 def _fail(parser: argparse.ArgumentParser, message: str):
     """Exit with one clear line (no usage dump of 200 options, no traceback)."""
     parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+
+def split_launcher_args(argv: list[str]) -> tuple[argparse.Namespace | None, list[str]]:
+    """A script's own launcher flags taken out of ``argv``: ``--launcher ray`` (run ``main`` on Ray Train workers,
+    :func:`hf_ext.ray.run_script`) with ``--num_workers N`` or ``MIN:MAX`` (elastic), ``--max_failures K`` and
+    ``--ray_storage DIR`` (Ray's checkpoints and results; default: Ray's, ``~/ray_results``). Returns those settings
+    (``None`` without ``--launcher``) and the rest of ``argv``."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--launcher", choices=["ray"], default=None)
+    parser.add_argument("--num_workers", default="2")
+    parser.add_argument("--max_failures", type=int, default=0)
+    parser.add_argument("--ray_storage", default=None)
+    known, rest = parser.parse_known_args(argv)
+    if known.launcher is None:
+        return None, list(argv)
+    workers = known.num_workers.split(":")
+    if len(workers) > 2 or not all(w.isdigit() and int(w) > 0 for w in workers):
+        raise SystemExit(f"--num_workers {known.num_workers!r}: a number of workers (2) or a range (1:2).")
+    known.num_workers = int(workers[0]) if len(workers) == 1 else (int(workers[0]), int(workers[1]))
+    if known.ray_storage:
+        known.ray_storage = str(Path(known.ray_storage).resolve())
+    return known, rest

@@ -52,7 +52,11 @@ def parse_signal(name: str | int) -> signal.Signals:
     """``"SIGTERM"``, ``"TERM"``, ``"usr1"`` or ``15`` as a signal this process can catch; ``ValueError`` otherwise."""
     text = str(name).strip().upper()
     try:
-        sig = signal.Signals(int(text)) if text.isdigit() else signal.Signals[text if text.startswith("SIG") else "SIG" + text]
+        sig = (
+            signal.Signals(int(text))
+            if text.isdigit()
+            else signal.Signals[text if text.startswith("SIG") else "SIG" + text]
+        )
     except (KeyError, ValueError):
         raise ValueError(f"{name!r} is not a signal name") from None
     if sig in (signal.SIGKILL, signal.SIGSTOP):

@@ -109,6 +109,10 @@ class TrainerMixin:
         self.add_callback(MemoryPlanCallback())  # plan at train start, measured peak at train end
         self.add_callback(ResumedScheduleCallback())  # a resumed run starts at its own schedule's learning rate
         self.add_callback(preemption.PreemptionCallback())  # a signal: one agreed checkpoint, then exit 75
+        if runtime.LAUNCHER == "ray":
+            from .ray import RayCheckpointCallback  # noqa: PLC0415 (the ray extra: only under Ray)
+
+            self.add_callback(RayCheckpointCallback())  # every rank's share of each checkpoint, as one Ray checkpoint
         self._normalize_own_mean_loss()
         self.bleu_eval_callback = self._attach_generation_eval()
         packing.enable_on_trainer(self)  # padding_free: DataCollatorWithFlattening
@@ -119,7 +123,11 @@ class TrainerMixin:
         if not losses.loss_ignores_num_items(self.model):
             return
         name = type(self.model).__name__
-        if losses.takes_global_token_mean(self.model) and self.compute_loss_func is None and self.label_smoother is None:
+        if (
+            losses.takes_global_token_mean(self.model)
+            and self.compute_loss_func is None
+            and self.label_smoother is None
+        ):
             self.compute_loss_func = losses.global_token_mean_loss
             self._decoder_inputs_from_labels = losses.decoder_inputs_from_labels(self.model)  # before any wrapping
             logger.info(f"{name} averages its own micro-batch: its loss is taken from its logits over the labelled "
@@ -159,6 +167,10 @@ class TrainerMixin:
             self._drop_inference_engine()
         deepspeed_callbacks.reopen_step_keys(self)  # an evaluate() before train() may have filled them for inference
         fsdp.reshard(self.model)  # FSDP2 after an evaluation: the optimizer must see the sharded parameters
+        if runtime.LAUNCHER == "ray" and checkpoints.resume_word(resume_from_checkpoint):
+            from .ray import restore_latest_checkpoint  # noqa: PLC0415 (the ray extra: only under Ray)
+
+            restore_latest_checkpoint(self.args.output_dir)  # a restarted worker group goes on from Ray's checkpoint
         self.resume_plan = plan = resume.plan_resume(self, resume_from_checkpoint)  # decided once, on every rank
         resume.apply_resume_plan(self, plan)
         with resume.peft_state_under_deepspeed(self, plan):

@@ -28,7 +28,6 @@ from .evaluation.settings import GenerationEvalArguments
 from .fsdp.config import FsdpResolution, resolve_fsdp
 from .packing import PaddingFreeArguments
 from .preemption import PreemptionArguments
-from .saving.resume import RESUME_GLOBAL_BATCH_POLICIES
 from .runtime import (
     has_accelerator,
     launch_world_size,
@@ -36,6 +35,7 @@ from .runtime import (
     local_world_size,
     start_deepspeed_comm,
 )
+from .saving.resume import RESUME_GLOBAL_BATCH_POLICIES
 from .saving.writer import DEFAULT_MAX_SHARD_SIZE
 from .sizes import parse_bytes
 

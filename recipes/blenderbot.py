@@ -5,6 +5,8 @@
     deepspeed --num_gpus 2 recipes/blenderbot.py --config recipes/configs/blenderbot_400m.yaml
     # offline: a random-init tiny BlenderBot on the chatterbot corpus (see the YAML headers for every launcher)
     deepspeed --num_gpus 2 recipes/blenderbot.py --config recipes/configs/tiny.yaml --output_dir runs/tiny
+    # Ray Train as the launcher (a local cluster, or the one RAY_ADDRESS names): 2 workers, or 1:2 elastic
+    python recipes/blenderbot.py --config recipes/configs/tiny.yaml --deepspeed zero2 --launcher ray --num_workers 2
     # offline, a real chat model: SmolLM2-135M-Instruct (built from its GGUF file), LoRA, on chitchat + chatterbot
     deepspeed --num_gpus 2 recipes/blenderbot.py --config recipes/configs/demo.yaml --output_dir runs/demo
 
@@ -42,7 +44,7 @@ from chat_e.plotting import plot_training_curves
 from chat_e.samples import SAMPLE_CHATS
 from hf_ext import Seq2SeqTrainer, Seq2SeqTrainingArguments
 from hf_ext.atomic import write_text_atomically
-from hf_ext.config_args import parse_args_with_config
+from hf_ext.config_args import parse_args_with_config, split_launcher_args
 from hf_ext.model_info import model_class
 from hf_ext.runtime import end_distributed, prepare_run, run_summary
 from hf_ext.saving.export import export
@@ -278,5 +280,11 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
-    end_distributed()
+    launch, argv = split_launcher_args(sys.argv[1:])
+    if launch is not None:  # --launcher ray: this process is Ray's driver, each Ray Train worker runs main() as a rank
+        from hf_ext.ray import run_script
+
+        run_script(__file__, argv, launch)
+    else:
+        main(argv)
+        end_distributed()

@@ -122,15 +122,22 @@ def remove_leftovers(run_dir: str | Path) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def resume_word(resume_from_checkpoint) -> str | None:
+    """``"true"`` or ``"last"`` when ``resume_from_checkpoint`` asks for the newest checkpoint (``True``, or one of
+    those words as a command line gives them, unless a directory has that name); ``None`` for a path or nothing."""
+    if resume_from_checkpoint is True:
+        return "true"
+    word = resume_from_checkpoint.strip().lower() if isinstance(resume_from_checkpoint, str) else None
+    return word if word in ("true", "last") and not Path(resume_from_checkpoint).exists() else None
+
+
 def resolve_resume_from_checkpoint(trainer, resume_from_checkpoint):
     """``True`` → the newest complete checkpoint of ``output_dir`` (incomplete ones skipped with a warning); the
     string ``"true"`` (any case, what ``--resume_from_checkpoint True`` gives a script) means the same. ``"last"``:
     the newest complete checkpoint if there is one, else a fresh start (as Lightning's ``ckpt_path="last"``), for a
     command that a requeued job or an elastic restart runs again unchanged. A directory of either name is a path."""
-    word = resume_from_checkpoint.strip().lower() if isinstance(resume_from_checkpoint, str) else None
-    if word in ("true", "last") and not Path(resume_from_checkpoint).exists():
-        resume_from_checkpoint = True
-    elif not (isinstance(resume_from_checkpoint, bool) and resume_from_checkpoint):
+    word = resume_word(resume_from_checkpoint)
+    if word is None:
         return resume_from_checkpoint
     found = last_complete_checkpoint(trainer.args.output_dir, warn=trainer.is_world_process_zero())
     if found is None and word == "last":

@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import psutil
-
 import pytest
 import torch
 
@@ -165,7 +164,9 @@ def test_elastic_survivor_resumes_the_two_rank_checkpoint_alone(runs, tiny_model
     info = json.loads((runs / "elastic" / "trained.pt.json").read_text())
     assert (info["world_size"], info["global_step"], info["run"]["launcher"]) == (1, 8, "torchrun")
     resumed = [line for line in elastic["log"].splitlines() if "universal checkpoint" in line]
-    assert len(resumed) == 1 and "Resuming checkpoint-4 (written on 2 ranks) on 1" in resumed[0], elastic["log"][-3000:]
+    assert len(resumed) == 1 and "Resuming checkpoint-4 (written on 2 ranks) on 1" in resumed[0], elastic["log"][
+        -3000:
+    ]
     assert "gradient accumulation 1 -> 2 keeps the global batch of 4" in resumed[0]
     full, survivor = torch.load(runs / "full" / "trained.pt"), torch.load(runs / "elastic" / "trained.pt")
     assert set(full) == set(survivor) == parameter_names(tiny_model_dir)

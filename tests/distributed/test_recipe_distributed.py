@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import psutil
-
 import pytest
 import torch
 from transformers import AutoTokenizer, BlenderbotForConditionalGeneration
@@ -23,7 +23,7 @@ from transformers import AutoTokenizer, BlenderbotForConditionalGeneration
 from chat_e.samples import SAMPLE_CHATS
 from hf_ext.runtime import has_accelerator, usable_cores
 
-from ..conftest import RECIPE, ROOT, TINY_YAML, launch_env, launcher_cmd, run
+from ..conftest import BIN, RECIPE, ROOT, TINY_YAML, free_port, launch_env, launcher_cmd, run
 
 pytestmark = pytest.mark.distributed
 
@@ -163,7 +163,7 @@ def test_a_preempted_run_saves_exits_and_resumes_to_the_uninterrupted_weights(na
     assert len(saved) == 1 and re.fullmatch(r"checkpoint-\d+", saved[0]), (saved, log[-4000:])
     step = int(saved[0].split("-")[1])
     assert step == 8 if signal_at.endswith(":self") else 8 <= step < STEPS
-    assert f"reached rank" in log and f"every rank saves checkpoint-{step} and stops" in log
+    assert "reached rank" in log and f"every rank saves checkpoint-{step} and stops" in log
     assert f"Preempted ({sent.group(1)}): checkpoint-{step} is saved" in log
     assert proc.returncode != 0  # the launcher reports the workers' status (or its own signal)
     if launcher == "torchrun" and signal_at.endswith(":self"):  # torchrun lists each worker's exit code
@@ -179,7 +179,87 @@ def test_a_preempted_run_saves_exits_and_resumes_to_the_uninterrupted_weights(na
     if resume_ranks == 1:  # on another world size: the same losses as the 2-rank run, over the same logging windows
         assert "(written on 2 ranks) on 1" in resumed.stderr
         ours, theirs = train_losses(out), train_losses(recipe_runs(oracle))
-        assert ours[-4:] == pytest.approx(theirs[-4:], rel=1e-6)  # steps 11-30 in 4 windows (the one before is cut at step 8)
+        assert ours[-4:] == pytest.approx(
+            theirs[-4:], rel=1e-6
+        )  # steps 11-30 in 4 windows (the one before is cut at step 8)
+
+
+# --- Ray Train as the launcher: a local cluster of two nodes (two raylets on this host, one CPU each) ---------------
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    """A real Ray cluster: a head and a second node, started with ``ray start`` on loopback (token authentication off,
+    as on a private network), one CPU each so that each Ray Train worker lands on its own node. A node that stops
+    answering is declared dead after 3 health checks 0.5 s apart (Ray's default: 5 of 3 s), and a worker group that
+    cannot start is given up after 15 s (60 s) so that the elastic test does not wait on a node that is gone."""
+    env = launch_env(RAY_AUTH_MODE="disabled", RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S="15")
+    port = free_port()
+    system = json.dumps({"health_check_period_ms": 500, "health_check_failure_threshold": 3,
+                         "health_check_initial_delay_ms": 0})  # fmt: skip
+    raylets = []
+    for role in (["--head", "--port", str(port), "--include-dashboard", "false", f"--system-config={system}"],
+                 ["--address", f"127.0.0.1:{port}"]):  # fmt: skip
+        before = {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "raylet"}
+        subprocess.run([str(BIN / "ray"), "start", *role, "--num-cpus", "1", "--disable-usage-stats"], env=env,
+                       check=True, capture_output=True, timeout=120)  # fmt: skip
+        raylets.append(next(p for p in psutil.process_iter(["name"]) if p.info["name"] == "raylet"
+                            and p.pid not in before))  # fmt: skip
+    env["RAY_ADDRESS"] = f"127.0.0.1:{port}"
+    yield {"env": env, "second_node": raylets[1]}
+    subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
+def ray_recipe(ray_cluster, model_dir: Path, out: Path, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, str(RECIPE), "--config", str(TINY_YAML), "--model_name_or_path", str(model_dir),
+           "--output_dir", str(out), "--max_steps", str(STEPS), "--samples_to_print", "0", "--do_eval", "false",
+           "--deepspeed", "zero2", "--launcher", "ray", "--ray_storage", str(out.parent / f"{out.name}.ray"), *extra]  # fmt: skip
+    log = out.parent / f"{out.name}.log"
+    return subprocess.Popen(cmd, cwd=ROOT, env=ray_cluster["env"], stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def test_the_recipe_under_ray_trains_as_under_torchrun(ray_cluster, recipe_runs, tiny_model_no_dropout_dir, tmp_path):
+    out = tmp_path / "ray"
+    proc = ray_recipe(ray_cluster, tiny_model_no_dropout_dir, out, "--num_workers", "2", "--save_strategy", "steps",
+                      "--save_steps", "15")  # fmt: skip
+    assert proc.wait(timeout=600) == 0, (tmp_path / "ray.log").read_text()[-4000:]
+    run_info = load_results(out)["run"]
+    assert (run_info["launcher"], run_info["world_size"]) == ("ray", 2)
+    assert (run_info["engine"], run_info["zero_stage"]) == ("DeepSpeedEngine", 2)
+    oracle = recipe_runs("torchrun-zero2")
+    assert train_losses(out) == pytest.approx(train_losses(oracle), rel=1e-6)
+    expected, got = final_weights(oracle), final_weights(out)
+    assert max((expected[k] - got[k]).abs().max().item() for k in expected) <= RESUME_TOLERANCE
+    # each checkpoint reported to Ray once, every rank's files merged into it (Ray's own callback keeps rank 0's)
+    reported = sorted((out.parent / "ray.ray").glob("*/checkpoint-*"))
+    assert [p.name for p in reported] == ["checkpoint-15", "checkpoint-30"]
+    for checkpoint in reported:
+        local = out / checkpoint.name
+        assert sorted(str(p.relative_to(local)) for p in local.rglob("*") if p.is_file()) == sorted(
+            str(p.relative_to(checkpoint)) for p in checkpoint.rglob("*") if p.is_file())  # fmt: skip
+        assert {p.name for p in checkpoint.rglob("*zero_pp_rank_*optim_states.pt")} == {
+            f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)}  # fmt: skip
+
+
+def test_ray_elastic_loses_a_node_and_resumes_on_one_worker(ray_cluster, recipe_runs, tiny_model_no_dropout_dir,
+                                                            tmp_path):  # fmt: skip
+    out = tmp_path / "elastic"
+    proc = ray_recipe(ray_cluster, tiny_model_no_dropout_dir, out, "--num_workers", "1:2", "--max_failures", "1",
+                      "--save_strategy", "steps", "--save_steps", "8", "--resume_from_checkpoint", "last")  # fmt: skip
+    deadline = time.monotonic() + 300
+    while not (out / "checkpoint-8").is_dir():
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "elastic.log").read_text()[-4000:]
+        time.sleep(0.02)
+    node = ray_cluster["second_node"]  # the second machine goes away: its raylet and its worker
+    for process in [node, *node.children(recursive=True)]:
+        process.kill()
+    assert proc.wait(timeout=600) == 0, (tmp_path / "elastic.log").read_text()[-4000:]
+    log = (tmp_path / "elastic.log").read_text()
+    assert "Started training worker group of size 1" in log
+    assert "Resuming checkpoint-8 (written on 2 ranks) on 1" in log
+    assert load_results(out)["run"]["world_size"] == 1
+    expected, got = final_weights(recipe_runs("torchrun-zero2")), final_weights(out)
+    assert max((expected[k] - got[k]).abs().max().item() for k in expected) <= RESUME_TOLERANCE
 
 
 @pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])

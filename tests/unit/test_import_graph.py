@@ -138,13 +138,14 @@ def test_hf_ext_needs_no_product_dependency():
 #: the building blocks every feature may use
 FOUNDATIONS = {"sizes", "errors", "atomic", "batching", "ranks", "gather", "model_info", "schedule", "runtime"}
 #: one folder (or module) per feature
-FEATURES = {"memory", "peft", "fsdp", "deepspeed", "saving", "evaluation", "packing"}
+FEATURES = {"memory", "peft", "fsdp", "deepspeed", "saving", "evaluation", "packing", "loss", "preemption", "ray"}
 #: the only imports from one feature into another, each with its reason
 FEATURE_EDGES = {
     ("deepspeed", "memory"): 'the resolver asks the planner to fill an "auto" stage, offload or micro-batch',
     ("evaluation", "memory"): "a gathered ZeRO-3 eval needs the plan's headroom for its copy",
     ("saving", "peft"): "a final save of a PEFT model writes the adapter (and checkpoints its trainable state)",
     ("saving", "fsdp"): "an FSDP2 save writes in the dtype the FSDP mixed-precision policy computes in",
+    ("ray", "saving"): "a Ray checkpoint is hf-ext's checkpoint directory, reported rank by rank and restored by name",
 }
 #: the settings (every hf-ext setting a field; YAML + flags), and what composes everything
 SETTINGS = {"training_args", "config_args"}

@@ -12,8 +12,15 @@ TORCHRUN = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "TORCHELASTIC_RUN
 ENVIRONMENTS = {
     "deepspeed": {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "CROSS_RANK": "0", "LOCAL_SIZE": "2"},
     # ray.train.torch.config._set_torch_distributed_env_vars, in a Ray worker process (RAY_RAYLET_PID)
-    "ray": {"RAY_RAYLET_PID": "123", "LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-            "NODE_RANK": "0", "ACCELERATE_TORCH_DEVICE": "cpu"},  # fmt: skip
+    "ray": {
+        "RAY_RAYLET_PID": "123",
+        "LOCAL_RANK": "0",
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+        "NODE_RANK": "0",
+        "ACCELERATE_TORCH_DEVICE": "cpu",
+    },  # fmt: skip
     "accelerate": {**TORCHRUN, "ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_USE_DEEPSPEED": "true"},
     "torchrun": TORCHRUN,
     "mpi": {"OMPI_COMM_WORLD_SIZE": "2"},
