@@ -86,6 +86,6 @@ def split_launcher_args(argv: list[str]) -> tuple[argparse.Namespace | None, lis
     if len(workers) > 2 or not all(w.isdigit() and int(w) > 0 for w in workers):
         raise SystemExit(f"--num_workers {known.num_workers!r}: a number of workers (2) or a range (1:2).")
     known.num_workers = int(workers[0]) if len(workers) == 1 else (int(workers[0]), int(workers[1]))
-    if known.ray_storage:
+    if known.ray_storage and "://" not in known.ray_storage:  # a local directory (s3://, gs://... as given)
         known.ray_storage = str(Path(known.ray_storage).resolve())
     return known, rest

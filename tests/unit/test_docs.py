@@ -25,6 +25,7 @@ FEATURE_PAGES = [
     "chat-e",
     "feedback",
     "multinode",
+    "cluster",
 ]
 README_MAX_LINES = 250
 
