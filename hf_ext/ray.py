@@ -4,9 +4,9 @@ resized) worker group resuming from it.
 ``ray.train.torch.TorchTrainer`` starts one worker per rank, sets the torch.distributed variables and the process
 group, and calls a train function on each; on a failure (``FailureConfig(max_failures=...)``) it starts the group
 again, with fewer or more workers under ``ScalingConfig(num_workers=(min, max))``, and hands the new workers the last
-reported checkpoint (``ray.train.get_checkpoint()``). Ray's own ``RayTrainReportCallback`` reports rank 0's copy of the
-checkpoint directory only: a DeepSpeed or FSDP checkpoint is sharded over the ranks, and on nodes without a shared
-filesystem the other ranks' shards would be lost.
+reported checkpoint (``ray.train.get_checkpoint()``). Ray's own ``RayTrainReportCallback`` has every rank copy and
+report the whole checkpoint directory it sees; a DeepSpeed or FSDP checkpoint is written by every rank, each its own
+files.
 
 Under Ray, hf-ext's trainers (:mod:`hf_ext.runtime` detects the launcher)
 
