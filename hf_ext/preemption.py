@@ -10,15 +10,17 @@ With ``save_on_preemption`` (on by default), :class:`PreemptionCallback`
 
 * catches the signals of ``save_on_preemption_signals`` (SIGTERM and SIGUSR1) while ``train()`` runs: the handler
   only records the signal;
-* at every ``save_on_preemption_check_steps``-th step boundary, all-reduces "which signal, on which rank" (one
-  all-reduce of two integers), so every rank learns of a signal that reached any of them at the same step;
+* for every ``save_on_preemption_check_steps``-th optimizer step, all-reduces "which signal, on which rank" (two
+  integers), started when the step begins and waited for when it ends, so that it runs while the step computes: every
+  rank learns of a signal that reached any of them at the same step boundary, the end of the step after the one the
+  signal arrived in;
 * then has the trainer write that step's checkpoint through hf-ext's atomic path (``tmp-checkpoint-N``, renamed once
   every rank is done) and stop, skipping an evaluation due at that step;
 * after ``train()`` returns, :func:`exit_if_preempted` tears the process group down and exits with
   :data:`PREEMPTED_EXIT_CODE` (75, ``EX_TEMPFAIL``: the run is not finished; ``resume_from_checkpoint=True`` goes on
   from that checkpoint).
 
-A signal during a checkpoint or an evaluation lets it finish; the run stops at the next step boundary. The same
+A signal during a checkpoint or an evaluation lets it finish; the run stops at the end of the next step. The same
 signal arriving again within :data:`REPEAT_WINDOW_S` is the same request (SLURM signals every process and the launcher
 forwards it too); a signal after that exits at once with ``128 + signal``, which leaves only complete checkpoints,
 since a checkpoint appears under its name only when complete.
@@ -76,7 +78,8 @@ class PreemptionArguments:
         save_on_preemption_signals (`list[str]`, defaults to ``["SIGTERM", "SIGUSR1"]``):
             The signals that mean preemption.
         save_on_preemption_check_steps (`int`, defaults to 1):
-            Agree on a signal every this many optimizer steps (one all-reduce of two integers each time).
+            Agree on a signal every this many optimizer steps (one all-reduce of two integers each time, overlapped
+            with the step).
     """
 
     save_on_preemption: bool = field(
@@ -124,14 +127,15 @@ class PreemptionCallback(TrainerCallback):
         self.saved_at: int | None = None  # the step of the preemption checkpoint
         self.signal_name: str = ""
         self._previous: dict[signal.Signals, object] = {}
+        self._agreement = None  # the all-reduce started at this step's beginning: a function that waits for it
 
     def _handle(self, signum, frame) -> None:
         # in a signal handler: record, and write with os.write (no lock that the interrupted code may hold)
         now = time.monotonic()
         if not self.received:
             self.received, self.first_received_at = signum, now
-            os.write(2, f"[hf-ext] {signal.Signals(signum).name} received: saving a checkpoint at the next step "
-                        "boundary, then exiting. A second signal exits at once.\n".encode())  # fmt: skip
+            os.write(2, f"[hf-ext] {signal.Signals(signum).name} received: every rank saves a checkpoint at the end "
+                        "of the next step, then exits. A second signal exits at once.\n".encode())  # fmt: skip
             return
         if now - self.first_received_at < REPEAT_WINDOW_S:
             return  # the same preemption, delivered twice (the launcher forwards it, SLURM signals every process)
@@ -151,10 +155,16 @@ class PreemptionCallback(TrainerCallback):
             sig = parse_signal(name)
             self._previous[sig] = signal.signal(sig, self._handle)
 
+    def on_step_begin(self, args, state, control, **kwargs):
+        # the all-reduce runs while the step computes: the ranks only wait for it at the step's end
+        if self._previous and (state.global_step + 1) % args.save_on_preemption_check_steps == 0:
+            self._agreement = max_over_ranks([self.received, args.process_index + 1 if self.received else 0])
+
     def on_step_end(self, args, state, control, **kwargs):
-        if not self._previous or state.global_step % args.save_on_preemption_check_steps:
+        if self._agreement is None:
             return
-        signum, rank = max_over_ranks([self.received, args.process_index + 1 if self.received else 0])
+        signum, rank = self._agreement()
+        self._agreement = None
         if not signum:
             return
         control.should_save, control.should_training_stop, control.should_evaluate = True, True, False
@@ -163,6 +173,9 @@ class PreemptionCallback(TrainerCallback):
                        f"and stops.")  # fmt: skip
 
     def on_train_end(self, args, state, control, **kwargs):
+        if self._agreement is not None:  # started by the last step, which ended the run: nothing left pending
+            self._agreement()
+            self._agreement = None
         if self.saved_at is None:
             self.release()
         # else the handlers stay until exit_if_preempted: a launcher signalling the ranks now must not kill one

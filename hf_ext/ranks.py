@@ -112,11 +112,18 @@ def _destroy_process_groups_at_exit() -> None:
     atexit.register(destroy_process_groups)
 
 
-def max_over_ranks(values: list[int]) -> list[int]:
-    """The element-wise maximum of ``values`` over every rank (one all-reduce); ``values`` itself with one rank."""
+def max_over_ranks(values: list[int]):
+    """Start the element-wise maximum of ``values`` over every rank (one asynchronous all-reduce, to overlap with
+    work every rank does next); returns a function that waits for it and gives the maxima (``values`` itself with one
+    rank). Every rank must start and finish it at the same points."""
     dist = _world()
     if dist is None:
-        return list(values)
+        return lambda: list(values)
     tensor = torch.tensor(values, dtype=torch.int64, device=_device(dist))
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return [int(v) for v in tensor.tolist()]
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True)
+
+    def result() -> list[int]:
+        work.wait()
+        return [int(v) for v in tensor.tolist()]
+
+    return result

@@ -86,7 +86,7 @@ def test_hf_ext_callbacks_are_timed_on_every_step(interleaved):
                 continue
             events = s["hf_ext_hook_seconds"]
             assert {"on_train_begin", "on_step_begin", "on_step_end", "on_train_end"} <= set(events)
-            assert 0 < s["hf_ext_hook_seconds_per_step"] < events["on_train_begin"] + events["on_train_end"]
+            assert s["hf_ext_hook_seconds_per_step"] > 0  # its cost against a run without it: bench_preemption
 
 
 def test_the_step_tracer_names_hf_ext_code():
@@ -103,15 +103,28 @@ def test_the_step_tracer_names_hf_ext_code():
     assert tracer.calls["hf_ext"] >= 1
 
 
+#: the hf-ext functions a training step runs: the loss of a model that averages its own micro-batch, taken over the
+#: global batch (hf_ext/loss.py, with the decoder inputs the model would build itself), and the preemption agreement
+#: (hf_ext/preemption.py: one all-reduce started at the step's begin, waited for at its end)
+STEP_FUNCTIONS = {
+    "trainer.py:TrainerMixin.compute_loss", "loss.py:with_decoder_inputs", "loss.py:global_token_mean_loss",
+    "loss.py:decoder_inputs_from_labels.<locals>.<lambda>", "preemption.py:PreemptionCallback.on_step_begin",
+    "preemption.py:PreemptionCallback.on_step_end", "ranks.py:max_over_ranks", "ranks.py:max_over_ranks.<locals>.result",
+    "ranks.py:max_over_ranks.<locals>.result.<locals>.<listcomp>", "ranks.py:_world", "ranks.py:_device",
+}  # fmt: skip
+
+
 @pytest.mark.distributed
-def test_no_hf_ext_function_runs_inside_a_training_step(interleaved):
+def test_only_the_loss_and_the_preemption_agreement_run_inside_a_training_step(interleaved):
     """Every Python call from the first step's begin to the last step's end, counted by package: hf-ext's Trainer and
-    TrainingArguments add nothing to the step path (its callbacks' step events are transformers' own no-ops), and
-    the step does no more interpreter work than stock's (it skips stock's cross-rank token count)."""
+    TrainingArguments add to the step path only :data:`STEP_FUNCTIONS`, and the step does about the interpreter work
+    of stock's (within 1 %; measured +0.1 %: the functions above and one more small all-reduce)."""
     for segments in interleaved:
         calls = {}
         for s in segments:
-            assert s["hf_ext_functions_in_steps"] == {}, s["path"]
+            assert set(s["hf_ext_functions_in_steps"]) <= (STEP_FUNCTIONS if s["path"] == "hf-ext" else set()), s[
+                "path"
+            ]
             # the tracer sees the step: the Trainer's loop, accelerate's backward and DeepSpeed's engine
             assert all(s["python_calls_per_step"].get(p, 0) > 0 for p in ("transformers", "accelerate", "deepspeed"))
             calls.setdefault(s["path"], s["python_calls_per_step"])
@@ -119,4 +132,4 @@ def test_no_hf_ext_function_runs_inside_a_training_step(interleaved):
             assert s["python_calls_per_step"] == pytest.approx(calls[s["path"]], rel=0.02)
         # the worker's own instruments (its timers, and HookClock on hf-ext's callbacks) left out
         ours, stock = ({k: v for k, v in calls[p].items() if k != "benchmark"} for p in ("hf-ext", "stock"))
-        assert sum(ours.values()) <= sum(stock.values()), (ours, stock)
+        assert sum(ours.values()) <= 1.01 * sum(stock.values()), (ours, stock)

@@ -1,15 +1,17 @@
-"""Full fine-tuning checkpoints resumed on another number of ranks (real DeepSpeed, ZeRO-3; ZeRO-2's conversion, the
-same tool on simpler files: the preempted recipe run resumed on one rank in tests/distributed/test_recipe_distributed.py).
+"""Full fine-tuning checkpoints resumed on another number of ranks (real DeepSpeed, ZeRO-3): a 1-rank checkpoint
+resumed on 2 ranks, and the conversion reused. The other direction, 2 ranks resumed on 1, is the elastic survivor of
+tests/distributed/test_multinode.py (ZeRO-3) and the preempted recipe run of tests/distributed/test_recipe_distributed.py
+(ZeRO-2's conversion, the same tool on simpler files).
 
-Two uninterrupted 8-step runs of the same global batch (4) are the oracles: 2 ranks x micro-batch 2,
-and 1 rank x micro-batch 2 x accumulation 2. The checkpoint each wrote at step 4 is resumed on the other world size
-with the command line of the run that wrote it (so hf-ext has to change the accumulation itself).
+The uninterrupted 8-step run of a global batch of 4 on 1 rank (micro-batch 2 x accumulation 2) is the oracle; its
+checkpoint-4 is resumed on 2 ranks with the command line of the run that wrote it (so hf-ext has to change the
+accumulation itself).
 
 Tolerance: dropout is off, so the resumed and uninterrupted runs compute the same per-sample gradients and differ
 only in the order fp32 sums them (all-reduce over 2 ranks against accumulation on 1): a few ulps (1.2e-7 at 1.0)
-after 8 Adam steps. The two uninterrupted oracles differ by up to 4.5e-7 themselves, so the tolerance is 2e-6. The
-4 resumed steps move the weights by about 2e-3, so a resume that lost the optimizer moments, the schedule or the data
-position lands far outside it.
+after 8 Adam steps; uninterrupted runs on 1 and 2 ranks were measured up to 4.5e-7 apart, so the tolerance is 2e-6.
+The 4 resumed steps move the weights by about 2e-3, so a resume that lost the optimizer moments, the schedule or the
+data position lands far outside it.
 """
 
 from __future__ import annotations
@@ -61,19 +63,19 @@ def losses(out: Path) -> dict[int, float]:
 
 
 # name: (the run whose checkpoint-4 is resumed, ranks, gradient accumulation on the command line)
-RESUMES = {"two_on_one": ("two", 1, 1), "one_on_two": ("one", 2, 2)}
-# ZeRO-3 resumes both ways, then once more to reuse the conversion
-RESUMED = {3: ["two_on_one", "one_on_two"]}
+RESUMES = {"one_on_two": ("one", 2, 2)}
+# a 1-rank checkpoint resumed on 2 ranks, then once more to reuse the conversion (2 ranks resumed on 1: the elastic
+# survivor of tests/distributed/test_multinode.py, ZeRO-3, and the preempted recipe run, ZeRO-2)
+RESUMED = {3: ["one_on_two"]}
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, tmp_path_factory):
-    """The two uninterrupted runs, then checkpoint-4 resumed on the other world size."""
+    """The uninterrupted 1-rank run, then its checkpoint-4 resumed on 2 ranks, twice."""
     stage = 3
     root = tmp_path_factory.mktemp(f"resume_zero{stage}")
     found = {"stage": stage, "resumed": RESUMED[stage]}
-    for name, ranks, accum in (("two", 2, 1), ("one", 1, 2)):
-        train(tiny_model_dir, root / name, ranks, stage, "--accum", str(accum))
+    train(tiny_model_dir, root / "one", 1, stage, "--accum", "2")
     for name in RESUMED[stage]:
         source, ranks, accum = RESUMES[name]
         checkpoint = root / source / "out" / "checkpoint-4"
@@ -81,18 +83,11 @@ def runs(tiny_model_dir, tmp_path_factory):
         proc = train(tiny_model_dir, root / name, ranks, stage, "--accum", str(accum), "--resume", str(checkpoint))
         found[name] = {"before": before, "after": digests(checkpoint), "log": proc.stdout + proc.stderr}
     # the same resume again: the conversion is reused
-    proc = train(tiny_model_dir, root / "again", 1, stage, "--resume", str(root / "two" / "out" / "checkpoint-4"))
+    proc = train(tiny_model_dir, root / "again", 2, stage, "--accum", "2", "--resume",
+                 str(root / "one" / "out" / "checkpoint-4"))  # fmt: skip
     found["again"] = proc.stdout + proc.stderr
     found["root"] = root
     return found
-
-
-def test_uninterrupted_runs_of_the_same_global_batch_agree(runs):
-    # the oracle itself: 2 ranks x 2 and 1 rank x 2 x 2 train the same model from the same samples
-    root = runs["root"]
-    one, two = torch.load(root / "one" / "trained.pt"), torch.load(root / "two" / "trained.pt")
-    assert max_difference(one, two) < TOLERANCE
-    assert samples_by_step(root / "one") == samples_by_step(root / "two")
 
 
 def test_resume_on_another_world_size_matches_the_uninterrupted_run(runs):
@@ -102,8 +97,7 @@ def test_resume_on_another_world_size_matches_the_uninterrupted_run(runs):
 
 def check_resumed(root: Path, name: str, source: str, ranks: int):
     resumed = torch.load(root / name / "trained.pt")
-    for oracle in ("one", "two"):
-        assert max_difference(resumed, torch.load(root / oracle / "trained.pt")) < TOLERANCE, oracle
+    assert max_difference(resumed, torch.load(root / source / "trained.pt")) < TOLERANCE
     # the 4 resumed steps really trained (a resume that dropped state would be far beyond the tolerance)
     from transformers import BlenderbotForConditionalGeneration
 
@@ -133,7 +127,7 @@ def check_resumed(root: Path, name: str, source: str, ranks: int):
 def test_conversion_is_said_cached_and_leaves_the_checkpoint_untouched(runs):
     for name in runs["resumed"]:
         source, ranks, _ = RESUMES[name]
-        check_conversion(runs, name, source, {"two": 2, "one": 1}[source], ranks)
+        check_conversion(runs, name, source, 1, ranks)
 
 
 def check_conversion(runs, name: str, source: str, written: int, ranks: int):
@@ -153,7 +147,7 @@ def test_a_second_resume_reuses_the_conversion(runs):
     lines = [line for line in runs["again"].splitlines() if "universal checkpoint" in line]
     assert len(lines) == 1 and "(converted earlier," in lines[0], runs["again"][-3000:]
     root = runs["root"]
-    first, again = torch.load(root / "two_on_one" / "trained.pt"), torch.load(root / "again" / "trained.pt")
+    first, again = torch.load(root / "one_on_two" / "trained.pt"), torch.load(root / "again" / "trained.pt")
     assert all(torch.equal(first[k], again[k]) for k in first)
 
 

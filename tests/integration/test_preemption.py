@@ -48,7 +48,7 @@ def test_sigterm_saves_one_checkpoint_exits_75_and_resumes_to_the_same_weights(t
     uninterrupted = trainer_for(tiny_model_dir, tmp_path / "full")
     uninterrupted.train(resume_from_checkpoint="last")  # nothing to resume yet: from the start
 
-    # SIGTERM at step 3, checked every 2 steps: the run saves checkpoint-4 (save_strategy "no": no other checkpoint)
+    # SIGTERM at the end of step 3, agreed on every 2 steps (during step 4): the run saves checkpoint-4 and nothing else
     out = tmp_path / "preempted"
     with pytest.raises(SystemExit) as exited:
         trainer_for(tiny_model_dir, out, SignalAt(3, rank=0), save_on_preemption_check_steps=2).train()

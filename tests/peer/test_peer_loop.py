@@ -67,9 +67,10 @@ def test_the_callback_list_and_its_edits(peer, tmp_path):
 def _hf_ext_callbacks() -> list[type]:
     # the callbacks hf-ext adds to every trainer (docs/drop-in.md#callbacks)
     from hf_ext.memory.measure import MemoryPlanCallback
+    from hf_ext.preemption import PreemptionCallback
     from hf_ext.schedule import ResumedScheduleCallback
 
-    return [MemoryPlanCallback, ResumedScheduleCallback]
+    return [MemoryPlanCallback, ResumedScheduleCallback, PreemptionCallback]
 
 
 @pytest.mark.peer_sides("stock", "hf_ext")
