@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--work", default="runs/bench/preemption")
     parser.add_argument("--out", default=None)
     parser.add_argument("--doc", default=None)
+    parser.add_argument("--section", default="bench-preemption", help="the section of --doc this run writes")
     args = parser.parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
     for _ in range(args.repeats):
         on, off = steps_per_second(work, True, args.steps), steps_per_second(work, False, args.steps)
         pairs.append({"on": on, "off": off, "ratio": on / off})
-    mean, low, high = harness.geometric_mean_interval([p["ratio"] for p in pairs])
+    mean, low, high = harness.geometric_mean_interval([p["ratio"] for p in pairs]) if pairs else (None, None, None)
 
     exit_rows = [[e["model"], e["engine"], e.get("checkpoint", "-"), e.get("checkpoint_mib", "-"),
                   e.get("seconds", "failed")] for e in exits]  # fmt: skip
@@ -100,15 +101,16 @@ def main(argv: list[str] | None = None) -> dict:
         f"`{harness.command('benchmarks.bench_preemption', argv)}`",
         harness.markdown_table(["model", "engine", "checkpoint", "size (MiB)", "SIGTERM to every rank exited (s)"],
                                exit_rows),
+    ] + ([
         harness.markdown_table(["steps/s, save_on_preemption on", "off", "ratio on / off"],
                                [[f"{p['on']:.3f}", f"{p['off']:.3f}", f"{p['ratio']:.3f}"] for p in pairs]),
         f"Agreement cost: on / off = **{mean:.3f}** (95 % interval {low:.3f}-{high:.3f}, {args.repeats} pairs of "
         f"{args.steps} steps of the tiny recipe, ZeRO-2, 2 CPU ranks).",
-    ])  # fmt: skip
+    ] if pairs else []))  # fmt: skip
     report = {"host": harness.host_info(), "exits": exits, "cost_pairs": pairs,
               "cost_ratio": {"mean": mean, "low": low, "high": high}}  # fmt: skip
     if args.doc:
-        harness.write_section(args.doc, "bench-preemption", text)
+        harness.write_section(args.doc, args.section, text)
     return harness.finish(report, text, args.out)
 
 
