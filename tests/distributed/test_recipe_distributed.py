@@ -198,8 +198,8 @@ def ray_cluster(tmp_path_factory):
     """A real Ray cluster: a head and a second node, started with ``ray start`` on loopback (token authentication off,
     as on a private network), one CPU each so that each Ray Train worker lands on its own node. A node that stops
     answering is declared dead after 3 health checks 0.5 s apart (Ray's default: 5 of 3 s), and a worker group that
-    cannot start is given up after 10 s (60 s) so that the elastic test does not wait on a node that is gone."""
-    env = launch_env(RAY_AUTH_MODE="disabled", RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S="10")
+    cannot start is given up after 15 s (60 s) so that the elastic test does not wait on a node that is gone."""
+    env = launch_env(RAY_AUTH_MODE="disabled", RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S="15")
     port = free_port()
     system = json.dumps({"health_check_period_ms": 500, "health_check_failure_threshold": 3,
                          "health_check_initial_delay_ms": 0})  # fmt: skip
