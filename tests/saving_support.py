@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import json
+from pathlib import Path
 
 import torch
 
@@ -79,3 +81,13 @@ def gathered_state_dict(model) -> dict[str, torch.Tensor]:
         ctx = contextlib.nullcontext()
     with ctx:
         return {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def samples_by_step(run_dir: Path) -> dict[int, list[int]]:
+    """``{optimizer step: sorted sample ids}`` from the ``samples.rank*.json`` files train_save.py's ``--samples``
+    writes (every rank's, merged)."""
+    steps: dict[int, list[int]] = {}
+    for path in sorted(Path(run_dir).glob("samples.rank*.json")):
+        for step, sample in json.loads(path.read_text()):
+            steps.setdefault(step, []).append(sample)
+    return {step: sorted(ids) for step, ids in steps.items()}

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from ..conftest import BIN, ROOT, free_port, launch_env
-from ..saving_support import assert_same_tensors, parameter_names
+from ..saving_support import assert_same_tensors, parameter_names, samples_by_step
 
 pytestmark = pytest.mark.distributed
 
@@ -143,14 +143,6 @@ def test_two_node_save_loads_and_equals_the_gathered_weights(runs, tiny_model_di
     loaded = BlenderbotForConditionalGeneration.from_pretrained(runs / "full" / "out")
     params = dict(loaded.named_parameters(remove_duplicate=False))
     assert_same_tensors(params, gathered, parameter_names(tiny_model_dir))
-
-
-def samples_by_step(run_dir: Path) -> dict[int, list[int]]:
-    steps: dict[int, list[int]] = {}
-    for path in sorted(run_dir.glob("samples.rank*.json")):
-        for step, sample in json.loads(path.read_text()):
-            steps.setdefault(step, []).append(sample)
-    return {step: sorted(ids) for step, ids in steps.items()}
 
 
 #: the survivor sums each step's gradient over 2 accumulation steps instead of an all-reduce of 2 ranks: fp32 order

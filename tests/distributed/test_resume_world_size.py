@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
 import torch
 
 from ..conftest import ROOT, TRAIN_LAUNCHER, launcher_cmd, run
+from ..saving_support import samples_by_step
 
 pytestmark = pytest.mark.distributed
 
@@ -37,14 +37,6 @@ def train(model_dir, out: Path, ranks: int, stage: int, *extra: str):
            "--stage", str(stage), "--no_dropout", "--epochs", "1", "--save_total_limit", "3",
            "--dump", str(out / "trained.pt"), "--samples", str(out / "samples"), *extra]  # fmt: skip
     return run(cmd)
-
-
-def samples_by_step(out: Path) -> dict[int, list[int]]:
-    steps = defaultdict(list)
-    for path in sorted(out.glob("samples.rank*.json")):
-        for step, sample in json.loads(path.read_text()):
-            steps[step].append(sample)
-    return {step: sorted(ids) for step, ids in steps.items()}
 
 
 def digests(folder: Path) -> dict[str, str]:

@@ -18,8 +18,8 @@ ENV = "HF_EXT_TEST_SIGNAL_AT"
 
 
 class SignalAt(TrainerCallback):
-    def __init__(self, step: int, sig: str = "SIGTERM", target: str = "self", rank: int = 1, times: int = 1):
-        self.step, self.sig, self.target, self.rank, self.times = step, signal.Signals[sig], target, rank, times
+    def __init__(self, step: int, sig: str = "SIGTERM", target: str = "self", rank: int = 1):
+        self.step, self.sig, self.target, self.rank = step, signal.Signals[sig], target, rank
 
     @classmethod
     def from_env(cls, value: str) -> SignalAt:
@@ -32,8 +32,7 @@ class SignalAt(TrainerCallback):
         pid = os.getppid() if self.target == "launcher" else os.getpid()
         print(f"rank {args.process_index}: {self.sig.name} to {self.target} (pid {pid}) at step {self.step} at "
               f"{time.time()}", flush=True)  # fmt: skip
-        for _ in range(self.times):
-            os.kill(pid, self.sig)
+        os.kill(pid, self.sig)
 
 
 def install_from_env() -> None:
