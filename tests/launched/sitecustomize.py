@@ -40,3 +40,8 @@ if __import__("os").environ.get("HF_EXT_TEST_SIGNAL_AT"):  # the preemption test
     import signal_at
 
     signal_at.install_from_env()
+
+if __import__("os").environ.get("HF_EXT_TEST_CLOCK"):  # benchmarks/bench_elastic.py's milestones
+    import step_clock
+
+    step_clock.install_from_env()
