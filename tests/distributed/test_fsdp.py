@@ -6,10 +6,11 @@ decoder and the LM head, which accelerate's own FSDP2 grouping cannot wrap):
   FSDP unit although BlenderBot declares no ``_no_split_modules``;
 * the save loads with ``from_pretrained`` and equals torch's own full state dict (``get_model_state_dict``) bit for
   bit;
-* a resume from checkpoint-4 trains steps 5-8 only and ends bit-identical to the uninterrupted run; on 4 ranks it
-  lands within float tolerance of it (torch.distributed.checkpoint reshards);
-* hybrid sharding on 4 ranks with a sharding factor of 2: each parameter split over 2 ranks, the shards replicated
-  across the two groups;
+* a resume from checkpoint-4 on two nodes (two torchrun agents of one rank each, as in
+  tests/distributed/test_multinode.py) trains steps 5-8 only and ends bit-identical to the uninterrupted run on one;
+* the same checkpoint resumed on 4 ranks under hybrid sharding with a sharding factor of 2 (each parameter split
+  over 2 ranks, the shards replicated across the two groups) lands within float tolerance of it
+  (torch.distributed.checkpoint reshards);
 * an evaluation before any training (stock refuses to prepare an FSDP2 model without its optimizer) gives the plain
   model's loss, and the training after it is bit-identical to one without it;
 * under bf16 mixed precision the save is 16-bit: torch's full state dict (the fp32 master weights) cast to bf16.
@@ -25,6 +26,7 @@ import torch
 
 from ..conftest import ROOT, launcher_cmd, run
 from ..saving_support import parameter_names
+from .test_multinode import two_nodes
 
 pytestmark = pytest.mark.distributed
 
@@ -43,9 +45,11 @@ def runs(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp")
     full = train(tiny_model_dir, root / "full", "--fsdp", "full_shard", "--samples", str(root / "full" / "samples"),
                  "--stock_fsdp_check", str(root / "stock.json"))  # fmt: skip
-    resumed = train(tiny_model_dir, root / "resumed", "--fsdp", "full_shard", "--samples",
-                    str(root / "resumed" / "samples"), "--resume", str(root / "full" / "out" / "checkpoint-4"))  # fmt: skip
-    return root, full, resumed
+    # each node's one rank would take the node's cores; here it takes what each rank of the one-node run took, so that
+    # both runs compute with the same kernels' summation order
+    two_nodes(tiny_model_dir, root / "resumed", "--fsdp", "full_shard", "--samples", str(root / "resumed" / "samples"),
+              "--resume", str(root / "full" / "out" / "checkpoint-4"), OMP_NUM_THREADS=full["run"]["torch_threads"])  # fmt: skip
+    return root, full, json.loads((root / "resumed" / "trained.pt.json").read_text())
 
 
 def shards(run_dir: Path, rank: int) -> dict[str, torch.Tensor]:
@@ -104,6 +108,9 @@ def test_resume_is_bit_identical(runs, tiny_model_dir):
     for name in a:
         assert torch.equal(a[name], b[name]), name
     assert resumed["global_step"] == full["global_step"] == 8
+    run = resumed["run"]
+    assert (run["launcher"], run["world_size"], run["nodes"], run["ranks_per_node"]) == ("torchrun", 2, 2, 1)
+    assert (run["engine"], run["fsdp"]["sharding_factor"]) == ("FSDP2", 2)
     steps = sorted({step for rank in (0, 1) for step, _ in
                     json.loads((root / "resumed" / f"samples.rank{rank}.json").read_text())})  # fmt: skip
     assert steps == [5, 6, 7, 8]  # the resumed run trained steps 5-8 only
@@ -115,14 +122,21 @@ def test_resume_is_bit_identical(runs, tiny_model_dir):
     assert any(not torch.equal(at_4[name], a[name]) for name in at_4)  # steps 5-8 moved the weights
 
 
-def test_hybrid_shard_on_four_ranks(tiny_model_dir, tmp_path):
-    run_info = train(tiny_model_dir, tmp_path / "hybrid", "--fsdp", "hybrid_shard", "--fsdp_config",
-                     '{"sharding_factor": 2}', "--save_steps", "100", nproc=4)  # fmt: skip
-    assert run_info["run"]["fsdp"] == {"sharding": "hybrid_shard", "sharding_factor": 2, "replicas": 2}
-    weights = torch.load(tmp_path / "hybrid" / "trained.pt")
-    local = [shards(tmp_path / "hybrid", rank) for rank in range(4)]
+def test_resume_on_four_ranks_under_hybrid_sharding(runs, tiny_model_dir, tmp_path):
+    # the refusal of a micro-batch that cannot keep the global batch: tests/unit/test_resume_batch.py
+    root, full, _ = runs
+    checkpoint = str(root / "full" / "out" / "checkpoint-4")  # 2 ranks x micro-batch 2: a global batch of 4
+    resumed = train(tiny_model_dir, tmp_path / "four", "--fsdp", "hybrid_shard", "--fsdp_config",
+                    '{"sharding_factor": 2}', "--batch", "1", "--resume", checkpoint, nproc=4)  # fmt: skip
+    assert resumed["world_size"] == 4 and resumed["global_step"] == 8
+    assert resumed["run"]["fsdp"] == {"sharding": "hybrid_shard", "sharding_factor": 2, "replicas": 2}
+    losses = [h["loss"] for h in full["log_history"] if "loss" in h]
+    assert [h["loss"] for h in resumed["log_history"] if "loss" in h] == pytest.approx(losses, abs=1e-5)
+    a, weights = torch.load(root / "full" / "trained.pt"), torch.load(tmp_path / "four" / "trained.pt")
+    assert set(a) == set(weights) == parameter_names(tiny_model_dir)
+    assert max((a[name] - weights[name]).abs().max().item() for name in a) <= 2e-6  # fp32 sums in another order
+    local = [shards(tmp_path / "four", rank) for rank in range(4)]
     names = parameter_names(tiny_model_dir, remove_duplicate=True)
-    assert set(weights) == parameter_names(tiny_model_dir)
     assert [set(held) for held in local] == [names] * 4  # every parameter, on each rank
     for name in sorted(names):
         whole = weights[name]
@@ -183,17 +197,3 @@ def test_bf16_save_is_16_bit_master_weights(tiny_model_dir, tmp_path):
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     loaded = AutoModelForSeq2SeqLM.from_pretrained(out)
     assert loaded.dtype == torch.bfloat16
-
-
-def test_resume_on_four_ranks(runs, tiny_model_dir, tmp_path):
-    # the refusal of a micro-batch that cannot keep the global batch: tests/unit/test_resume_batch.py
-    root, full, _ = runs
-    checkpoint = str(root / "full" / "out" / "checkpoint-4")  # 2 ranks x micro-batch 2: a global batch of 4
-    resumed = train(tiny_model_dir, tmp_path / "four", "--fsdp", "full_shard", "--batch", "1", "--resume", checkpoint,
-                    nproc=4)  # fmt: skip
-    assert resumed["world_size"] == 4 and resumed["global_step"] == 8
-    losses = [h["loss"] for h in full["log_history"] if "loss" in h]
-    assert [h["loss"] for h in resumed["log_history"] if "loss" in h] == pytest.approx(losses, abs=1e-5)
-    a, b = torch.load(root / "full" / "trained.pt"), torch.load(tmp_path / "four" / "trained.pt")
-    assert set(a) == set(b) == parameter_names(tiny_model_dir)
-    assert max((a[name] - b[name]).abs().max().item() for name in a) <= 2e-6  # fp32 sums in another order
