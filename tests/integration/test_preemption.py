@@ -1,6 +1,7 @@
 """Preemption in one process (no launcher): a real SIGTERM at an exact step ends the run with one complete
-checkpoint and exit status 75, and the resumed run ends where the uninterrupted one did. The 2-rank runs (a signal to
-one rank or to torchrun, ZeRO-2, ZeRO-3, FSDP2): tests/distributed/test_preemption.py.
+checkpoint (adapter-only under LoRA) and exit status 75, and the resumed run ends where the uninterrupted one did.
+The 2-rank runs (a signal to one rank, to torchrun or to DeepSpeed's launcher; ZeRO-2, ZeRO-3, FSDP2) and Ray's:
+tests/distributed/test_recipe_distributed.py.
 
 Tolerance of the resumed weights: one process, the same kernels and the same order of operations on both sides, but
 the resumed run reloads the optimizer and RNG state through files; measured 0 apart here. 1e-7 allows for a platform
@@ -31,10 +32,15 @@ pytestmark = pytest.mark.slow
 TOLERANCE = 1e-7
 
 
-def trainer_for(model_dir, out, *callbacks, **overrides):
+def trainer_for(model_dir, out, *callbacks, lora: bool = False, **overrides):
     settings = dict(output_dir=str(out), per_device_train_batch_size=4, max_steps=12, learning_rate=1e-3,
                     save_strategy="no", report_to=[], seed=0, disable_tqdm=True, logging_steps=1)  # fmt: skip
     model = BlenderbotForConditionalGeneration.from_pretrained(model_dir)
+    if lora:  # the same adapter initialisation in every run
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(0)
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     return hf_ext.Trainer(model=model, args=hf_ext.TrainingArguments(**{**settings, **overrides}),
                           train_dataset=synthetic_rows(48, model.config.vocab_size),
                           data_collator=default_data_collator, callbacks=list(callbacks))  # fmt: skip
@@ -44,20 +50,24 @@ def weights(trainer) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
 
-def test_sigterm_saves_one_checkpoint_exits_75_and_resumes_to_the_same_weights(tiny_model_dir, tmp_path):
-    uninterrupted = trainer_for(tiny_model_dir, tmp_path / "full")
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_sigterm_saves_one_checkpoint_exits_75_and_resumes_to_the_same_weights(tiny_model_dir, tmp_path, lora):
+    uninterrupted = trainer_for(tiny_model_dir, tmp_path / "full", lora=lora)
     uninterrupted.train(resume_from_checkpoint="last")  # nothing to resume yet: from the start
 
     # SIGTERM at the end of step 3, agreed on every 2 steps (during step 4): the run saves checkpoint-4 and nothing else
     out = tmp_path / "preempted"
     with pytest.raises(SystemExit) as exited:
-        trainer_for(tiny_model_dir, out, SignalAt(3, rank=0), save_on_preemption_check_steps=2).train()
+        trainer_for(tiny_model_dir, out, SignalAt(3, rank=0), lora=lora, save_on_preemption_check_steps=2).train()
     assert exited.value.code == PREEMPTED_EXIT_CODE
     assert [p.name for p in out.iterdir() if "checkpoint" in p.name] == ["checkpoint-4"]
     assert checkpoints.is_complete_checkpoint(out / "checkpoint-4")
+    weights_files = {p.name for p in (out / "checkpoint-4").glob("*.safetensors")}
+    assert ("adapter_model.safetensors" in weights_files) is lora  # LoRA: the adapter, never the base model
+    assert ("model.safetensors" in weights_files) is not lora
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # in-process: given back before the exit
 
-    resumed = trainer_for(tiny_model_dir, out)
+    resumed = trainer_for(tiny_model_dir, out, lora=lora)
     resumed.train(resume_from_checkpoint="last")  # as a requeued job's unchanged command gives it
     assert resumed.state.global_step == 12 and resumed.resume_plan.checkpoint.name == "checkpoint-4"
     full, ours = weights(uninterrupted), weights(resumed)
