@@ -22,7 +22,7 @@ from chat_e.dialogue import normalize_mode
 from chat_e.feedback import FeedbackStore
 from chat_e.ui import NEW_REPLY, PREVIOUS_REPLY, from_display
 
-from ..conftest import ROOT, launcher_cmd, run
+from ..conftest import ROOT, TRAIN_LAUNCHER, launcher_cmd, run
 from .support import TEST_SETTINGS, ChatEServer, make_sensitive_model
 
 CLIENTS = 20
@@ -189,7 +189,7 @@ def test_exported_rows_train_five_dpo_steps_on_two_ranks(loop, tmp_path):
     assert bad == 0 and len(rows) >= CLIENTS * ROUNDS  # a correction per round, and most choices
     assert clean_preference_rows(rows, "dpo", str(rows_file)) == rows  # the recipe takes every row
     out = tmp_path / "dpo"
-    cmd = launcher_cmd("deepspeed", ROOT / "recipes" / "preference.py") + [
+    cmd = launcher_cmd(TRAIN_LAUNCHER, ROOT / "recipes" / "preference.py") + [
         "--config", str(ROOT / "recipes" / "configs" / "preference_tiny.yaml"), "--model_name_or_path", str(model),
         "--data_file", str(rows_file), "--n_eval", "8", "--max_steps", "5", "--output_dir", str(out),
     ]  # fmt: skip

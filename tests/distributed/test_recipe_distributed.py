@@ -33,7 +33,9 @@ RUNS = {
     "deepspeed-zero2": ("deepspeed", [], 2, 2),  # no --deepspeed: the launcher implies hf-ext's zero2 preset
     "deepspeed-zero3": ("deepspeed", ["--deepspeed", "zero3"], 2, 3),
     "torchrun-zero2": ("torchrun", ["--deepspeed", "zero2"], 2, 2),
-    "accelerate-zero2": (f"accelerate:{ROOT / 'recipes/accelerate/zero2.yaml'}", [], 2, 2),
+    # accelerate's DeepSpeed YAML (recipes/accelerate/zero2.yaml): the classification recipe's launch
+    # (tests/distributed/test_classification_recipe.py), and under ZeRO-3 on two nodes the same weights as torchrun's
+    # (tests/distributed/test_multinode.py)
     "torchrun-fsdp": ("torchrun", ["--fsdp", "full_shard"], 2, "fsdp"),  # stock's flag
     "accelerate-fsdp": (f"accelerate:{ROOT / 'recipes/accelerate/fsdp.yaml'}", [], 2, "fsdp"),
     "python": ("python", [], 1, None),
@@ -113,7 +115,7 @@ def test_recipe_trains_saves_and_reloads(name, recipe_runs, tiny_model_no_dropou
 
 def test_two_rank_launchers_give_the_same_loss(recipe_runs):
     zero2 = {name: load_results(recipe_runs(name))["train_loss"] for name in RUNS if name.endswith("zero2")}
-    assert len(zero2) == 3
+    assert len(zero2) == 2
     assert max(zero2.values()) - min(zero2.values()) < 1e-5, zero2
 
 
@@ -258,10 +260,11 @@ def test_ray_elastic_loses_a_node_and_resumes_on_one_worker(ray_cluster, recipe_
         f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)}  # fmt: skip
 
 
-@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
-def test_ranks_get_different_batches(launcher, tiny_model_dir, tmp_path):
+def test_ranks_get_different_batches(tiny_model_dir, tmp_path):
+    """Under DeepSpeed's launcher (every row once across ranks under torchrun, per step: the resume and elastic tests'
+    sample logs, tests/distributed/test_resume_world_size.py and test_multinode.py)."""
     script = ROOT / "tests" / "distributed" / "workers" / "sharding_probe.py"
-    cmd = launcher_cmd(launcher, script)
+    cmd = launcher_cmd("deepspeed", script)
     run(cmd + [str(tiny_model_dir), str(tmp_path), "zero2"])
     ranks = [json.loads((tmp_path / f"seen-rank{r}.json").read_text()) for r in (0, 1)]
     # DeepSpeed's CPU shm comm op ran, and left no workspace file in /dev/shm (RAM) behind
