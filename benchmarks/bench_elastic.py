@@ -49,6 +49,7 @@ ELASTIC = ["--nnodes", "1:2", "--nproc_per_node", "1", "--max-restarts", "1", "-
 RAY_HEALTH = {"health_check_period_ms": 500, "health_check_failure_threshold": 3, "health_check_initial_delay_ms": 0}
 CLOCK_SITE = harness.ROOT / "tests" / "launched"
 RESUMING = re.compile(r"Resuming checkpoint-(\d+) \(written on 2 ranks\) on 1")
+CONVERTED = re.compile(r"converted in ([\d.]+) s")
 
 
 def recipe_args(out: Path, steps: int) -> list[str]:
@@ -193,10 +194,12 @@ def one_run(launcher: str, work: Path, steps: int) -> dict:
                     key=lambda e: e["time"])  # fmt: skip
         again = min(e["time"] for e in step_events(begin["time"]))  # a step in flight at the kill may still end
         resumed = [int(m.group(1)) for line in output.lines if (m := RESUMING.search(line))]
+        converted = [float(m.group(1)) for line in output.lines if (m := CONVERTED.search(line))]
         return {"launcher": launcher, "cold_start_s": round(first - started, 2), "restart_s": round(again - killed, 2),
                 "to_training_s": round(begin["time"] - killed, 2), "first_step_s": round(again - begin["time"], 2),
                 "ratio": round((again - killed) / (first - started), 3), "resumed_checkpoint": resumed,
-                "resumed_at_step": begin["step"], "steps_redone": before - begin["step"]}  # fmt: skip
+                "resumed_at_step": begin["step"], "steps_redone": before - begin["step"],
+                "conversion_s": converted[0] if converted else None}  # fmt: skip
     finally:
         for proc in procs:
             if proc.poll() is None:
