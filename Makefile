@@ -12,7 +12,7 @@ NPROC ?= 2
 # the environment's executables first: DeepSpeed's launcher and ninja (scripts/build_deepspeed_ops.py says why)
 ENV_PATH := PATH="$(CURDIR)/$(BIN):$$PATH"
 
-.PHONY: setup demo demo-preference demo-blenderbot serve space test test-fast test-peer test-gpu test-kernels lint clean browser
+.PHONY: setup demo demo-preference demo-blenderbot serve space test test-fast test-peer test-gpu test-kernels lint clean browser postgres
 
 setup: $(STAMP)
 
@@ -52,22 +52,38 @@ serve:
 space: setup
 	$(BIN)/python scripts/build_space.py --output_dir runs/space
 
+# $(call debian_package,CHECK,PACKAGE,WHAT): unless the shell command CHECK succeeds, install Debian's PACKAGE (as root
+# with apt-get); where that cannot be done, say so: WHAT (the tests that need it) will be skipped
+define debian_package
+	@$(1) || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			apt-get update && apt-get install -y $(2) || \
+				echo "Installing Debian's $(2) failed (see above); $(3) will be skipped."; \
+		else \
+			echo "Debian's $(2) is missing and cannot be installed here (needs root and apt-get):" \
+				"run 'sudo apt-get update && sudo apt-get install -y $(2)', or $(3) will be skipped."; \
+		fi; }
+endef
+HAS_POSTGRES := ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 || command -v postgres >/dev/null
+
 # Debian's chromium for the Chat-E browser test (no browser download by playwright)
 browser:
-	@test -x /usr/bin/chromium || { \
-		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-			apt-get update && apt-get install -y chromium || \
-				echo "Installing Debian's chromium failed (see above); the Chat-E browser test will be skipped."; \
-		else \
-			echo "/usr/bin/chromium is missing and cannot be installed here (needs root and apt-get):" \
-				"run 'sudo apt-get update && sudo apt-get install -y chromium', or the browser test will be skipped."; \
-		fi; }
+	$(call debian_package,test -x /usr/bin/chromium,chromium,the Chat-E browser test)
 
-# every tier (unit, peer, integration, distributed, app) and the benchmarks' own tests; the browser note comes last
-test: setup browser
+# Debian's PostgreSQL server for the feedback database tests (each test session starts its own, on a free loopback
+# port, as the postgres user when run as root: tests/app/postgres.py)
+postgres:
+	$(call debian_package,$(HAS_POSTGRES),postgresql,the PostgreSQL tests)
+
+# every tier (unit, peer, integration, distributed, app) and the benchmarks' own tests; the browser and PostgreSQL
+# notes come last
+test: setup browser postgres
 	@status=0; $(BIN)/python -m pytest tests benchmarks/tests --ignore=tests/gpu || status=$$?; \
 	if [ ! -x /usr/bin/chromium ]; then \
 		echo; echo "NOTE: /usr/bin/chromium is missing, so the Chat-E browser test was SKIPPED (see 'make browser')."; \
+	fi; \
+	if ! { $(HAS_POSTGRES); }; then \
+		echo; echo "NOTE: PostgreSQL's server is missing, so the PostgreSQL tests were SKIPPED (see 'make postgres')."; \
 	fi; exit $$status
 
 # the GPU tier, on a machine with a CUDA GPU only (make test never runs it): make TORCH="... cu128 index" test-gpu

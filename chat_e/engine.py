@@ -37,7 +37,7 @@ from hf_ext.saving.model_dir import describe_model_dir
 
 from .dialogue import encode_history, family_of, format_context, normalize_mode
 from .messages import stripped_pieces
-from .settings import GenerationSettings
+from .settings import LENGTH, STOP, Completion, GenerationSettings
 
 logger = logging.getLogger(__name__)
 
@@ -268,6 +268,7 @@ class ChatEngine:
         mode: str = "none",
         context: str | None = None,
         settings: GenerationSettings | None = None,
+        completion: Completion | None = None,
         **overrides,
     ) -> str:
         """The bot's reply to ``message`` after ``history`` under a context ``mode``.
@@ -283,16 +284,29 @@ class ChatEngine:
                 ``domain``, ``topic``, or ``none``/``free``); another name is a ``ValueError``.
             context: the persona sentences, emotion, domain or topic for the header.
             settings: generation settings (:meth:`default_settings` when None); keyword overrides win.
+            completion: filled in with why the reply ended and its token count.
         """
         settings = self._settings(settings, overrides)
         inputs = self._inputs(message, history, mode, context)
         started = time.perf_counter()
+        config = self._generation_config(settings)
         with torch.inference_mode():
-            out = self.model.generate(**inputs, generation_config=self._generation_config(settings))
+            out = self.model.generate(**inputs, generation_config=config)
         new_tokens = self._new_tokens(out[0], inputs)
         reply = self.tokenizer.decode(new_tokens, skip_special_tokens=True).strip()
+        self._finished(new_tokens, config, completion)
         self._log(inputs, len(new_tokens), started, mode)
         return reply
+
+    def _finished(self, new_tokens, config, completion: Completion | None) -> None:
+        """Fill ``completion``: "length" when the reply ran to its limit without the model's end token."""
+        if completion is None:
+            return
+        ends = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
+        limit = config.max_new_tokens if self.family != "seq2seq" else config.max_length - 1
+        ended = len(new_tokens) > 0 and int(new_tokens[-1]) in ends
+        completion.finish_reason = LENGTH if not ended and len(new_tokens) >= limit else STOP
+        completion.tokens = len(new_tokens) - int(ended)
 
     def _new_tokens(self, sequence, inputs):
         """The generated part of ``sequence``: after the decoder start token, or after a decoder-only prompt."""
@@ -305,34 +319,38 @@ class ChatEngine:
         mode: str = "none",
         context: str | None = None,
         settings: GenerationSettings | None = None,
+        completion: Completion | None = None,
         **overrides,
     ) -> Iterator[str]:
         """Yield the reply in pieces as it is generated; their concatenation is what :meth:`chat` returns (the
-        arguments are :meth:`chat`'s).
+        arguments are :meth:`chat`'s; ``completion`` is filled in when the stream ends).
 
         Beam search cannot stream (the best beam is only known at the end): with ``num_beams > 1`` the whole reply
         comes as one piece. Closing the iterator early stops generation.
         """
         settings = self._settings(settings, overrides)
         if settings.num_beams > 1:
-            yield self.chat(message, history, mode, context, settings)
+            yield self.chat(message, history, mode, context, settings, completion)
             return
         inputs = self._inputs(message, history, mode, context)
         streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)
         cancel = threading.Event()
         failure: list[BaseException] = []
         lengths: list[int] = []
+        config = self._generation_config(settings)
 
         def run():
             try:
                 with torch.inference_mode():
                     out = self.model.generate(
                         **inputs,
-                        generation_config=self._generation_config(settings),
+                        generation_config=config,
                         streamer=streamer,
                         stopping_criteria=StoppingCriteriaList([_Cancelled(cancel)]),
                     )
-                lengths.append(len(self._new_tokens(out[0], inputs)))
+                new_tokens = self._new_tokens(out[0], inputs)
+                lengths.append(len(new_tokens))
+                self._finished(new_tokens, config, completion)
             except BaseException as err:  # handed to the reading thread, which re-raises it
                 failure.append(err)
                 streamer.end()

@@ -127,9 +127,9 @@ def _sqlite_pragmas(dbapi_connection, _record) -> None:
     """WAL (readers never block the writer, a crash loses no committed row), every commit synced to disk, and a
     wait for the lock instead of an immediate 'database is locked'."""
     cursor = dbapi_connection.cursor()
+    cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_SECONDS * 1000}")  # first: switching to WAL takes the lock too
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA synchronous=FULL")
-    cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_SECONDS * 1000}")
     cursor.close()
 
 

@@ -26,7 +26,12 @@ _UNSET: Any = object()
 
 
 class Refused(ValueError):
-    """A request outside :class:`ChatLimits`, or a malformed one; the message says what to change."""
+    """A request outside :class:`ChatLimits`, or a malformed one; the message says what to change. ``setting``: the
+    generation setting it is about (the message starts with its name), for callers that name it otherwise."""
+
+    def __init__(self, message: str, setting: str | None = None):
+        super().__init__(message)
+        self.setting = setting
 
 
 @dataclass
@@ -131,7 +136,8 @@ def check_request(
     """
     checked = Request()
     if message is not _UNSET:
-        checked.message = plain_turn(_check_text("message", message, limits.max_message_chars, required=True))
+        typed = _check_text("message", message, limits.max_message_chars, required=True)
+        checked.message = plain_turn(typed, limits.max_message_chars)
     if context is not _UNSET:
         checked.context = _check_text("context", context, limits.max_context_chars, required=False)
     if mode is not _UNSET:
@@ -215,7 +221,8 @@ def _check_history(
                 "most Chat-E takes. Start a new chat (Clear) or send fewer."
             )
         found += texts
-    return turns_of(found)
+    # the turns as checked: none cut beyond the limits (a turn within the chat's characters, the chat's turns)
+    return turns_of(found, limits.max_history_chars, limits.max_history_turns)
 
 
 def _check_settings(settings: Mapping[str, Any], ranges: Mapping[str, tuple[float, float]]) -> dict[str, Any]:
@@ -226,7 +233,7 @@ def _check_settings(settings: Mapping[str, Any], ranges: Mapping[str, tuple[floa
             raise Refused(f"{_kind(name)} is not a generation setting; they are {', '.join(kinds)}.")
         if kinds[name] is bool:
             if not isinstance(value, bool):
-                raise Refused(f"{name} should be true or false, not {_kind(value)}.")
+                raise Refused(f"{name} should be true or false, not {_kind(value)}.", setting=name)
             checked[name] = value
             continue
         low, high = ranges[name]
@@ -235,7 +242,7 @@ def _check_settings(settings: Mapping[str, Any], ranges: Mapping[str, tuple[floa
         if not number or not low <= value <= high or (integral and value != int(value)):
             what = "a whole number" if integral else "a number"
             shown = repr(value) if number else _kind(value)
-            raise Refused(f"{name} should be {what} from {low} to {high}, not {shown}.")
+            raise Refused(f"{name} should be {what} from {low} to {high}, not {shown}.", setting=name)
         checked[name] = int(value) if integral else float(value)
     return checked
 

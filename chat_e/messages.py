@@ -4,8 +4,9 @@ A history arrives as ``{"role", "content"}`` messages (the content a string, a `
 parts, as Gradio's chat window holds it), ``[user, bot]`` pairs or plain strings, oldest first.
 :func:`chat_turns` is the one place a chat is made plain for the model, once per reply (the UI's ``respond`` and the
 ``chat`` API endpoint reach it through :func:`chat_e.limits.check_request`): every turn's whitespace is collapsed
-and it is cut to :data:`MAX_MESSAGE_CHARS`; empty turns and system messages are dropped, consecutive messages of one
-speaker are joined into one turn (MuDoConv alternates speakers), and the newest :data:`MAX_HISTORY_TURNS` are kept.
+and it is cut to a length (:data:`MAX_MESSAGE_CHARS` unless the server's limits say otherwise); empty turns and
+system messages are dropped, consecutive messages of one speaker are joined into one turn (MuDoConv alternates
+speakers), and the newest turns are kept (:data:`MAX_HISTORY_TURNS`, or the limits').
 
 No Gradio here (the limits use it); escaping text for display is the UI's (:mod:`chat_e.ui`).
 """
@@ -17,9 +18,9 @@ from typing import Any
 
 from .dialogue import clean_turn
 
-#: Longest turn (characters) that is kept; longer ones are cut, the model only sees its newest tokens anyway.
+#: Longest turn (characters) kept by default; :mod:`chat_e.limits` passes the server's ``--max_message_chars``.
 MAX_MESSAGE_CHARS = 2000
-#: Newest turns of a history that are kept (a turn is at least one token, and BlenderBot's window is 128 tokens).
+#: Newest turns of a history kept by default; :mod:`chat_e.limits` passes the server's ``--max_history_turns``.
 MAX_HISTORY_TURNS = 128
 #: Who speaks a piece of a history: ``user``, ``assistant``, ``system`` or None (a plain string: turns alternate)
 Role = str | None
@@ -48,23 +49,26 @@ def pieces(item: Any, text: Callable[[Any], str] = message_text) -> list[tuple[R
     return [(None, text(item))]
 
 
-def plain_turn(text: str) -> str:
-    """One turn as the model gets it: whitespace collapsed, cut to :data:`MAX_MESSAGE_CHARS`."""
-    return clean_turn(text)[:MAX_MESSAGE_CHARS]
+def plain_turn(text: str, max_chars: int = MAX_MESSAGE_CHARS) -> str:
+    """One turn as the model gets it: whitespace collapsed, cut to ``max_chars``."""
+    return clean_turn(text)[:max_chars]
 
 
-def turns_of(history: Iterable[tuple[Role, str]]) -> list[str]:
-    """Plain turns, oldest first, from a history's ``(role, text)`` pieces (see the module's docstring)."""
+def turns_of(
+    history: Iterable[tuple[Role, str]], max_chars: int = MAX_MESSAGE_CHARS, max_turns: int = MAX_HISTORY_TURNS
+) -> list[str]:
+    """Plain turns, oldest first, from a history's ``(role, text)`` pieces (see the module's docstring): each cut to
+    ``max_chars``, the newest ``max_turns`` of them."""
     turns: list[tuple[Role, str]] = []
     for role, text in history:
-        text = plain_turn(text)
+        text = plain_turn(text, max_chars)
         if role == "system" or not text:
             continue
         if role is not None and turns and turns[-1][0] == role:
             turns[-1] = (role, f"{turns[-1][1]} {text}")
         else:
             turns.append((role, text))
-    return [text for _, text in turns[-MAX_HISTORY_TURNS:]]
+    return [text for _, text in turns[-max_turns:]]
 
 
 def history_turns(history: Sequence[Any] | None, text: Callable[[Any], str] = message_text) -> list[str]:

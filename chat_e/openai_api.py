@@ -30,7 +30,7 @@ from .dialogue import parse_system_message
 from .gate import Busy, GatedEngine
 from .limits import ChatLimits, Refused, check_request
 from .messages import message_text
-from .settings import GenerationSettings, setting_ranges
+from .settings import Completion, GenerationSettings, setting_ranges
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +99,13 @@ def request_settings(request: ChatCompletionRequest) -> dict[str, Any]:
     if request.top_p is not None and not greedy:
         settings["top_p"] = request.top_p
     return settings
+
+
+def openai_name(setting: str | None, request: ChatCompletionRequest) -> str | None:
+    """The request field a generation setting came from (:func:`request_settings`), as the client spelled it."""
+    if setting == "max_new_tokens":
+        return "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+    return setting if setting in ("temperature", "top_p") else None
 
 
 def split_messages(messages: list[Message]) -> tuple[str, list[dict], Any]:
@@ -181,16 +188,19 @@ def openai_router(
                 ranges=ranges,
             )
         except Refused as err:
-            raise refusal(str(err)) from None
+            name = openai_name(err.setting, request)
+            if name is None:
+                raise refusal(str(err)) from None
+            raise refusal(str(err).replace(err.setting, name, 1), param=name) from None
         return request, checked
 
-    def usage(checked, reply: str) -> dict | None:
-        """Token counts, where the engine has a tokenizer (the embedded one)."""
-        tokenizer = getattr(engine, "tokenizer", None)
-        if tokenizer is None or not hasattr(engine, "encode"):
+    def usage(checked, done: Completion) -> dict | None:
+        """Token counts, where the engine counts them (the embedded one): the prompt's, and the reply's as
+        generated (its end token not counted)."""
+        if done.tokens is None or not hasattr(engine, "encode"):
             return None
         prompt = len(engine.encode(checked.message, checked.history, checked.mode, checked.context))
-        completion = len(tokenizer(reply, add_special_tokens=False)["input_ids"])
+        completion = done.tokens
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     @router.post("/chat/completions")
@@ -208,9 +218,10 @@ def openai_router(
         args = (checked.message, checked.history, checked.mode, checked.context, reply_settings)
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         now = int(time.time())
+        done = Completion()
         if not request.stream:
             try:
-                reply = await run_in_threadpool(engine.chat, *args, max_waiting=limits.max_queue)
+                reply = await run_in_threadpool(engine.chat, *args, completion=done, max_waiting=limits.max_queue)
             except Busy as err:
                 return error(APIError(503, str(err), kind="server_error", code="busy"))
             except Exception as err:
@@ -220,14 +231,20 @@ def openai_router(
                 "object": "chat.completion",
                 "created": now,
                 "model": model_id,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": reply}, "finish_reason": "stop"}],
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": reply},
+                        "finish_reason": done.finish_reason,
+                    }
+                ],
             }
-            counts = await run_in_threadpool(usage, checked, reply)
+            counts = await run_in_threadpool(usage, checked, done)
             if counts:
                 answer["usage"] = counts
             return JSONResponse(answer)
 
-        pieces = engine.stream_chat(*args, max_waiting=limits.max_queue)
+        pieces = engine.stream_chat(*args, completion=done, max_waiting=limits.max_queue)
         try:  # the first piece before the answer starts: a busy server or a failure is still an HTTP status
             first = await run_in_threadpool(next, pieces, None)
         except Busy as err:
@@ -244,17 +261,15 @@ def openai_router(
             return event(choices=[{"index": 0, "delta": delta, "finish_reason": finish}])
 
         async def events():
-            reply = first or ""
             try:
                 yield chunk({"role": "assistant", "content": ""})
                 if first is not None:
                     yield chunk({"content": first})
                     while (piece := await run_in_threadpool(next, pieces, None)) is not None:
-                        reply += piece
                         yield chunk({"content": piece})
-                yield chunk({}, "stop")
+                yield chunk({}, done.finish_reason)  # the stream has ended: the engine has filled it in
                 if include_usage:
-                    yield event(choices=[], usage=await run_in_threadpool(usage, checked, reply))
+                    yield event(choices=[], usage=await run_in_threadpool(usage, checked, done))
                 yield "data: [DONE]\n\n"
             except Exception as err:  # after the answer started: the error as the stream's last event
                 yield f"data: {json.dumps(failed(err, checked).body())}\n\n"

@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 
 from .dialogue import chat_messages, make_header, normalize_mode
 from .messages import stripped_pieces
-from .settings import GenerationSettings
+from .settings import Completion, GenerationSettings
 
 logger = logging.getLogger(__name__)
 
@@ -112,10 +112,11 @@ class RemoteEngine:
         mode: str = "none",
         context: str | None = None,
         settings: GenerationSettings | None = None,
+        completion: Completion | None = None,
         **overrides,
     ) -> str:
         """The remote model's reply (the arguments are :meth:`chat_e.engine.ChatEngine.chat`'s)."""
-        return "".join(self.stream_chat(message, history, mode, context, settings, **overrides))
+        return "".join(self.stream_chat(message, history, mode, context, settings, completion, **overrides))
 
     def stream_chat(
         self,
@@ -124,10 +125,11 @@ class RemoteEngine:
         mode: str = "none",
         context: str | None = None,
         settings: GenerationSettings | None = None,
+        completion: Completion | None = None,
         **overrides,
     ) -> Iterator[str]:
         """The reply in pieces as the remote server streams it (stripped, as the embedded engine's); closing the
-        iterator closes the remote stream."""
+        iterator closes the remote stream. ``completion`` gets the server's ``finish_reason``."""
         import openai  # noqa: PLC0415 (optional extra: app)
 
         settings = (settings or self.settings).replace(**overrides)
@@ -137,18 +139,20 @@ class RemoteEngine:
                 model=self.name, messages=messages, stream=True, **self.request(settings)
             )
             with stream:
-                yield from stripped_pieces(_contents(stream))
+                yield from stripped_pieces(_contents(stream, completion))
         except openai.APIStatusError as err:
             raise BackendError(f"{self.base_url} answered HTTP {err.status_code}: {_one_line(err.message)}") from None
         except openai.APIError as err:  # no connection, a timeout, a broken stream
             raise BackendError(f"{self.base_url}: {_one_line(str(err))}") from None
 
 
-def _contents(stream) -> Iterator[str]:
+def _contents(stream, completion: Completion | None) -> Iterator[str]:
     for chunk in stream:
         for choice in chunk.choices or ():
             if choice.delta and choice.delta.content:
                 yield choice.delta.content
+            if choice.finish_reason and completion is not None:
+                completion.finish_reason = choice.finish_reason
 
 
 def _one_line(text: str, limit: int = 300) -> str:

@@ -86,3 +86,17 @@ def setting_ranges(model_limit: int) -> dict[str, tuple[float, float]]:
         for f in SETTINGS
         if f.metadata["ui"] is not None
     }
+
+
+#: why a reply ended, in OpenAI's words: the model said it was done, or it reached the reply's length limit
+STOP, LENGTH = "stop", "length"
+
+
+@dataclass
+class Completion:
+    """What an engine tells about a reply besides its text, filled in when the reply ends: pass one as
+    ``completion=`` to an engine's ``chat`` or ``stream_chat`` (the OpenAI API does, for ``finish_reason``)."""
+
+    finish_reason: str = STOP
+    #: the reply's tokens, where the engine counts them (None: not known)
+    tokens: int | None = None

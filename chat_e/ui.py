@@ -176,9 +176,11 @@ class Handlers:
         for shown, _ in self.reply(chat, mode, context, *settings):
             yield shown
 
-    def reply(self, chat: Any, mode: Any, context: Any, *settings: Any):
+    def reply(self, chat: Any, mode: Any, context: Any, *settings: Any, replaced: dict | None = None):
         """:meth:`respond`'s chats, each with the record of the reply once it is complete (None before, and for an
-        apology): everything feedback on it needs (:meth:`record`)."""
+        apology): everything feedback on it needs (:meth:`record`). ``replaced``: the record of the reply this one
+        may regenerate; when it answered the same prompt under settings that cannot vary (no sampling: greedy or
+        beam search), this reply is sampled (at the settings' temperature and top_p), or it would be the same."""
         pending = isinstance(chat, list) and chat and isinstance(chat[-1], dict) and chat[-1].get("role") == "user"
         if not pending:
             self.check("respond", chat=chat)
@@ -194,6 +196,8 @@ class Handlers:
             text=from_display,
         )
         settings = self.settings.replace(**checked.settings)
+        if same_prompt(replaced, checked) and not settings.do_sample:
+            settings = settings.replace(do_sample=True, num_beams=1)
         chat = chat_messages(chat)
         chat.append({"role": "assistant", "content": ""})
         reply, failed = "", False
@@ -233,18 +237,14 @@ class Handlers:
         updated. A reply to the same prompt as the one it replaces (a regeneration) remembers it, for :meth:`prefer`."""
         *settings, records = settings_and_records
         records = dict(records or {})
-        for shown, record in self.reply(chat, mode, context, *settings):
+        index = len(chat) if isinstance(chat, list) else None  # where the new reply goes (after the user's message)
+        old = records.get(index)  # the reply that was there, when this is a regeneration
+        for shown, record in self.reply(chat, mode, context, *settings, replaced=old):
             if record is not None:
-                index = len(shown) - 1
-                old = records.get(index)
-                if old and (old["message"], old["history"], old["mode"], old["context"]) == (
-                    record["message"],
-                    record["history"],
-                    record["mode"],
-                    record["context"],
-                ):
+                # the choice between the two replies, only when they differ (an equal pair teaches nothing)
+                if same_prompt(old, record) and old["reply"] != record["reply"]:
                     record["previous"] = {k: v for k, v in old.items() if k != "previous"}
-                records[index] = record
+                records[len(shown) - 1] = record
             yield shown, records
 
     # ---- feedback ---------------------------------------------------------------------------------------------
@@ -525,6 +525,19 @@ class FeedbackControls:
         """Show the choice when the newest reply is a regeneration."""
         newest = records[max(records)] if records else {}
         return import_gradio().update(visible="previous" in newest, value=None)
+
+
+def same_prompt(record: dict | None, other) -> bool:
+    """Whether a reply ``record`` answered the prompt of ``other`` (a record, or a checked request)."""
+    if record is None:
+        return False
+    get = other.get if isinstance(other, dict) else lambda key: getattr(other, key)
+    return (record["message"], record["history"], record["mode"], record["context"]) == (
+        get("message"),
+        list(get("history")),
+        get("mode"),
+        get("context") or "",
+    )
 
 
 def checked_chat_model(model):

@@ -16,7 +16,6 @@ before the process group exists, when ``TrainingArguments`` are built.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 
 from ..atomic import write_text_atomically
 from ..runtime import host_memory_per_rank, local_rank
@@ -90,8 +90,8 @@ def measured_once(compute, key: str, remember: bool = True) -> dict:
     if path is None:
         data = compute()
     else:
-        with open(path.with_suffix(".lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released by the kernel when the holder exits, whatever happened
+        # an OS lock (flock / LockFileEx): released by the kernel when the holder exits, whatever happened
+        with FileLock(path.with_suffix(".lock")):
             if path.exists():
                 data = json.loads(path.read_text())
             else:

@@ -361,3 +361,33 @@ def test_chat_model_adapter_int8_and_window(chat_sensitive_dir, chat_engine, tmp
     assert chat_engine.max_input_length == 128
     long_history = [f"turn {i} with several words in it" for i in range(100)]
     assert len(chat_engine.encode("newest", long_history, "persona", "I like cats.")) <= 128
+
+
+def test_regenerate_samples_under_greedy_settings_and_offers_a_choice_only_between_different_replies(sensitive):
+    """Regenerate answers the same prompt again: under settings that cannot vary (greedy here) it samples, so the
+    choice "Which reply is better?" is between two replies; an equal pair is never offered."""
+    from chat_e.ui import FeedbackControls, Handlers
+
+    handlers = Handlers(sensitive)
+    greedy = (1, False, 1.0, 1.0, 8, 1)  # the respond endpoint's settings, in GenerationSettings' order
+    chat = [{"role": "user", "content": "Hello, how are you?"}]
+    *_, (shown, records) = handlers.respond_event(chat, "free", "", *greedy, {})
+    first = records[1]
+    assert first["settings"]["do_sample"] is False and "previous" not in first
+    again = handlers.regenerate(shown)
+    assert again == chat
+    torch.manual_seed(0)
+    *_, (shown, records) = handlers.respond_event(again, "free", "", *greedy, records)
+    second = records[1]
+    assert second["settings"]["do_sample"] is True and second["settings"]["num_beams"] == 1  # it sampled
+    assert second["reply"] != first["reply"] and second["previous"]["reply"] == first["reply"]
+    assert FeedbackControls.offer_choice(records)["visible"] is True
+    # sampling the user asked for, twice with one seed: the same reply, so no choice is offered
+    sampled = (1, True, 1.0, 1.0, 8, 1)
+    torch.manual_seed(1)
+    *_, (shown, records) = handlers.respond_event(handlers.regenerate(shown), "free", "", *sampled, records)
+    third = records[1]
+    torch.manual_seed(1)
+    *_, (_, records) = handlers.respond_event(handlers.regenerate(shown), "free", "", *sampled, records)
+    assert records[1]["reply"] == third["reply"] and "previous" not in records[1]
+    assert FeedbackControls.offer_choice(records)["visible"] is False

@@ -79,6 +79,18 @@ def test_what_passes_comes_back_as_the_engine_takes_it():
     assert check_request(LIMITS, chat=shown, text=from_display).history == ["<&>" * 6]
 
 
+def test_raised_limits_reach_the_engine_uncut():
+    """Flags above the built-in defaults (2,000 characters a turn, 128 turns) are honoured end to end: what passes
+    the check reaches the engine whole."""
+    raised = ChatLimits(
+        max_message_chars=5000, max_history_turns=200, max_history_chars=10_000, max_body_bytes=1 << 22
+    )
+    words = " ".join(["word"] * 800)  # 3,999 characters, whitespace already plain
+    history = [f"turn {i}" for i in range(180)] + ["y" * 4000]
+    checked = check_request(raised, message=words, history=history)
+    assert checked.message == words and checked.history == history
+
+
 class NoModel:
     """An engine whose every model-facing method fails the test: a refusal must come before any of them."""
 

@@ -54,6 +54,23 @@ def tokenizer(model_dir):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
+def test_the_api_says_stop_for_a_reply_the_model_ended_and_length_for_one_it_cut(server, tokenizer):
+    """OpenAI's ``finish_reason`` on a model that ends its replies: "stop" for a reply shorter than ``max_tokens``
+    (counted here with the model's tokenizer), "length" for one cut at 3 tokens, streamed too."""
+    import openai
+
+    api = openai.OpenAI(base_url=f"{server.url}v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "Hi! Who are you?"}]
+    ended = api.chat.completions.create(model="chat-e", messages=messages, max_tokens=120).choices[0]
+    assert len(tokenizer(ended.message.content, add_special_tokens=False)["input_ids"]) < 120, ended.message.content
+    assert ended.finish_reason == "stop"
+    cut = api.chat.completions.create(model="chat-e", messages=messages, max_tokens=3).choices[0]
+    assert cut.finish_reason == "length" and ended.message.content.startswith(cut.message.content)
+    chunks = list(api.chat.completions.create(model="chat-e", messages=messages, max_tokens=120, stream=True))
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ended.message.content
+
+
 @pytest.mark.parametrize("mode, context, message", SAMPLE_CHATS, ids=[m for m, _, _ in SAMPLE_CHATS])
 def test_every_mode_answers_in_english_without_loops(server, tokenizer, mode, context, message):
     from gradio_client import Client

@@ -5,6 +5,7 @@ subprocess on the same model. The oracles are stock transformers' ``generate`` o
 
 from __future__ import annotations
 
+import re
 import subprocess
 import time
 import urllib.request
@@ -92,9 +93,16 @@ def api(servers):
     return openai.OpenAI(base_url=f"{servers['embedded'].url}v1", api_key=KEY, max_retries=0)
 
 
-def stock_chat_reply(model_dir, messages: list[dict]) -> str:
+def stock_chat_reply(model_dir, messages: list[dict], **settings) -> str:
     """Stock transformers only: the tokenizer's chat template with the generation prompt, greedy ``generate`` with
-    the test servers' settings, one thread as they run, the new tokens decoded without special tokens."""
+    the test servers' settings (``settings`` override them), one thread as they run, the new tokens decoded without
+    special tokens."""
+    return stock_chat_completion(model_dir, messages, **settings)[0]
+
+
+def stock_chat_completion(model_dir, messages: list[dict], **settings) -> tuple[str, str]:
+    """:func:`stock_chat_reply`, and why stock's ``generate`` stopped in OpenAI's words: "stop" when its last new
+    token is one of the model's end tokens, "length" when it made every token it was allowed without one."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -106,10 +114,15 @@ def stock_chat_reply(model_dir, messages: list[dict]) -> str:
     torch.set_num_threads(1)
     try:
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), **TEST_SETTINGS)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), **{**TEST_SETTINGS, **settings})
     finally:
         torch.set_num_threads(before)
-    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
+    new = out[0, ids.shape[1] :]
+    ends = model.generation_config.eos_token_id
+    ends = ends if isinstance(ends, list) else [ends]
+    limit = {**TEST_SETTINGS, **settings}["max_new_tokens"]
+    finish = "stop" if int(new[-1]) in ends else "length" if len(new) == limit else "unknown"
+    return tokenizer.decode(new, skip_special_tokens=True).strip(), finish
 
 
 def streamed(stream) -> str:
@@ -131,15 +144,30 @@ CHATS = {
 @pytest.mark.parametrize("chat", list(CHATS))
 def test_replies_equal_stock_generate_streamed_or_not(api, model_dir, chat):
     messages = CHATS[chat]
-    expected = stock_chat_reply(model_dir, messages)
+    expected, finish = stock_chat_completion(model_dir, messages)
     assert expected  # the model says something, so equality means something
     reply = api.chat.completions.create(model=str(model_dir), messages=messages)
-    assert reply.choices[0].message.content == expected
+    assert reply.choices[0].message.content == expected and reply.choices[0].finish_reason == finish
     assert reply.object == "chat.completion" and reply.choices[0].message.role == "assistant"
     assert reply.usage.completion_tokens > 0 and reply.usage.prompt_tokens > 0
     chunks = list(api.chat.completions.create(model=str(model_dir), messages=messages, stream=True))
     assert all(c.object == "chat.completion.chunk" for c in chunks)
-    assert streamed(chunks) == expected and chunks[-1].choices[0].finish_reason == "stop"
+    assert streamed(chunks) == expected and chunks[-1].choices[0].finish_reason == finish
+
+
+def test_a_reply_cut_at_max_tokens_finishes_with_length_streamed_or_not(api, model_dir):
+    """OpenAI's ``finish_reason``: "length" when the reply was cut at ``max_tokens`` (stock's ``generate`` made
+    its 2 tokens and no end token)."""
+    messages = CHATS["free"]
+    expected, finish = stock_chat_completion(model_dir, messages, max_new_tokens=2, min_new_tokens=0)
+    assert finish == "length"  # the oracle: stock was cut too
+    for tokens in (dict(max_tokens=2), dict(max_completion_tokens=2)):
+        reply = api.chat.completions.create(model=str(model_dir), messages=messages, **tokens)
+        assert (reply.choices[0].message.content, reply.choices[0].finish_reason) == (expected, "length")
+    chunks = list(api.chat.completions.create(model=str(model_dir), messages=messages, max_tokens=2, stream=True))
+    assert streamed(chunks) == expected and chunks[-1].choices[0].finish_reason == "length"
+    # "stop", a reply the model ended: the pretrained chat model's (this random one never ends a reply itself),
+    # tests/app/test_app_real_model.py
 
 
 def test_models_lists_the_served_model(api, model_dir):
@@ -167,14 +195,20 @@ def test_requests_over_the_limits_or_beyond_chat_e_get_400(api):
         refused.value.body["message"] == MESSAGE_LIMIT_TEXT and refused.value.body["type"] == "invalid_request_error"
     )
     user = [{"role": "user", "content": "hi"}]
-    for extra, text in [
-        (dict(n=2), "n must be 1"),
-        (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "does not call tools"),
-        (dict(max_tokens=100_000), "max_new_tokens should be a whole number from 1 to"),
-        (dict(extra_body={"mode": "poetry"}), "Unknown context mode 'poetry'"),
-    ]:
-        with pytest.raises(openai.BadRequestError, match=text):
+    for extra, text, param in [
+        (dict(n=2), "n must be 1", "n"),
+        (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "does not call tools",
+         "tools"),
+        # a generation setting is named as the client sent it
+        (dict(max_tokens=100_000), "^max_tokens should be a whole number from 1 to", "max_tokens"),
+        (dict(max_completion_tokens=100_000), "^max_completion_tokens should be a whole number from 1 to",
+         "max_completion_tokens"),
+        (dict(temperature=7), "^temperature should be a number from", "temperature"),
+        (dict(extra_body={"mode": "poetry"}), "Unknown context mode 'poetry'", None),
+    ]:  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as refused:
             api.chat.completions.create(model="chat-e", messages=user, **extra)
+        assert re.search(text, refused.value.body["message"]) and refused.value.body["param"] == param, extra
 
 
 def test_the_api_key_is_needed(servers):

@@ -1,5 +1,5 @@
-"""Every private part of transformers, accelerate, DeepSpeed, torch and argparse that hf-ext overrides, patches, calls,
-reads or mirrors, pinned to the version it was written against. When a pin fails after an upgrade, re-read the hf-ext
+"""Every private part of transformers, accelerate, DeepSpeed, TRL, Gradio, torch and argparse that hf-ext (and
+Chat-E) overrides, patches, calls, reads or mirrors, pinned to the version it was written against. When a pin fails after an upgrade, re-read the hf-ext
 code named in the message against the new source, adapt it, then update the pin here and the version range in
 pyproject.toml.
 
@@ -511,6 +511,23 @@ PINS = [
         "hf_ext/trl.py _TrlTrainer._save_checkpoint (does what they add: the model card)",
         all_of(*(source_hash(f"trl:{name}._save_checkpoint",
                              "b6ee0a370c266b6f6ada183d32719e4f689ac7a54086c1ec40a69a79e79921c6") for name in ("SFTTrainer", "DPOTrainer", "KTOTrainer")))),
+    # Gradio (chat_e: the app's server, its login by API key, its chat window)
+    Pin("gradio", "App.tokens, App.cookie_id and the access-token cookies", "source lines",
+        "chat_e/guard.py RequestGuard._as_session (an API key logs a request in as Gradio's login would: its session "
+        "token in app.tokens, under the cookies Gradio reads)",
+        all_of(source_has("gradio.routes:App.__init__", "self.tokens = {}", "self.cookie_id = secrets.token_urlsafe(32)"),
+               source_has("gradio.routes:App.create_app", 'f"access-token-{app.cookie_id}"',
+                          'request.cookies.get(f"access-token-unsecure-{app.cookie_id}")', "return app.tokens.get(token)"))),
+    Pin("gradio", "Blocks.state_session_capacity", "source lines",
+        "chat_e/server.py (--max_sessions set on the Blocks before the server starts, as launch sets it)",
+        all_of(source_has("gradio.blocks:Blocks.launch", "self.state_session_capacity = state_session_capacity"),
+               source_has("gradio.state_holder:StateHolder.set_blocks",
+                          "self.capacity = blocks.state_session_capacity"))),
+    Pin("gradio", "a component's data_model validates its input before any handler", "source lines",
+        "chat_e/ui.py checked_chat_model (the chat window's model, with a clear refusal of a malformed chat)",
+        all_of(source_has("gradio.components.chatbot:Chatbot", "data_model = ChatbotDataMessages"),
+               source_has("gradio.blocks:Blocks.preprocess_data", 'if getattr(block, "data_model", None)',
+                          "inputs_cached = data_model.model_validate("))),
     # torch, argparse
     Pin("torch", "profile().profiler.kineto_results", "a profile of one allocation", "hf_ext/memory/probe.py PeakTensorBytes",
         profiler_memory_events),
@@ -549,5 +566,5 @@ def test_a_changed_internal_fails_by_name(monkeypatch):
 def test_every_pin_names_existing_hf_ext_code():
     root = Path(__file__).resolve().parents[2]
     for pin in PINS:
-        for path in {word.rstrip(",") for word in pin.ours.split() if word.startswith("hf_ext/")}:
+        for path in {word.rstrip(",") for word in pin.ours.split() if word.startswith(("hf_ext/", "chat_e/"))}:
             assert (root / path).is_file(), f"{pin.internal}: {path} does not exist"
