@@ -9,6 +9,9 @@ system message: one in the form :func:`chat_e.dialogue.system_message` makes (``
 chat. The API key (``Authorization: Bearer KEY``, as the openai client sends it) is checked by
 :class:`chat_e.guard.RequestGuard` in front of the whole server.
 
+Every answer is built from the ``openai`` package's own types (``openai.types.chat``: ``ChatCompletion``,
+``ChatCompletionChunk``; ``Model``, ``CompletionUsage``, ``ErrorObject``), so that its fields are OpenAI's.
+
 FastAPI (the app extra, with gradio) is imported here: only serving imports this module.
 """
 
@@ -24,6 +27,12 @@ import anyio
 import pydantic
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from openai.types import CompletionUsage, Model
+from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage
+from openai.types.chat.chat_completion import Choice
+from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
+from openai.types.chat.chat_completion_chunk import ChoiceDelta
+from openai.types.shared import ErrorObject
 from starlette.concurrency import run_in_threadpool
 
 from .dialogue import parse_system_message
@@ -76,7 +85,13 @@ class APIError(Exception):
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        error = ErrorObject(message=self.message, type=self.kind, param=self.param, code=self.code)
+        return {"error": wire(error)}
+
+
+def wire(answer: pydantic.BaseModel) -> dict:
+    """An ``openai`` type as JSON: the fields it was given (the types' optional extras left out, as OpenAI does)."""
+    return answer.model_dump(mode="json", exclude_unset=True)
 
 
 def refusal(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -159,7 +174,7 @@ def openai_router(
     async def models():
         return {
             "object": "list",
-            "data": [{"id": model_id, "object": "model", "created": created, "owned_by": "chat-e"}],
+            "data": [wire(Model(id=model_id, object="model", created=created, owned_by="chat-e"))],
         }
 
     def checked_request(body: Any):
@@ -194,14 +209,14 @@ def openai_router(
             raise refusal(str(err).replace(err.setting, name, 1), param=name) from None
         return request, checked
 
-    def usage(checked, done: Completion) -> dict | None:
+    def usage(checked, done: Completion) -> CompletionUsage | None:
         """Token counts, where the engine counts them (the embedded one): the prompt's, and the reply's as
         generated (its end token not counted)."""
         if done.tokens is None or not hasattr(engine, "encode"):
             return None
         prompt = len(engine.encode(checked.message, checked.history, checked.mode, checked.context))
         completion = done.tokens
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return CompletionUsage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
     @router.post("/chat/completions")
     async def chat_completions(raw: Request):
@@ -226,23 +241,17 @@ def openai_router(
                 return error(APIError(503, str(err), kind="server_error", code="busy"))
             except Exception as err:
                 return error(failed(err, checked))
-            answer = {
-                "id": completion_id,
-                "object": "chat.completion",
-                "created": now,
-                "model": model_id,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": reply},
-                        "finish_reason": done.finish_reason,
-                    }
-                ],
-            }
             counts = await run_in_threadpool(usage, checked, done)
-            if counts:
-                answer["usage"] = counts
-            return JSONResponse(answer)
+            message = ChatCompletionMessage(role="assistant", content=reply)
+            answer = ChatCompletion(
+                id=completion_id,
+                object="chat.completion",
+                created=now,
+                model=model_id,
+                choices=[Choice(index=0, message=message, finish_reason=done.finish_reason)],
+                **({"usage": counts} if counts else {}),
+            )
+            return JSONResponse(wire(answer))
 
         pieces = engine.stream_chat(*args, completion=done, max_waiting=limits.max_queue)
         try:  # the first piece before the answer starts: a busy server or a failure is still an HTTP status
@@ -254,11 +263,13 @@ def openai_router(
         include_usage = bool((request.stream_options or {}).get("include_usage"))
 
         def event(**fields) -> str:
-            head = {"id": completion_id, "object": "chat.completion.chunk", "created": now, "model": model_id}
-            return f"data: {json.dumps({**head, **fields})}\n\n"
+            answer = ChatCompletionChunk(
+                id=completion_id, object="chat.completion.chunk", created=now, model=model_id, **fields
+            )
+            return f"data: {json.dumps(wire(answer))}\n\n"
 
         def chunk(delta: dict, finish: str | None = None) -> str:
-            return event(choices=[{"index": 0, "delta": delta, "finish_reason": finish}])
+            return event(choices=[ChunkChoice(index=0, delta=ChoiceDelta(**delta), finish_reason=finish)])
 
         async def events():
             try:
