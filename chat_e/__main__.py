@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         demo = build_arena(
             engines,
             record_vote=lambda vote: store.add_vote(**vote),
-            load_votes=store.votes,
+            load_votes=store.vote_outcomes,
             settings=settings,
             limits=limits,
             seed=args.seed,

@@ -15,6 +15,7 @@ This module takes no ``from __future__ import annotations``: Gradio finds the ``
 handler by its evaluated annotation, and the handlers are closures over the lazily imported ``gradio``.
 """
 
+import collections
 import dataclasses
 import logging
 import random
@@ -59,6 +60,8 @@ VOTE_KEYS = (
     "created_at",
 )
 DEFAULT_PLOT_DIR = Path(tempfile.gettempdir()) / "chat-e-arena"
+#: battle ids the arena remembers as voted on (the newest), against a session's racing second vote
+VOTED_MEMORY = 4096
 assert tuple(VOTE_LABELS) == WINNERS
 
 
@@ -116,7 +119,8 @@ class Arena:
     Args:
         engines: at least two, by the name that votes and the leaderboard use.
         record_vote: called once per accepted vote with its dict (:data:`VOTE_KEYS`).
-        load_votes: every vote so far, for the leaderboard (dicts with ``model_a``, ``model_b``, ``winner``).
+        load_votes: every vote so far, for the leaderboard: ``(model_a, model_b, winner)`` tuples
+            (:meth:`chat_e.feedback.FeedbackStore.vote_outcomes`) or dicts with those keys.
         settings: the generation settings of every engine, or of each by name (an engine's own defaults when None
             or not named).
         limits: what a request may carry (:class:`~chat_e.limits.ChatLimits`).
@@ -148,7 +152,9 @@ class Arena:
         self.plot_dir = Path(plot_dir)
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
-        self._voted: set[str] = set()  # battle ids with a recorded vote (one vote per battle, even when raced)
+        # the newest battle ids with a recorded vote (one vote per battle, even when a session's two clicks race):
+        # a race is over in seconds, so the memory is bounded (a battle's own state refuses a later second vote)
+        self._voted: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     # ---- battles -------------------------------------------------------------------------------------------------
 
@@ -259,7 +265,9 @@ class Arena:
         with self._lock:
             if battle.battle_id in self._voted:
                 raise refuse("This battle has been voted on already. Press New battle for another pair.")
-            self._voted.add(battle.battle_id)
+            self._voted[battle.battle_id] = None
+            while len(self._voted) > VOTED_MEMORY:
+                self._voted.popitem(last=False)
         record = {
             "session_id": session_id,
             "battle_id": battle.battle_id,
@@ -284,7 +292,7 @@ class Arena:
         except Exception:
             logger.exception("recording a vote failed (battle %s)", battle.battle_id)
             with self._lock:
-                self._voted.discard(battle.battle_id)
+                self._voted.pop(battle.battle_id, None)
             raise refuse("Your vote could not be recorded; please vote again.") from None
         battle = dataclasses.replace(battle, winner=winner)
         return battle, battle.reveal()

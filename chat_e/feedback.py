@@ -192,6 +192,13 @@ class FeedbackStore:
         with self._session() as session:
             return [_row(r) for r in session.scalars(select(Vote).order_by(Vote.id))]
 
+    def vote_outcomes(self) -> list[tuple[str, str, str]]:
+        """``(model_a, model_b, winner)`` of every arena vote, oldest first: what a leaderboard needs, read without
+        the rows' texts and histories."""
+        with self._session() as session:
+            rows = session.execute(select(Vote.model_a, Vote.model_b, Vote.winner).order_by(Vote.id))
+            return [tuple(row) for row in rows]
+
     def counts(self) -> dict[str, int]:
         """Rows per feedback kind, and ``vote``."""
         with self._session() as session:

@@ -433,12 +433,28 @@ def _round(value: float | None, digits: int) -> float | None:
     return None if value is None or not math.isfinite(value) else round(value, digits)
 
 
+#: the newest win-matrix PNGs kept in the arena's plot directory (older ones are deleted as new ones are written)
+KEPT_PLOTS = 16
+
+
 def matrix_png(matrix: WinMatrix, directory: str | Path, dpi: int = 100) -> Path:
     """:func:`plot_win_matrix` into ``directory``, named after the matrix's content (one file per distinct matrix,
-    so a refresh that changed nothing writes nothing new and concurrent refreshes never write one file twice)."""
+    so a refresh that changed nothing writes nothing new and concurrent refreshes never write one file twice). The
+    directory keeps the newest :data:`KEPT_PLOTS` of them (a page still showing an older one has its own copy in
+    Gradio's cache)."""
     key = repr((matrix.models, matrix.wins, matrix.ties, dpi)).encode()
     path = Path(directory) / f"win-matrix-{hashlib.sha256(key).hexdigest()[:16]}.png"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         plot_win_matrix(matrix, path, dpi=dpi)
+        older = sorted(path.parent.glob("win-matrix-*.png"), key=_mtime, reverse=True)[KEPT_PLOTS:]
+        for stale in older:
+            stale.unlink(missing_ok=True)
     return path
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:  # deleted meanwhile by a concurrent refresh
+        return 0.0

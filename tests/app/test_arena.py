@@ -289,3 +289,39 @@ def test_the_leaderboard_says_when_the_votes_cannot_be_loaded(engines, tmp_path)
     arena = Arena(engines, record_vote=print, load_votes=lambda: retired, plot_dir=tmp_path)
     table, _, png = arena.leaderboard()
     assert {row[1] for row in table["data"]} == {"m1", "m2", "m3", "old"} and png.endswith(".png")
+
+
+def test_ten_thousand_votes_keep_the_arena_bounded(engines, tmp_path):
+    """What the arena holds does not grow with its votes: the battle ids it remembers against a racing second vote
+    (the newest VOTED_MEMORY), the win-matrix PNGs in its plot directory (the newest KEPT_PLOTS), and what the
+    leaderboard reads from the store (three columns of each vote, not its texts)."""
+    from sqlalchemy.orm import Session
+
+    from chat_e.arena import VOTED_MEMORY, Battle
+    from chat_e.feedback import Vote, utcnow
+    from chat_e.leaderboard import BT_HEADERS, KEPT_PLOTS
+
+    votes = Votes(tmp_path)
+    arena = Arena(engines, record_vote=votes.record, load_votes=votes.store.vote_outcomes, plot_dir=tmp_path / "plots")
+    names = list(engines)
+    for i in range(25):  # voted through the arena, each followed by a leaderboard refresh (a new matrix each time)
+        battle = Battle(f"b{i}", names[i % 3], names[(i + 1) % 3], turn=1, message="hi", reply_a="a", reply_b="b")
+        arena.vote(("model_a", "model_b", "tie")[i % 3], battle)
+        arena.leaderboard()
+    assert len(list((tmp_path / "plots").glob("win-matrix-*.png"))) == KEPT_PLOTS
+    # 10,000 votes in all: the rest stored in one transaction (the arena's path commits each, 25 are enough for it)
+    rows = [dict(battle_id=f"x{i}", turn=1, model_a=names[i % 3], model_b=names[(i + 2) % 3], winner="model_b",
+                 session_id="s", mode="none", context="", history={}, message="m", settings={}, reply_a="a",
+                 reply_b="b", created_at=utcnow()) for i in range(10_000 - 25)]  # fmt: skip
+    with Session(votes.store.engine) as session, session.begin():
+        session.add_all(Vote(**row) for row in rows)
+    outcomes = votes.store.vote_outcomes()
+    assert len(outcomes) == 10_000 and all(len(o) == 3 for o in outcomes)
+    table, _, png = arena.leaderboard()
+    column = BT_HEADERS.index("votes")
+    assert sum(row[column] for row in table["data"]) == 2 * 10_000 and png  # every vote counted, once per side
+    for i in range(VOTED_MEMORY + 100):  # the arena's memory of voted battles stays at its bound
+        battle = Battle(f"m{i}", names[0], names[1], turn=1, message="hi", reply_a="a", reply_b="b")
+        arena.record_vote = lambda vote: None
+        arena.vote("tie", battle)
+    assert len(arena._voted) == VOTED_MEMORY
