@@ -228,16 +228,12 @@ def main(argv: list[str] | None = None) -> dict:
             print(json.dumps(runs[-1]), flush=True)
     rows = [[r["launcher"], r["cold_start_s"], r["restart_s"], r["to_training_s"], r["first_step_s"], r["ratio"],
              r["steps_redone"]] for r in runs]  # fmt: skip
-    text = "\n\n".join([
-        f"`{harness.command('benchmarks.bench_elastic', argv)}`",
+    table = (
         harness.markdown_table(["launcher", "launch to first step (s)", "node lost to first step (s)",
                                 "of which: to training again", "of which: first step", "restart / cold start",
-                                "steps redone"], rows),
-    ])  # fmt: skip
-    report = {"host": harness.host_info(), "runs": runs}
-    if args.doc:
-        harness.write_section(args.doc, args.section, text)
-    return harness.finish(report, text, args.out)
+                                "steps redone"], rows)
+    )  # fmt: skip
+    return harness.publish("benchmarks.bench_elastic", argv, [table], {"runs": runs}, args)
 
 
 if __name__ == "__main__":

@@ -91,15 +91,11 @@ def main(argv: list[str] | None = None) -> dict:
     rows = [[r["votes"], f"{r['rows']['seconds']:.3f}", f"{r['outcomes']['seconds']:.3f}",
              f"{r['rows']['seconds'] / r['outcomes']['seconds']:.1f}", f"{r['rows']['peak_mib']:.1f}",
              f"{r['outcomes']['peak_mib']:.1f}"] for r in results]  # fmt: skip
-    text = "\n\n".join([
-        f"`{harness.command('benchmarks.bench_leaderboard', argv)}`",
+    table = (
         harness.markdown_table(["votes", "refresh, rows (s)", "refresh, outcomes (s)", "rows / outcomes",
-                                "peak, rows (MiB)", "peak, outcomes (MiB)"], rows),
-    ])  # fmt: skip
-    report = {"host": harness.host_info(), "results": results}
-    if args.doc:
-        harness.write_section(args.doc, args.section, text)
-    return harness.finish(report, text, args.out)
+                                "peak, rows (MiB)", "peak, outcomes (MiB)"], rows)
+    )  # fmt: skip
+    return harness.publish("benchmarks.bench_leaderboard", argv, [table], {"results": results}, args)
 
 
 if __name__ == "__main__":

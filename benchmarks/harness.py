@@ -316,6 +316,15 @@ def finish(report: dict, text: str, out: str | Path | None) -> dict:
     return report
 
 
+def publish(module: str, argv: list[str] | None, parts: list[str], report: dict, args) -> dict:
+    """A bench's end: its Markdown (the command that reproduces it, then ``parts``) into ``args.doc``'s section
+    ``args.section`` when given, printed, and ``report`` (with the host's description) as JSON to ``args.out``."""
+    text = "\n\n".join([f"`{command(module, argv)}`", *parts])
+    if args.doc:
+        write_section(args.doc, args.section, text)
+    return finish({"host": host_info(), **report}, text, args.out)
+
+
 def command(module: str, argv: list[str] | None) -> str:
     """The command line that reproduces this run of bench ``module`` (``benchmarks.bench_x``)."""
     return shlex.join(["python", "-m", module, *(sys.argv[1:] if argv is None else argv)])  # quoted as typed
