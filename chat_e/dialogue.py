@@ -76,9 +76,15 @@ def parse_header(header: str) -> tuple[str, str | None]:
     return "none", None
 
 
+def without_nul(text: str) -> str:
+    """``text`` without NUL characters, which every text Chat-E keeps goes through (a user's, a model's): they show
+    as nothing, and PostgreSQL's text columns cannot hold them (a random-init model's byte tokens decode to them)."""
+    return text.replace("\x00", "")
+
+
 def clean_turn(turn: str) -> str:
-    """Collapse whitespace so a turn cannot forge separators by accident."""
-    return " ".join(str(turn).split())
+    """Collapse whitespace so a turn cannot forge separators by accident (and drop NULs: :func:`without_nul`)."""
+    return " ".join(without_nul(str(turn)).split())
 
 
 def join_context(turns: Sequence[str], header: str = "") -> str:

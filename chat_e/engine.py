@@ -293,7 +293,7 @@ class ChatEngine:
         with torch.inference_mode():
             out = self.model.generate(**inputs, generation_config=config)
         new_tokens = self._new_tokens(out[0], inputs)
-        reply = self.tokenizer.decode(new_tokens, skip_special_tokens=True).strip()
+        reply = "".join(stripped_pieces([self.tokenizer.decode(new_tokens, skip_special_tokens=True)]))
         self._finished(new_tokens, config, completion)
         self._log(inputs, len(new_tokens), started, mode)
         return reply

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .dialogue import normalize_mode
+from .dialogue import normalize_mode, without_nul
 from .messages import MAX_MESSAGE_CHARS, Role, message_text, pieces, plain_turn, turns_of
 from .settings import SETTINGS, setting_type
 
@@ -160,6 +160,7 @@ def _check_text(name: str, value: Any, limit: int, required: bool) -> str:
         raise Refused(
             f"The {name} is {len(value):,} characters long; Chat-E takes up to {limit:,}. Shorten it and send again."
         )
+    value = without_nul(value)
     if required and not value.strip():
         raise Refused(f"The {name} is empty: type something to send.")
     return value

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from .dialogue import clean_turn
+from .dialogue import clean_turn, without_nul
 
 #: Longest turn (characters) kept by default; :mod:`chat_e.limits` passes the server's ``--max_message_chars``.
 MAX_MESSAGE_CHARS = 2000
@@ -86,10 +86,11 @@ def chat_turns(
 
 def stripped_pieces(pieces: Iterable[str]) -> Iterator[str]:
     """A streamed reply's pieces as the stripped reply's: no leading whitespace, and trailing whitespace held back
-    until more text follows, so that the pieces add up to the whole reply stripped (empty pieces are dropped)."""
+    until more text follows, so that the pieces add up to the whole reply stripped (empty pieces are dropped). NULs
+    are dropped (:func:`chat_e.dialogue.without_nul`)."""
     pending, first = "", True
     for piece in pieces:
-        text = pending + piece
+        text = pending + without_nul(piece)
         if first:
             text = text.lstrip()
             first = not text

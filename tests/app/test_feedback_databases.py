@@ -18,21 +18,11 @@ from chat_e.migrations import current_revision, head_revision
 
 from ..conftest import BIN, launch_env
 from ..unit.test_feedback import FEEDBACK, VOTES
-from .postgres import PostgresServer, binaries
 
 pytestmark = pytest.mark.slow
 
 #: ``chat-e feedback upgrade`` processes started at once on one fresh database
 UPGRADES = 20
-
-
-@pytest.fixture(scope="module")
-def postgres():
-    if binaries() is None:
-        pytest.skip("needs PostgreSQL's server (Debian's postgresql): run `make postgres`")
-    server = PostgresServer()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

@@ -1,10 +1,14 @@
-"""The feedback loop end to end: 20 concurrent gradio_client sessions chat, rate, correct and regenerate against a real
-``chat-e`` server storing to SQLite (WAL); the server is killed with SIGKILL in the middle of the load and restarted
-on the same database, and the clients carry on. Then:
+"""The feedback loop end to end, as a team would run Chat-E for many users: Chat-E servers in front of one model
+server (``--backend``, the model served by another Chat-E's OpenAI API), all storing to one real PostgreSQL database
+(tests/app/postgres.py).
 
-* every piece of feedback a client got an answer for is in the database, once, with the exchange as the client saw
-  it (message, history, mode, context, the reply shown, the model and its settings, the session); nothing is there
-  that no client sent;
+* Ten servers started at once on the fresh database all come up (the schema is migrated once, under a lock) and each
+  answers a chat.
+* Two of them stay as replicas; 20 concurrent gradio_client sessions (half on each) chat, rate, correct and
+  regenerate. One replica is killed with SIGKILL in the middle of the load and restarted on the same database; its
+  clients carry on there, the other replica's clients never notice. Then every piece of feedback a client got an
+  answer for is in the database, once, with the exchange as the client saw it (message, history, mode, context, the
+  reply shown, the model and its settings, the session); nothing is there that no client sent.
 * ``chat-e feedback export`` writes rows the preference recipe takes, and the recipe trains 5 DPO steps on them on 2
   ranks (ZeRO-2).
 """
@@ -16,6 +20,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from chat_e.dialogue import normalize_mode
@@ -27,8 +32,12 @@ from .support import TEST_SETTINGS, ChatEServer, make_sensitive_model
 
 CLIENTS = 20
 ROUNDS = 3
-#: the server is killed once this many pieces of feedback are acknowledged
-KILL_AFTER = 45
+#: servers started at once on the fresh database; the first REPLICAS of them stay for the load (client i on i % 2)
+SERVERS, REPLICAS = 10, 2
+#: the replica killed (and restarted) once KILL_AFTER pieces of feedback are acknowledged
+KILLED, KILL_AFTER = 0, 45
+#: the model's name, as the servers in front of the model server call it (and the feedback rows name it)
+SERVED_NAME = "tiny-chat"
 #: (mode, context) per client, round robin
 CONTEXTS = [
     ("persona", "I love hiking with my dog."),
@@ -54,7 +63,7 @@ class Load:
         self.attempted: list[dict] = []
         self.acked: list[dict] = []
         self.failures: list[str] = []
-        self.server_url: str | None = None
+        self.urls: list[str] = []  # each replica's
         self.restarted = threading.Event()
 
     def send(self, client, event: dict, *args, api_name: str):
@@ -70,11 +79,12 @@ def client_loop(i: int, load: Load, model: str) -> None:
     from gradio_client import Client
 
     mode, context = CONTEXTS[i % len(CONTEXTS)]
+    replica = i % REPLICAS
     rnd, chat, history, client, url = 0, [], [], None, None
     while rnd < ROUNDS:
         try:
             if client is None:  # connecting can meet the kill too (a thread may start late on a busy machine)
-                url = load.server_url
+                url = load.urls[replica]
                 client = Client(url, verbose=False, analytics_enabled=False)
             message = f"client {i} round {rnd}: what do you think?"
             _, chat, *_ = client.predict(message, chat, api_name="/add_message")
@@ -104,8 +114,8 @@ def client_loop(i: int, load: Load, model: str) -> None:
             chat = again
             history += [plain(message), plain(new["reply"])]
             rnd += 1
-        except Exception as err:  # the server was killed: wait for its restart, start a new session there
-            if load.restarted.is_set() and url == load.server_url:  # the restarted server failed: no excuse
+        except Exception as err:  # the replica was killed: wait for its restart, start a new session there
+            if replica != KILLED or (load.restarted.is_set() and url == load.urls[replica]):  # no excuse
                 with load.lock:
                     load.failures.append(f"client {i}: {type(err).__name__}: {err}")
                 return
@@ -114,33 +124,53 @@ def client_loop(i: int, load: Load, model: str) -> None:
     client.close()
 
 
+def chat_once(server: ChatEServer) -> str:
+    """One reply through the server's OpenAI API (the server asks the model server for it)."""
+    body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "hello, who is there?"}]}
+    answer = httpx.post(f"{server.url}v1/chat/completions", json=body, timeout=120).raise_for_status().json()
+    return answer["choices"][0]["message"]["content"]
+
+
 @pytest.fixture(scope="module")
-def loop(tiny_chat_model_dir, tmp_path_factory):
-    """The load, the kill and the restart: (load record, database URL, model dir, server logs)."""
+def loop(tiny_chat_model_dir, postgres, tmp_path_factory):
+    """The servers, the load, the kill and the restart: (load record, database URL, model dir, killed at, logs)."""
     tmp = tmp_path_factory.mktemp("feedback_loop")
     model = make_sensitive_model(tiny_chat_model_dir, tmp / "model", std=0.5)
-    url = f"sqlite:///{tmp / 'feedback.db'}"
-    extra = ("--concurrency", "2", "--max_new_tokens", str(TEST_SETTINGS["max_new_tokens"]))
-    first = ChatEServer(model, tmp / "first.log", *extra, feedback_db=url).wait_ready()
-    load = Load()
-    load.server_url = first.url
-    threads = [threading.Thread(target=client_loop, args=(i, load, str(model))) for i in range(CLIENTS)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 300
-    while len(load.acked) < KILL_AFTER and time.monotonic() < deadline:
-        time.sleep(0.05)
-    first.proc.kill()  # SIGKILL: no shutdown handler runs
-    first.proc.wait()
-    first.stop()
-    killed_with = (len(load.attempted), len(load.acked))
-    second = ChatEServer(model, tmp / "second.log", *extra, feedback_db=url).wait_ready()
-    load.server_url = second.url
-    load.restarted.set()
-    for t in threads:
-        t.join(timeout=600)
-    second.stop()
-    return load, url, model, killed_with, [first.log(), second.log()]
+    url = postgres.fresh_database("feedback_loop")
+    backend = ChatEServer(model, tmp / "model-server.log", "--no_feedback", "--concurrency", "2")
+    front = ("--backend", f"{backend.url}v1", "--max_new_tokens", str(TEST_SETTINGS["max_new_tokens"]))
+    servers = [ChatEServer(SERVED_NAME, tmp / f"server-{n}.log", *front, feedback_db=url) for n in range(SERVERS)]
+    restarted = None
+    try:
+        for server in (backend, *servers):
+            server.wait_ready()
+        replies = [chat_once(server) for server in servers]  # every one serves
+        assert all(reply.strip() for reply in replies), replies
+        for server in servers[REPLICAS:]:
+            server.stop()
+        replicas = servers[:REPLICAS]
+        load = Load()
+        load.urls = [server.url for server in replicas]
+        threads = [threading.Thread(target=client_loop, args=(i, load, SERVED_NAME)) for i in range(CLIENTS)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 300
+        while len(load.acked) < KILL_AFTER and time.monotonic() < deadline:
+            time.sleep(0.05)
+        killed = replicas[KILLED]
+        killed.proc.kill()  # SIGKILL: no shutdown handler runs
+        killed.proc.wait()
+        killed_with = (len(load.attempted), len(load.acked))
+        restarted = ChatEServer(SERVED_NAME, tmp / "restarted.log", *front, feedback_db=url).wait_ready()
+        load.urls[KILLED] = restarted.url
+        load.restarted.set()
+        for t in threads:
+            t.join(timeout=600)
+        logs = [server.log() for server in (*servers, restarted)]
+    finally:
+        for server in (backend, *servers, *([restarted] if restarted else [])):
+            server.stop()
+    return load, url, model, killed_with, logs
 
 
 def stored(url: str) -> list[dict]:
@@ -173,10 +203,11 @@ def test_the_database_holds_exactly_the_feedback_sent_across_a_sigkill(loop):
     assert set(keys) <= attempted, "the database holds feedback no client sent"
     # what was sent but not acknowledged: only what was in flight when the server died
     assert len(keys) - len(acked) <= attempted_at_kill - acked_at_kill <= CLIENTS
-    # every client finished its rounds after the restart (sessions started over there): a rating and a correction
-    # each round, and a choice where the regenerated reply differed
+    # every client finished its rounds (the killed replica's started over on the restarted one): a rating and a
+    # correction each round, and a choice where the regenerated reply differed
     assert len(load.acked) >= CLIENTS * ROUNDS * 2
-    assert "feedback: stored in" in logs[1]
+    assert all("feedback: stored in postgresql" in log for log in logs)
+    assert {row["model"] for row in rows} == {SERVED_NAME}
     assert all(row["settings"]["max_new_tokens"] == TEST_SETTINGS["max_new_tokens"] for row in rows)
 
 

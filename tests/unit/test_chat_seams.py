@@ -9,7 +9,15 @@ import pytest
 
 from chat_e.__main__ import build_parser
 from chat_e.dialogue import MODES, normalize_mode
-from chat_e.messages import MAX_HISTORY_TURNS, MAX_MESSAGE_CHARS, chat_turns, history_turns, message_text
+from chat_e.limits import ChatLimits, check_request
+from chat_e.messages import (
+    MAX_HISTORY_TURNS,
+    MAX_MESSAGE_CHARS,
+    chat_turns,
+    history_turns,
+    message_text,
+    stripped_pieces,
+)
 from chat_e.settings import SETTING_NAMES, GenerationSettings, setting_ranges
 
 HISTORY = ["hello, who are you?", "I am a bot. And you?", "a person who likes cats"]
@@ -45,6 +53,15 @@ def test_chat_turns_clean_cut_and_keep_the_newest():
     many = [f"turn {i}" for i in range(MAX_HISTORY_TURNS + 5)]
     assert history_turns(many) == many[-MAX_HISTORY_TURNS:]
     assert message_text([{"type": "text", "text": "a"}, {"file": "x.png"}, "b"]) == "a b"
+
+
+def test_nul_characters_are_dropped_from_what_users_send_and_models_reply():
+    """PostgreSQL's text cannot hold NUL (psycopg: "PostgreSQL text fields cannot contain NUL (0x00) bytes"), and a
+    random-init model's byte tokens decode to it: neither a user's text nor a reply keeps it."""
+    checked = check_request(ChatLimits(), message="hi\x00 there", context="a\x00b", history=["x\x00y"])
+    assert (checked.message, checked.context, checked.history) == ("hi there", "ab", ["xy"])
+    assert "".join(stripped_pieces([" \x00", "ok\x00", "\x00 fine", "\x00"])) == "ok fine"
+    assert "".join(stripped_pieces(["\x00 x \x00"])) == "x"
 
 
 @pytest.mark.parametrize(
