@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> dict:
     results = summarize(measured)
     report = {
         "command": harness.command("benchmarks.bench_api", argv),
-        "model": str(args.model or "SmolLM2-135M-Instruct (runs/models/smollm2, chat_e.models.build_smollm2)"),
+        "model": str(args.model or "SmolLM2-135M-Instruct (runs/models/smollm2, chat_e.data.models.build_smollm2)"),
         "parameters": harness.parameter_count(model),
         "server": {
             "command": shlex.join(server.cmd),

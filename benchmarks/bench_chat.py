@@ -1,13 +1,13 @@
-"""Chat-E serving on CPU: stock ``model.generate`` vs ChatEngine in fp32 / bf16 / int8, and the BLEU of the three.
+"""Chat-E serving on CPU: stock ``model.generate`` vs LocalEngine in fp32 / bf16 / int8, and the BLEU of the three.
 
 Latency. Every variant answers the same prompts in the same run, interleaved prompt by prompt (the order of the
 variants rotates from one prompt to the next) so that background load hits them alike:
 
 * ``stock``: what a user without hf-ext writes -- ``AutoTokenizer`` + the model's class ``.from_pretrained(dir)``
   in fp32, the context string tokenized (a chat model's: its chat template rendered), ``model.generate(**inputs)``
-  under ``torch.no_grad()``, the new tokens decoded. The string is the one ChatEngine builds, and its token ids are
+  under ``torch.no_grad()``, the new tokens decoded. The string is the one LocalEngine builds, and its token ids are
   checked to equal the engine's, so both see the same input;
-* ``engine``: ``ChatEngine`` as ``chat-e`` serves by default (fp32);
+* ``engine``: ``LocalEngine`` as ``chat-e`` serves by default (fp32);
 * ``engine-bf16`` (``chat-e --dtype bf16``) and ``engine-int8`` (``chat-e --quantize int8``: dynamic quantization of
   every ``nn.Linear``).
 
@@ -18,7 +18,7 @@ exactly ``--new_tokens`` tokens, so that every variant does the same work. Time 
 stock, and for every variant when beams > 1, it is the whole reply. Reports p50 / p95 reply latency, time to first
 token, reply length (the reply re-tokenized), the ratio to stock's p50, and how often a reply equals stock's.
 
-BLEU (``--bleu_model DIR``, a fine-tuned model such as the one ``make demo`` writes to ``runs/demo``): ChatEngine in
+BLEU (``--bleu_model DIR``, a fine-tuned model such as the one ``make demo`` writes to ``runs/demo``): LocalEngine in
 fp32, bf16 and int8 answers ``--bleu_examples`` contexts of an offline validation split (``--bleu_dataset``, the one
 the model was tuned on) with the model's generation defaults (what ``chat-e`` serves); corpus sacreBLEU and chrF
 against the labels, and each variant's BLEU difference to fp32.
@@ -43,13 +43,13 @@ import torch
 
 from benchmarks import harness
 from benchmarks.harness import load_average, percentile
-from chat_e.corpora import DataArguments, load_dialogue_dataset
-from chat_e.dialogue import encode_texts, parse_header, parse_texts
-from chat_e.engine import ChatEngine
+from chat_e.data.corpora import DataArguments, load_dialogue_dataset
+from chat_e.data.dialogue import encode_texts, parse_header, parse_texts
+from chat_e.engines.local import LocalEngine
 from hf_ext.evaluation.bleu import compute_bleu_chrf
 from hf_ext.model_info import model_class
 
-#: precision -> ChatEngine.from_pretrained keywords
+#: precision -> LocalEngine.from_pretrained keywords
 PRECISIONS = {"fp32": {}, "bf16": {"dtype": "bf16"}, "int8": {"quantize": "int8"}}
 #: latency variant -> precision (``stock`` is loaded without hf-ext)
 ENGINE_VARIANTS = {"engine": "fp32", "engine-bf16": "bf16", "engine-int8": "int8"}
@@ -67,7 +67,7 @@ PROMPTS = [
 
 
 # ---------------------------------------------------------------------------------------------- the variants
-def stock_runner(model_dir: str, engine: ChatEngine, gen_kwargs: dict):
+def stock_runner(model_dir: str, engine: LocalEngine, gen_kwargs: dict):
     """A reply function for plain transformers: the engine only builds the context string, as a user would by hand."""
     from transformers import AutoConfig, AutoTokenizer
 
@@ -95,7 +95,7 @@ def stock_runner(model_dir: str, engine: ChatEngine, gen_kwargs: dict):
     return text_of, run
 
 
-def engine_runner(engine: ChatEngine, settings, stream: bool):
+def engine_runner(engine: LocalEngine, settings, stream: bool):
     def run(prompt, text: str) -> tuple[str, float, float]:
         start = time.perf_counter()
         reply = engine.chat(*prompt, settings)
@@ -113,7 +113,7 @@ def engine_runner(engine: ChatEngine, settings, stream: bool):
 
 
 def latency_benchmark(model_dir: str, args) -> dict:
-    engines = {name: ChatEngine.from_pretrained(model_dir, **PRECISIONS[p]) for name, p in ENGINE_VARIANTS.items()}
+    engines = {name: LocalEngine.from_pretrained(model_dir, **PRECISIONS[p]) for name, p in ENGINE_VARIANTS.items()}
     base = engines["engine"]
     if args.num_beams == 0:  # the model's own defaults, for stock (no kwargs) and engine alike
         settings, gen_kwargs = base.default_settings(), {}
@@ -188,7 +188,7 @@ def latency_benchmark(model_dir: str, args) -> dict:
 
 # ---------------------------------------------------------------------------------------------- BLEU
 def bleu_benchmark(model_dir: str, n_examples: int, dataset: str = "chatterbot") -> dict:
-    """Corpus BLEU of ChatEngine in fp32, bf16 and int8 on an offline validation split, model defaults."""
+    """Corpus BLEU of LocalEngine in fp32, bf16 and int8 on an offline validation split, model defaults."""
     data = load_dialogue_dataset(DataArguments(dataset_name=dataset, n_val=n_examples))["validation"]
     chats = []
     for texts in data["texts"]:
@@ -198,7 +198,7 @@ def bleu_benchmark(model_dir: str, n_examples: int, dataset: str = "chatterbot")
     refs = list(data["labels"])
     results, replies = {}, {}
     for name, kwargs in PRECISIONS.items():
-        engine = ChatEngine.from_pretrained(model_dir, **kwargs)
+        engine = LocalEngine.from_pretrained(model_dir, **kwargs)
         settings = engine.default_settings()
         same_input = sum(
             engine.encode(*chat) == encode_texts(engine.tokenizer, texts, engine.max_input_length, engine.family)
@@ -220,10 +220,10 @@ def bleu_benchmark(model_dir: str, n_examples: int, dataset: str = "chatterbot")
         r["within_0.5_of_fp32"] = abs(r["bleu_minus_fp32"]) <= 0.5
     return {
         "model": model_dir,
-        "data": f"{dataset} validation split (chat_e.corpora, seed 42)",
+        "data": f"{dataset} validation split (chat_e.data.corpora, seed 42)",
         "examples": len(refs),
         "settings": {
-            "generation": "the model's generation_config (ChatEngine.default_settings())",
+            "generation": "the model's generation_config (LocalEngine.default_settings())",
             **asdict(settings),
         },
         "results": results,
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--bleu_model", help="A fine-tuned model dir (e.g. runs/demo) for the BLEU check; else none.")
     parser.add_argument("--bleu_examples", type=int, default=200, help="Validation contexts for BLEU (default 200).")
     parser.add_argument(
-        "--bleu_dataset", default="chatterbot", help="Offline corpus of the BLEU contexts (chat_e.corpora names)."
+        "--bleu_dataset", default="chatterbot", help="Offline corpus of the BLEU contexts (chat_e.data.corpora names)."
     )
     args = parser.parse_args(argv)
     if args.num_beams < 0:
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     report = {
         "command": harness.command("benchmarks.bench_chat", argv),
-        "model": args.model or f"random-init {args.size} (chat_e.models, seed 0)",
+        "model": args.model or f"random-init {args.size} (chat_e.data.models, seed 0)",
         "parameters": latency.pop("parameters"),
         "prompts": len(PROMPTS),
         "repeats": args.repeats,

@@ -4,7 +4,7 @@ hf-ext's BLEU eval, same model, same eval set, same generation settings, in one 
     python -m benchmarks.bench_eval --out runs/bench/eval.json
     python -m benchmarks.bench_eval --size small --train_steps 300 --num_beams 10 --out runs/bench/eval_small.json
 
-The model is a BlenderBot from chat_e.models (``tiny`` by default), trained ``--train_steps`` steps on the
+The model is a BlenderBot from chat_e.data.models (``tiny`` by default), trained ``--train_steps`` steps on the
 offline corpus first (0 = random init) so that replies end at different lengths. The eval set is the offline corpus'
 validation + test rows (varied lengths). Each path is timed end to end (``trainer.evaluate()``: loss pass,
 generation, decoding, scoring); the order of the two paths alternates across ``--repeats`` and the best time of each
@@ -30,15 +30,15 @@ from transformers import AutoTokenizer, BlenderbotForConditionalGeneration, Data
 
 import hf_ext
 from benchmarks import harness
-from chat_e.corpora import DataArguments, load_dialogue_dataset, tokenize_dataset
-from chat_e.models import build
+from chat_e.data.corpora import DataArguments, load_dialogue_dataset, tokenize_dataset
+from chat_e.data.models import build
 from hf_ext.evaluation.bleu import length_batches
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/bench/eval.json", help="JSON results path.")
-    p.add_argument("--size", default="tiny", choices=["tiny", "small"], help="chat_e.models size.")
+    p.add_argument("--size", default="tiny", choices=["tiny", "small"], help="chat_e.data.models size.")
     p.add_argument("--model_dir", default=None, help="Reuse (or create) the trained model here.")
     p.add_argument("--train_steps", type=int, default=100, help="Training steps before the benchmark (0: random).")
     p.add_argument("--n_eval", type=int, default=256, help="Eval rows (validation + test of the offline corpus).")

@@ -5,7 +5,7 @@ BLEU eval on the partitioned model (a gather per layer per decoding step) and wi
     python -m benchmarks.bench_eval_zero3 --size tiny --n_eval 64 --out runs/bench/eval_zero3_tiny.json
 
 Each path is its own ``deepspeed --num_gpus 2`` launch (fresh processes, freed memory returned to the OS in all of
-them) on the same random-init BlenderBot of the given shape (chat_e.models), the same eval rows (the offline corpus'
+them) on the same random-init BlenderBot of the given shape (chat_e.data.models), the same eval rows (the offline corpus'
 validation + test), the same resolved ZeRO-3 config (hf-ext's ``zero3`` preset resolved once for 2 ranks, handed to
 stock as a file) and the same generation settings (beam search). Measured per rank: ``trainer.evaluate()`` wall time
 (loss pass, generation, scoring) and peak RSS above the level before the call, sampled every 2 ms. The generations of
@@ -30,7 +30,7 @@ PATHS = ("stock", "per-token", "gathered")
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", default="400m", help="model shape from chat_e.models")
+    p.add_argument("--size", default="400m", help="model shape from chat_e.data.models")
     p.add_argument("--n_eval", type=int, default=16)
     p.add_argument("--per_device_eval_batch_size", type=int, default=8)
     p.add_argument("--num_beams", type=int, default=4)
@@ -51,7 +51,7 @@ def parse(argv=None):
 def eval_rows(tokenizer, n: int):
     import datasets
 
-    from chat_e.corpora import DataArguments, load_dialogue_dataset, tokenize_dataset
+    from chat_e.data.corpora import DataArguments, load_dialogue_dataset, tokenize_dataset
 
     data_args = DataArguments(max_source_length=128, max_target_length=64)
     raw = load_dialogue_dataset(data_args)

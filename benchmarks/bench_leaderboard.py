@@ -5,7 +5,7 @@
 
 A SQLite feedback store (WAL, as Chat-E runs it) holds ``N`` votes among three models, each with the texts a real
 vote carries (a 200-character message, two 300-character replies, a 6-turn history). A refresh is what the
-Leaderboard tab runs: the votes loaded, then ``chat_e.leaderboard.leaderboard`` (Bradley-Terry with its bootstrap
+Leaderboard tab runs: the votes loaded, then ``chat_e.feedback.leaderboard.leaderboard`` (Bradley-Terry with its bootstrap
 interval). Two ways to load them, side by side in one process:
 
 * **rows**: ``FeedbackStore.votes()``, every column of every vote (how the arena loaded them before);
@@ -34,7 +34,7 @@ PATHS = ("rows", "outcomes")
 def filled_store(folder: Path, n: int):
     from sqlalchemy.orm import Session
 
-    from chat_e.feedback import WINNERS, FeedbackStore, Vote, utcnow
+    from chat_e.feedback.store import WINNERS, FeedbackStore, Vote, utcnow
 
     store = FeedbackStore(f"sqlite:///{folder}/feedback-{n}.db")
     history = {"model_a": ["h" * 80] * 6, "model_b": ["h" * 80] * 6}
@@ -50,7 +50,7 @@ def filled_store(folder: Path, n: int):
 
 
 def refresh(store, path: str):
-    from chat_e.leaderboard import leaderboard
+    from chat_e.feedback.leaderboard import leaderboard
 
     votes = store.votes() if path == "rows" else store.vote_outcomes()
     return leaderboard(votes, list(MODELS))

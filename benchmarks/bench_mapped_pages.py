@@ -33,7 +33,7 @@ def resident() -> dict[str, float]:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", default="400m", help="chat_e.models size to build when --model is not given")
+    parser.add_argument("--size", default="400m", help="chat_e.data.models size to build when --model is not given")
     parser.add_argument("--model", default=None, help="model directory with safetensors weights")
     parser.add_argument("--out", default="runs/bench/mapped_pages.json")
     opts = parser.parse_args(argv)

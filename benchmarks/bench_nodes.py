@@ -109,7 +109,7 @@ def markdown(summary: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", default="small", help="a chat_e.models size")
+    parser.add_argument("--size", default="small", help="a chat_e.data.models size")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=3, help="launches of each config and layout")
     parser.add_argument("--configs", nargs="+", default=list(ENGINES), choices=list(ENGINES))

@@ -2,7 +2,7 @@
 
     python -m benchmarks.bench_resume --size 400m --stage 3 --out runs/bench/resume_400m_zero3.json
 
-Builds a random-init BlenderBot of the given shape (chat_e.models), trains one optimizer step on 2 ranks under
+Builds a random-init BlenderBot of the given shape (chat_e.data.models), trains one optimizer step on 2 ranks under
 ``deepspeed --num_gpus 2`` (ZeRO-<stage>, AdamW, full fine-tuning) and writes ``checkpoint-1``. That checkpoint is then
 resumed on 1 rank for one more step, in a fresh launch per path: the stock ``Seq2SeqTrainer`` and hf-ext's, same
 arguments. Reported: whether each path resumed (and the error when not), the resumed launch's wall time, hf-ext's
@@ -93,7 +93,7 @@ def table(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict | None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", default="400m", help="model shape from chat_e.models.SIZES")
+    parser.add_argument("--size", default="400m", help="model shape from chat_e.data.models.SIZES")
     parser.add_argument("--stage", type=int, default=3, choices=[1, 2, 3])
     parser.add_argument("--out", default=None, help="JSON file for the results")
     parser.add_argument("--workdir", default=None, help="scratch directory (default: runs/bench_resume)")

@@ -4,7 +4,7 @@
     python -m benchmarks.bench_save --size 1b --max_shard_size 200MB --no_lora --out runs/bench/save_1b.json
     python -m benchmarks.bench_save --engine fsdp --size 400m --max_shard_size 200MB --no_lora --out runs/bench/save_fsdp_400m.json
 
-Builds a random-init BlenderBot of the given shape (chat_e.models; ``1b``: :data:`BENCH_SIZES`), then
+Builds a random-init BlenderBot of the given shape (chat_e.data.models; ``1b``: :data:`BENCH_SIZES`), then
 runs 2-rank ZeRO-3 jobs under ``deepspeed --num_gpus 2`` (``--engine fsdp``: FSDP2 full shard under ``torchrun``,
 stock's own default ``FULL_STATE_DICT`` for its save):
 
@@ -36,7 +36,7 @@ from hf_ext.sizes import dir_bytes
 MODULE = "benchmarks.bench_save"
 PATHS = ("stock", "hf_ext")
 
-#: shapes this bench builds beyond chat_e's own sizes (same keys as ``chat_e.models.SIZES``)
+#: shapes this bench builds beyond chat_e's own sizes (same keys as ``chat_e.data.models.SIZES``)
 BENCH_SIZES = {
     # facebook/blenderbot-1B-distill's widths with 8 decoder layers instead of 12: 1.02B parameters, 3.8 GiB in fp32,
     # so that the two ZeRO-3 ranks and stock's full gather on rank 0 fit a 24 GiB host together
@@ -305,7 +305,7 @@ def table(report: dict, labels: dict | None = None) -> str:
 
 def main(argv: list[str] | None = None) -> dict | None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", default="400m", help="model shape: a chat_e.models.SIZES name, or 1b")
+    parser.add_argument("--size", default="400m", help="model shape: a chat_e.data.models.SIZES name, or 1b")
     parser.add_argument("--max_shard_size", default="200MB")
     parser.add_argument("--no_lora", action="store_true", help="skip the LoRA checkpoint launch")
     parser.add_argument("--engine", default="zero3", choices=["zero3", "fsdp"], help="what shards the model")

@@ -30,7 +30,7 @@ during ``save_model``: stock ``trl.SFTTrainer.save_model`` (gathers the whole 16
 ``hf_ext.trl.SFTTrainer.save_model`` (streams bounded groups into shards). Both saved models are then loaded with
 ``from_pretrained`` and compared tensor by tensor, with each other and with the checkpoint they started from.
 
-The models are random-init decoder-only chat models (``chat_e.models.build_chat_model``, SmolLM2's layout) of the
+The models are random-init decoder-only chat models (``chat_e.data.models.build_chat_model``, SmolLM2's layout) of the
 shapes in :data:`CHAT_BENCH_SIZES`, or chat_e's own ``chat-tiny``. JSON goes to ``--out``; tables are printed.
 """
 
@@ -47,7 +47,7 @@ from benchmarks import bench_save, bench_train, harness
 MODULE = "benchmarks.bench_trl"
 TRAINERS = {"sft": "SFT", "dpo": "DPO"}  # --trainers name -> TRL's class prefix
 
-#: decoder-only shapes this bench builds beyond chat_e's ``chat-tiny`` (keys of ``chat_e.models.CHAT_SIZES``)
+#: decoder-only shapes this bench builds beyond chat_e's ``chat-tiny`` (keys of ``chat_e.data.models.CHAT_SIZES``)
 CHAT_BENCH_SIZES = {
     # on one core per rank a step long enough to time, and short enough for many steps per segment
     "chat-6m": dict(vocab=4096, hidden=256, layers=4, heads=4, kv_heads=2, intermediate=1024, max_positions=512),

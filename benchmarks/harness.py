@@ -174,13 +174,13 @@ CLASSIFIERS = {
 }  # fmt: skip
 
 
-SIZE_HELP = "model to build when --model is not given: a chat_e.models size or a harness.CLASSIFIERS name"
+SIZE_HELP = "model to build when --model is not given: a chat_e.data.models size or a harness.CLASSIFIERS name"
 
 
 def ensure_model(size: str, model_dir: str | Path | None = None) -> Path:
     """``model_dir`` (default ``runs/models/<size>``), built if it holds no model: a :data:`CLASSIFIERS` name writes
     that DeBERTa sequence classifier's config only (train it ``--from_config``); any other ``size`` is a
-    :data:`chat_e.models.BUILDERS` name (e.g. ``tiny``, ``400m``, ``chat-tiny`` or ``smollm2``)."""
+    :data:`chat_e.data.models.BUILDERS` name (e.g. ``tiny``, ``400m``, ``chat-tiny`` or ``smollm2``)."""
     model = Path(model_dir) if model_dir else ROOT / "runs" / "models" / size
     if (model / "config.json").exists():
         return model
@@ -191,7 +191,7 @@ def ensure_model(size: str, model_dir: str | Path | None = None) -> Path:
         config.architectures = ["DebertaV2ForSequenceClassification"]
         config.save_pretrained(model)
         return model
-    from chat_e.models import build_model
+    from chat_e.data.models import build_model
 
     build_model(model, size, seed=0)
     return model

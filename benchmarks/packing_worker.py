@@ -27,7 +27,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq
 
 import hf_ext
-from chat_e.corpora import DataArguments, load_dialogue_dataset, tokenize_dataset
+from chat_e.data.corpora import DataArguments, load_dialogue_dataset, tokenize_dataset
 from hf_ext.deepspeed.resolve import load_deepspeed_config
 from hf_ext.memory.measure import current_rss, peak_rss, reset_peak_rss
 from hf_ext.runtime import end_distributed, start_deepspeed_comm

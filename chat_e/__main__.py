@@ -1,10 +1,10 @@
 """``chat-e --model DIR`` (or ``python -m chat_e --model DIR``): serve a dialogue model with the Chat-E UI, its
-``chat`` API endpoint and an OpenAI-compatible API at ``/v1`` (:mod:`chat_e.openai_api`); ``chat-e --backend URL
---model NAME``: the same in front of a remote OpenAI-compatible server (:mod:`chat_e.remote`).
+``chat`` API endpoint and an OpenAI-compatible API at ``/v1`` (:mod:`chat_e.http.openai_api`); ``chat-e --backend URL
+--model NAME``: the same in front of a remote OpenAI-compatible server (:mod:`chat_e.engines.remote`).
 
 Both families are served: an encoder-decoder (BlenderBot) and a decoder-only chat model (such as SmolLM2), from a
 recipe's output dir, an exported merge or a PEFT adapter dir. The generation flags are
-:class:`chat_e.settings.GenerationSettings`' fields, the limits' flags :class:`chat_e.limits.ChatLimits`'.
+:class:`chat_e.data.settings.GenerationSettings`' fields, the limits' flags :class:`chat_e.data.limits.ChatLimits`'.
 """
 
 from __future__ import annotations
@@ -18,14 +18,15 @@ from dataclasses import fields
 from hf_ext.saving.model_dir import ModelDirError as ModelLoadError
 from hf_ext.saving.model_dir import describe_model_dir
 
-from .feedback import FeedbackStore, default_url
-from .feedback_cli import add_db_argument
-from .feedback_cli import main as feedback_main
-from .guard import API_KEY_ENV, AUTH_ENV, exposure_warning, parse_auth
-from .limits import ChatLimits
-from .remote import BACKEND_API_KEY_ENV
+from .data.limits import ChatLimits
+from .data.settings import SETTINGS, setting_type
+from .engines.remote import BACKEND_API_KEY_ENV
+from .feedback.cli import DESCRIPTION as FEEDBACK_DESCRIPTION
+from .feedback.cli import add_db_argument, add_feedback_commands
+from .feedback.cli import run as run_feedback
+from .feedback.store import FeedbackStore, default_url
+from .http.guard import API_KEY_ENV, AUTH_ENV, exposure_warning, parse_auth
 from .server import bind
-from .settings import SETTINGS, setting_type
 
 logger = logging.getLogger("chat-e")
 SHARE_REFUSAL = (
@@ -41,18 +42,40 @@ ARENA_DESCRIPTION = (
 )
 
 
-def build_parser(arena: bool = False) -> argparse.ArgumentParser:
-    """``chat-e``'s flags; ``arena``: ``chat-e arena``'s (``--model`` given twice or more, and ``--seed``)."""
+SERVE_DESCRIPTION = (
+    "Serve a dialogue model -- an encoder-decoder (BlenderBot) or a decoder-only chat model (such as SmolLM2): a "
+    "recipe's output dir, an exported merge, or a PEFT adapter dir -- with the Chat-E Gradio UI, its `chat` API "
+    "endpoint and an OpenAI-compatible API at /v1; or put the UI and the API in front of a remote OpenAI-compatible "
+    "server (--backend)."
+)
+#: ``chat-e``'s subcommands; ``chat-e --model DIR`` (no subcommand) is ``chat-e serve --model DIR``
+COMMANDS = ("serve", "arena", "feedback")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``chat-e`` and its subcommands: ``serve`` (the default), ``arena`` and ``feedback``."""
     parser = argparse.ArgumentParser(
-        prog="chat-e arena" if arena else "chat-e",
-        description=ARENA_DESCRIPTION
-        if arena
-        else "Serve a dialogue model -- an encoder-decoder (BlenderBot) or a decoder-only chat model (such as "
-        "SmolLM2): a recipe's output dir, an exported merge, or a PEFT adapter dir -- with the Chat-E Gradio UI, its "
-        "`chat` API endpoint and an OpenAI-compatible API at /v1; or put the UI and the API in front of a remote "
-        "OpenAI-compatible server (--backend). Also: 'chat-e arena' (a blind comparison of models) and 'chat-e "
-        "feedback' (training rows from what users said).",
+        prog="chat-e",
+        description="Chat-E: serve a dialogue model with a Gradio UI and an OpenAI-compatible API, compare models "
+        "blind, and turn what users said into training rows.",
+        epilog="'chat-e --model DIR ...' is 'chat-e serve --model DIR ...'. 'chat-e COMMAND --help' tells more.",
     )
+    commands = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
+    serve = commands.add_parser("serve", help="Serve a model (the default command).", description=SERVE_DESCRIPTION)
+    add_serve_arguments(serve)
+    arena = commands.add_parser("arena", help="A blind arena between models, and their leaderboard.",
+                                description=ARENA_DESCRIPTION)  # fmt: skip
+    add_serve_arguments(arena, arena=True)
+    feedback = commands.add_parser("feedback", help="Training rows from what users said; the database's upkeep.",
+                                   description=FEEDBACK_DESCRIPTION)  # fmt: skip
+    add_feedback_commands(feedback)
+    for command in (serve, arena, feedback):
+        command.set_defaults(command_parser=command)  # its own errors say "chat-e COMMAND: error: ..."
+    return parser
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser, arena: bool = False) -> None:
+    """``chat-e serve``'s flags; ``arena``: ``chat-e arena``'s (``--model`` given twice or more, and ``--seed``)."""
     what = "Model directory: config.json or adapter_config.json in it; with --backend, the remote model's name."
     if arena:
         parser.add_argument(
@@ -143,7 +166,6 @@ def build_parser(arena: bool = False) -> argparse.ArgumentParser:
             group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=None, help=f.metadata["help"])
         else:
             group.add_argument(*flags, type=setting_type(f), default=None, help=f.metadata["help"])
-    return parser
 
 
 def resolve_quantize(choice: str, dtype: str) -> str:
@@ -165,16 +187,16 @@ def torch_threads(requested: int | None, concurrency: int) -> int:
 
 
 def embedded_engine(args, model: str):
-    """The :class:`~chat_e.engine.ChatEngine` of the directory ``model`` in this process, and its generation defaults
+    """The :class:`~chat_e.engines.local.LocalEngine` of the directory ``model`` in this process, and its generation defaults
     with the flags' overrides."""
     import torch  # noqa: PLC0415 (heavy: only once the arguments and the model directory are checked)
 
     from hf_ext.runtime import return_freed_memory_to_os  # noqa: PLC0415 (imports torch)
 
-    from .engine import ChatEngine  # noqa: PLC0415 (heavy: imports torch and transformers)
+    from .engines.local import LocalEngine  # noqa: PLC0415 (heavy: imports torch and transformers)
 
     torch.set_num_threads(torch_threads(args.threads, args.concurrency))
-    engine = ChatEngine.from_pretrained(model, dtype=args.dtype, quantize=resolve_quantize(args.quantize, args.dtype))
+    engine = LocalEngine.from_pretrained(model, dtype=args.dtype, quantize=resolve_quantize(args.quantize, args.dtype))
     settings = engine.default_settings().replace(**{f.name: getattr(args, f.name) for f in SETTINGS})
     # large request bodies (up to the body limit) come and go: glibc would keep their memory in its heap, its mmap
     # threshold adapting upward, and the server's resident memory would ratchet up under big requests
@@ -185,9 +207,9 @@ def embedded_engine(args, model: str):
 
 
 def remote_engine(args, model: str):
-    """A :class:`~chat_e.remote.RemoteEngine` on ``--backend`` serving ``model``, and its generation defaults with
+    """A :class:`~chat_e.engines.remote.RemoteEngine` on ``--backend`` serving ``model``, and its generation defaults with
     the flags' overrides."""
-    from .remote import RemoteEngine  # noqa: PLC0415 (imports the openai client)
+    from .engines.remote import RemoteEngine  # noqa: PLC0415 (imports the openai client)
 
     key = args.backend_api_key or os.environ.get(BACKEND_API_KEY_ENV) or None
     engine = RemoteEngine(args.backend, model, api_key=key)
@@ -202,13 +224,19 @@ def cannot_serve(args, err: OSError) -> int:
     return 2
 
 
+def parse(argv: list[str]) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
+    """``argv`` parsed (no subcommand: ``serve``), and the parser of its command."""
+    if not argv or argv[0] not in (*COMMANDS, "-h", "--help"):
+        argv = ["serve", *argv]
+    args = build_parser().parse_args(argv)
+    return args, args.command_parser
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["feedback"]:
-        return feedback_main(argv[1:])
-    arena = argv[:1] == ["arena"]
-    parser = build_parser(arena)
-    args = parser.parse_args(argv[1:] if arena else argv)
+    args, parser = parse(sys.argv[1:] if argv is None else list(argv))
+    if args.command == "feedback":
+        return run_feedback(args)
+    arena = args.command == "arena"
     models = list(dict.fromkeys(args.model)) if arena else [args.model]
     if arena and len(models) < 2:
         parser.error("the arena compares models: give --model twice or more, each a different model.")
@@ -242,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         except ModelLoadError as err:
             print(f"chat-e: error: {err}", file=sys.stderr)
             return 2
-    from .ui import build_app, import_gradio  # noqa: PLC0415 (heavy: only once the arguments and the model are checked)
+    from .web.ui import build_app, import_gradio  # noqa: PLC0415 (heavy: only once the arguments and the model are checked)
 
     try:
         import_gradio()
@@ -274,14 +302,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"chat-e: error: {err}", file=sys.stderr)
         return 2
     # the heavy imports, once the arguments and the model are known to be good
-    from .gate import GatedEngine  # noqa: PLC0415 (heavy: only once the arguments and the model are checked)
-    from .openai_api import openai_router  # noqa: PLC0415 (heavy: only once the arguments and the model are checked)
+    from .engines.gate import GatedEngine  # noqa: PLC0415 (heavy: only once the arguments and the model are checked)
+    from .http.openai_api import openai_router  # noqa: PLC0415 (heavy: only once the arguments and the model are checked)
     from .server import serve  # noqa: PLC0415 (heavy: only once the arguments and the model are checked)
 
     # the one limit on each engine's replies at once, for the UI and the API
     engines = {name: GatedEngine(engine, args.concurrency) for name, engine in engines.items()}
     if arena:
-        from .arena import build_arena  # noqa: PLC0415 (heavy: scipy and choix, for the arena only)
+        from .web.arena import build_arena  # noqa: PLC0415 (heavy: scipy and choix, for the arena only)
 
         demo = build_arena(
             engines,

@@ -1,5 +1,5 @@
 """Serve a Chat-E Blocks app: a FastAPI app with the Gradio UI mounted at ``/`` (``gradio.mount_gradio_app``), API
-routers beside it (the OpenAI-compatible ``/v1``), :class:`chat_e.guard.RequestGuard` in front of everything, run by
+routers beside it (the OpenAI-compatible ``/v1``), :class:`chat_e.http.guard.RequestGuard` in front of everything, run by
 uvicorn. Every ``chat-e`` command serves its Blocks through :func:`serve`, so all of them are guarded and limited
 alike.
 
@@ -15,8 +15,8 @@ import socket
 from collections.abc import Sequence
 from typing import Any
 
-from .guard import RequestGuard
-from .limits import ChatLimits
+from .data.limits import ChatLimits
+from .http.guard import RequestGuard
 
 logger = logging.getLogger(__name__)
 
@@ -36,11 +36,11 @@ def create_app(
     port: int = 7860,
 ):
     """The server's FastAPI app: ``routers`` first (a router's paths win over Gradio's catch-all mount), then
-    ``demo`` mounted at ``/`` with Gradio's login (``auth``), and :class:`~chat_e.guard.RequestGuard` in front of
+    ``demo`` mounted at ``/`` with Gradio's login (``auth``), and :class:`~chat_e.http.guard.RequestGuard` in front of
     both. The routers' paths take the API key alone (Gradio's login does not cover them)."""
     from fastapi import FastAPI  # noqa: PLC0415 (optional extra: comes with gradio, which only serving needs)
 
-    from .ui import import_gradio, theme  # noqa: PLC0415 (imports gradio)
+    from .web.ui import import_gradio, theme  # noqa: PLC0415 (imports gradio)
 
     gr = import_gradio()
     limits = limits or ChatLimits()

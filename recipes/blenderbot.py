@@ -13,7 +13,7 @@
 One recipe for both model families; the family comes from the model's config. An encoder-decoder (BlenderBot) reads
 the MuDoConv string and learns the reply as its target; a decoder-only chat model reads the same dialogue through its
 tokenizer's chat template (the header as the system message) and learns the reply with the loss on the reply tokens
-only (chat_e.dialogue has both renderings, which Chat-E uses again at serving time).
+only (chat_e.data.dialogue has both renderings, which Chat-E uses again at serving time).
 
 Reads top to bottom: parse args -> load data -> build model -> build trainer -> train -> evaluate -> save -> report.
 """
@@ -36,12 +36,12 @@ from transformers import (
 )
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-from chat_e.corpora import DataArguments, load_dialogue_dataset, tokenize_dataset
-from chat_e.dialogue import family_of, parse_header, parse_texts
-from chat_e.lora import LoraArguments
-from chat_e.models import BUILDERS, build_model
-from chat_e.plotting import plot_training_curves
-from chat_e.samples import SAMPLE_CHATS
+from chat_e.data.corpora import DataArguments, load_dialogue_dataset, tokenize_dataset
+from chat_e.data.dialogue import family_of, parse_header, parse_texts
+from chat_e.data.lora import LoraArguments
+from chat_e.data.models import BUILDERS, build_model
+from chat_e.data.plotting import plot_training_curves
+from chat_e.data.samples import SAMPLE_CHATS
 from hf_ext import Seq2SeqTrainer, Seq2SeqTrainingArguments
 from hf_ext.atomic import write_text_atomically
 from hf_ext.config_args import parse_args_with_config, split_launcher_args
@@ -135,13 +135,13 @@ def sample_chats(eval_raw: datasets.Dataset, n: int) -> list[dict]:
 def print_samples(model_dirs: dict[str, str], chats: list[dict], args) -> list[dict]:
     """Replies of each model in ``model_dirs`` (name -> directory, loaded as Chat-E serves it, proving the output
     loads) to the ``chats``, printed side by side."""
-    from chat_e.engine import ChatEngine
+    from chat_e.engines.local import LocalEngine
 
     # rank 0 alone: a plain load, not a ZeRO-3 partitioned one that would wait for the other ranks
     unset_hf_deepspeed_config()
     rows = [dict(chat) for chat in chats]
     for name, model_dir in model_dirs.items():
-        engine = ChatEngine.from_pretrained(model_dir, device=str(args.device))
+        engine = LocalEngine.from_pretrained(model_dir, device=str(args.device))
         settings = engine.default_settings().replace(num_beams=args.generation_num_beams)
         for row in rows:
             row[name] = engine.chat(row["turns"][-1], row["turns"][:-1], row["mode"], row["context"], settings)

@@ -31,8 +31,8 @@ import numpy as np
 import transformers
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, set_seed
 
-from chat_e.corpora import load_chatterbot_topics
-from chat_e.models import build
+from chat_e.data.corpora import load_chatterbot_topics
+from chat_e.data.models import build
 from hf_ext import Trainer, TrainingArguments
 from hf_ext.atomic import write_text_atomically
 from hf_ext.config_args import parse_args_with_config

@@ -15,11 +15,11 @@ Data, in this order of choice:
   either plain text or conversational (lists of ``{"role", "content"}``, rendered by TRL with the chat template). Bad
   rows are counted per reason, skipped, and reported in one log line.
 * an offline corpus name (``chitchat``, ``chatterbot``, ``chitchat+chatterbot``; the default): Self-Play Fine-Tuning
-  (SPIN, Chen et al. 2024) pairs. For each context of the corpus (chat_e.corpora, as recipes/blenderbot.py loads it),
+  (SPIN, Chen et al. 2024) pairs. For each context of the corpus (chat_e.data.corpora, as recipes/blenderbot.py loads it),
   chosen is the real human reply and rejected is the model's own reply to the same context, generated once (sharded
   over the ranks) and cached as JSONL keyed by the model, the data and the generation settings. For KTO each pair
   becomes two rows: the human reply labelled True, the model's False. Prompts and replies are rendered by
-  chat_e.dialogue, so the text trained on is the text Chat-E serves.
+  chat_e.data.dialogue, so the text trained on is the text Chat-E serves.
 
 Held-out pairs (the corpus's validation split by conversation, or a seeded split of the rows) are evaluated before
 and after training: TRL's own eval metrics (DPO: reward accuracy and mean margin of the implicit reward
@@ -48,10 +48,10 @@ import transformers
 import yaml
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, set_seed
 
-from chat_e.corpora import OFFLINE_DATASETS, load_offline, sample
-from chat_e.dialogue import chat_reply_ids, encode_chat_prompt, family_of, parse_texts
-from chat_e.lora import LoraArguments
-from chat_e.models import BUILDERS, build_model
+from chat_e.data.corpora import OFFLINE_DATASETS, load_offline, sample
+from chat_e.data.dialogue import chat_reply_ids, encode_chat_prompt, family_of, parse_texts
+from chat_e.data.lora import LoraArguments
+from chat_e.data.models import BUILDERS, build_model
 from hf_ext.atomic import write_text_atomically
 from hf_ext.config_args import parse_args_with_config
 from hf_ext.runtime import end_distributed, prepare_run, run_summary
@@ -255,7 +255,7 @@ def load_rows(data_args: PreferenceDataArguments) -> tuple[list[dict], list[dict
 def spin_row(tokenizer, texts: str, reply: str, max_source_length: int | None, max_target_length: int | None) -> dict:
     """A context and a reply as the text Chat-E serves: ``prompt`` is the chat-template prompt (left-truncated, ending
     with the generation prompt) and ``reply`` the assistant message up to its end-of-turn token, both rendered by
-    chat_e.dialogue and decoded back to text for TRL (which tokenizes them again)."""
+    chat_e.data.dialogue and decoded back to text for TRL (which tokenizes them again)."""
     header, turns = parse_texts(texts)
     prompt_ids = encode_chat_prompt(tokenizer, turns, header, max_source_length)
     reply_ids = chat_reply_ids(tokenizer, reply, max_target_length)

@@ -16,7 +16,7 @@ import argparse
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from chat_e.models import build_smollm2
+from chat_e.data.models import build_smollm2
 
 
 def main(argv: list[str] | None = None) -> None:

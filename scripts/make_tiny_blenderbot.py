@@ -20,7 +20,7 @@ import argparse
 
 from transformers import AutoModelForCausalLM, AutoTokenizer, BlenderbotForConditionalGeneration
 
-from chat_e.models import CHAT_SIZES, SIZES, build, build_chat_model
+from chat_e.data.models import CHAT_SIZES, SIZES, build, build_chat_model
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -17,8 +17,8 @@ from transformers import (
 )
 
 import hf_ext
-from chat_e.corpora import DataArguments, load_dialogue_dataset, tokenize_dataset
-from chat_e.dialogue import family_of
+from chat_e.data.corpora import DataArguments, load_dialogue_dataset, tokenize_dataset
+from chat_e.data.dialogue import family_of
 from hf_ext.evaluation.bleu import generate_in_order
 from hf_ext.model_info import model_class
 

@@ -44,7 +44,7 @@ CORPUS = DATA / "deepspeed_configs"
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A random-init tiny BlenderBot + tokenizer trained on the offline corpus (built by the project's builder)."""
-    from chat_e.models import build
+    from chat_e.data.models import build
 
     return build(str(tmp_path_factory.mktemp("models") / "tiny"), "tiny", seed=0)
 
@@ -66,7 +66,7 @@ def tiny_model_no_dropout_dir(tiny_model_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_chat_model_dir(tmp_path_factory) -> Path:
     """A random-init tiny LlamaForCausalLM with SmolLM2's ChatML tokens and chat template (the project's builder)."""
-    from chat_e.models import build_chat_model
+    from chat_e.data.models import build_chat_model
 
     return build_chat_model(tmp_path_factory.mktemp("models") / "tiny_chat", "tiny", seed=0)
 
@@ -74,7 +74,7 @@ def tiny_chat_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_model_dir(tmp_path_factory) -> Path:
     """The real SmolLM2-135M-Instruct, converted from the installed GGUF file once per session (slow tiers only)."""
-    from chat_e.models import build_smollm2
+    from chat_e.data.models import build_smollm2
 
     return build_smollm2(tmp_path_factory.mktemp("models") / "smollm2")
 

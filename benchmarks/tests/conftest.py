@@ -9,6 +9,6 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    from chat_e.models import build
+    from chat_e.data.models import build
 
     return build(str(tmp_path_factory.mktemp("models") / "tiny"), "tiny", seed=0)

@@ -35,7 +35,7 @@ def chat_model_dir(tmp_path_factory):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from chat_e.models import build_chat_model
+    from chat_e.data.models import build_chat_model
 
     model_dir = build_chat_model(tmp_path_factory.mktemp("models") / "chat-tiny", "tiny", seed=0)
     model = AutoModelForCausalLM.from_pretrained(model_dir)

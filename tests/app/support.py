@@ -118,7 +118,7 @@ class ChatEServer:
 
     def generations(self) -> int:
         """How many replies the server's engine has generated (one ``generate:`` log line each)."""
-        return self.log().count("chat_e.engine: generate:")
+        return self.log().count("chat_e.engines.local: generate:")
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -172,13 +172,13 @@ def served_engine(model_dir: Path, model_defaults: bool = False):
     import torch
 
     from chat_e.__main__ import resolve_quantize
-    from chat_e.engine import ChatEngine
-    from chat_e.limits import ChatLimits, check_request
+    from chat_e.data.limits import ChatLimits, check_request
+    from chat_e.engines.local import LocalEngine
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        engine = ChatEngine.from_pretrained(model_dir, quantize=resolve_quantize("auto", "fp32"))
+        engine = LocalEngine.from_pretrained(model_dir, quantize=resolve_quantize("auto", "fp32"))
         settings = engine.default_settings().replace(**({} if model_defaults else TEST_SETTINGS))
 
         def chat(message, history, mode, context):
@@ -192,7 +192,7 @@ def served_engine(model_dir: Path, model_defaults: bool = False):
 
 # ---- the oracle: stock transformers, no chat_e code --------------------------------------------------------------
 
-#: MuDoConv's header per context mode, written out here rather than taken from chat_e.dialogue
+#: MuDoConv's header per context mode, written out here rather than taken from chat_e.data.dialogue
 MUDOCONV_HEADERS = {
     "persona": "your persona: {} </s>",
     "emotion": "context: {}",

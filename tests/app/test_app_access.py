@@ -12,8 +12,8 @@ import pytest
 from gradio_client.exceptions import AuthenticationError
 from gradio_client.utils import QueueError
 
-from chat_e.guard import BUSY, NEEDS_KEY, WRONG_KEY
-from chat_e.messages import message_text
+from chat_e.data.messages import message_text
+from chat_e.http.guard import BUSY, NEEDS_KEY, WRONG_KEY
 
 from ..conftest import ROOT, free_port, launch_env
 from .support import ChatEServer, chat_e_cmd, serving

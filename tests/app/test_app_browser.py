@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from chat_e.feedback import FeedbackStore
-from chat_e.samples import EXAMPLES
-from chat_e.ui import APOLOGY
+from chat_e.data.samples import EXAMPLES
+from chat_e.feedback.store import FeedbackStore
+from chat_e.web.ui import APOLOGY
 
 from .support import ChatEServer, served_engine, serving
 

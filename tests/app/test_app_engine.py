@@ -1,4 +1,4 @@
-"""ChatEngine on the tiny BlenderBot: context format, truncation, streaming, the three model-dir kinds, precision."""
+"""LocalEngine on the tiny BlenderBot: context format, truncation, streaming, the three model-dir kinds, precision."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from chat_e import dialogue
-from chat_e.dialogue import normalize_mode
-from chat_e.engine import ChatEngine, GenerationSettings, ModelLoadError
+from chat_e.data.dialogue import normalize_mode
+from chat_e.engines.local import GenerationSettings, LocalEngine, ModelLoadError
 
 from .support import make_broken_model, make_sensitive_model, mudoconv_prompt, stock_seq2seq_reply
 
@@ -21,8 +21,8 @@ HISTORY = ["hello, who are you?", "I am a bot. And you?", "a person who likes ca
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir) -> ChatEngine:
-    return ChatEngine.from_pretrained(tiny_model_dir)
+def engine(tiny_model_dir) -> LocalEngine:
+    return LocalEngine.from_pretrained(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +31,8 @@ def sensitive_dir(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def sensitive(sensitive_dir) -> ChatEngine:
-    return ChatEngine.from_pretrained(sensitive_dir)
+def sensitive(sensitive_dir) -> LocalEngine:
+    return LocalEngine.from_pretrained(sensitive_dir)
 
 
 @pytest.mark.parametrize(
@@ -142,7 +142,7 @@ def test_defaults_are_blenderbots_and_settings_apply(engine, caplog):
     )
     config = engine.generation_config
     assert (config.length_penalty, config.no_repeat_ngram_size, config.encoder_no_repeat_ngram_size) == (0.65, 3, 3)
-    with caplog.at_level(logging.INFO, logger="chat_e.engine"):
+    with caplog.at_level(logging.INFO, logger="chat_e.engines.local"):
         engine.chat("hi", [], "free", None, num_beams=2, max_new_tokens=5, min_new_tokens=5)
     assert "new_tokens=5 " in caplog.text
     with pytest.raises(TypeError, match="Unknown generation setting"):
@@ -150,7 +150,7 @@ def test_defaults_are_blenderbots_and_settings_apply(engine, caplog):
 
 
 def test_generation_errors_reach_the_caller(tiny_model_dir, tmp_path):
-    broken = ChatEngine.from_pretrained(make_broken_model(tiny_model_dir, tmp_path / "broken"))
+    broken = LocalEngine.from_pretrained(make_broken_model(tiny_model_dir, tmp_path / "broken"))
     with pytest.raises(IndexError):
         broken.chat("hi", **GREEDY)
     with pytest.raises(IndexError):
@@ -178,7 +178,7 @@ def lora_dirs(sensitive_dir, tmp_path_factory):
     return root / "adapter", root / "merged"
 
 
-def _logits(engine: ChatEngine) -> torch.Tensor:
+def _logits(engine: LocalEngine) -> torch.Tensor:
     inputs = engine._inputs("how are you?", HISTORY, "persona", "I like cats.")
     with torch.no_grad():
         return engine.model(**inputs, decoder_input_ids=torch.tensor([[1, 5, 9]])).logits.float()
@@ -190,7 +190,7 @@ def test_loads_a_16_bit_save(sensitive_dir, sensitive, tmp_path):
     AutoModelForSeq2SeqLM.from_pretrained(sensitive_dir, dtype=torch.bfloat16).save_pretrained(tmp_path)
     AutoTokenizer.from_pretrained(sensitive_dir).save_pretrained(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
-    engine = ChatEngine.from_pretrained(tmp_path)
+    engine = LocalEngine.from_pretrained(tmp_path)
     assert next(engine.model.parameters()).dtype == torch.float32  # served in fp32 unless asked
     assert engine.info["kind"] == "model"
     source = sensitive.model.state_dict()
@@ -205,8 +205,8 @@ def test_loads_an_adapter_and_an_exported_merge_alike(lora_dirs, sensitive, sens
     assert json.loads((adapter_dir / "adapter_config.json").read_text())["base_model_name_or_path"] == str(
         sensitive_dir
     )
-    adapter = ChatEngine.from_pretrained(adapter_dir)
-    merged = ChatEngine.from_pretrained(merged_dir)
+    adapter = LocalEngine.from_pretrained(adapter_dir)
+    merged = LocalEngine.from_pretrained(merged_dir)
     assert adapter.info["kind"] == "base + adapter" and adapter.info["base"] == str(sensitive_dir)
     assert "adapter on" in adapter.describe()
     assert merged.info["kind"] == "model"
@@ -219,26 +219,26 @@ def test_loads_an_adapter_and_an_exported_merge_alike(lora_dirs, sensitive, sens
 
 def test_load_errors_name_the_path(tmp_path, tiny_model_dir):
     with pytest.raises(ModelLoadError, match=str(tmp_path / "missing")):
-        ChatEngine.from_pretrained(tmp_path / "missing")
+        LocalEngine.from_pretrained(tmp_path / "missing")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelLoadError, match="config.json"):
-        ChatEngine.from_pretrained(tmp_path / "empty")
+        LocalEngine.from_pretrained(tmp_path / "empty")
     (tmp_path / "weightless").mkdir()
     (tmp_path / "weightless" / "config.json").write_text(json.dumps({"model_type": "blenderbot"}))
     with pytest.raises(ModelLoadError, match="no weights"):
-        ChatEngine.from_pretrained(tmp_path / "weightless")
+        LocalEngine.from_pretrained(tmp_path / "weightless")
     corrupt = tmp_path / "corrupt"
     shutil.copytree(tiny_model_dir, corrupt)
     (corrupt / "model.safetensors").write_bytes(b"\0" * 64)
     with pytest.raises(ModelLoadError, match=f"Could not load the model in {corrupt}"):
-        ChatEngine.from_pretrained(corrupt)
+        LocalEngine.from_pretrained(corrupt)
     (tmp_path / "orphan").mkdir()
     (tmp_path / "orphan" / "adapter_config.json").write_text(
         json.dumps({"base_model_name_or_path": str(tmp_path / "no-base"), "peft_type": "LORA"})
     )
     (tmp_path / "orphan" / "adapter_model.safetensors").write_bytes(b"")
     with pytest.raises(ModelLoadError, match="no-base"):
-        ChatEngine.from_pretrained(tmp_path / "orphan")
+        LocalEngine.from_pretrained(tmp_path / "orphan")
 
 
 # ---- serving precision ------------------------------------------------------------------------------------------
@@ -246,23 +246,23 @@ def test_load_errors_name_the_path(tmp_path, tiny_model_dir):
 
 def test_bf16_and_int8(tiny_model_dir, sensitive_dir):
     prompt = ("hi, how are you?", HISTORY[:2], "persona", "I like cats.")
-    bf16 = ChatEngine.from_pretrained(sensitive_dir, dtype="bf16")
+    bf16 = LocalEngine.from_pretrained(sensitive_dir, dtype="bf16")
     assert next(bf16.model.parameters()).dtype == torch.bfloat16
     reply = bf16.chat(*prompt, **GREEDY)
     assert reply and reply == stock_seq2seq_reply(
         sensitive_dir, mudoconv_prompt(*prompt), dtype=torch.bfloat16, **GREEDY
     )
-    int8 = ChatEngine.from_pretrained(sensitive_dir, quantize="int8")
+    int8 = LocalEngine.from_pretrained(sensitive_dir, quantize="int8")
     reply = int8.chat(*prompt, **GREEDY)
     assert reply and reply == stock_seq2seq_reply(sensitive_dir, mudoconv_prompt(*prompt), int8=True, **GREEDY)
-    int8 = ChatEngine.from_pretrained(tiny_model_dir, quantize="int8")
+    int8 = LocalEngine.from_pretrained(tiny_model_dir, quantize="int8")
     modules = list(int8.model.modules())
     assert any(isinstance(m, torch.ao.nn.quantized.dynamic.Linear) for m in modules)
     assert not any(type(m) is torch.nn.Linear for m in modules)
-    assert int8.info["parameters"] == ChatEngine.from_pretrained(tiny_model_dir).info["parameters"]
+    assert int8.info["parameters"] == LocalEngine.from_pretrained(tiny_model_dir).info["parameters"]
     assert "int8" in int8.describe()
     with pytest.raises(ValueError, match="drop --dtype bf16"):
-        ChatEngine.from_pretrained(tiny_model_dir, dtype="bf16", quantize="int8")
+        LocalEngine.from_pretrained(tiny_model_dir, dtype="bf16", quantize="int8")
 
 
 # ---- decoder-only chat models ------------------------------------------------------------------------------------
@@ -274,8 +274,8 @@ def chat_sensitive_dir(tiny_chat_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def chat_engine(chat_sensitive_dir) -> ChatEngine:
-    return ChatEngine.from_pretrained(chat_sensitive_dir)
+def chat_engine(chat_sensitive_dir) -> LocalEngine:
+    return LocalEngine.from_pretrained(chat_sensitive_dir)
 
 
 def _stock_reply(model_dir, messages, int8_mlp: bool = False, **generate_kwargs) -> str:
@@ -335,13 +335,13 @@ def test_chat_model_adapter_int8_and_window(chat_sensitive_dir, chat_engine, tmp
     lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False, task_type="CAUSAL_LM")
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(chat_sensitive_dir), lora)
     model.save_pretrained(tmp_path / "adapter")
-    adapter = ChatEngine.from_pretrained(tmp_path / "adapter")
+    adapter = LocalEngine.from_pretrained(tmp_path / "adapter")
     assert adapter.info["kind"] == "base + adapter" and adapter.family == "causal"
     merged = model.merge_and_unload().eval()
     ids = adapter._inputs("hi", HISTORY, "domain", "food")
     with torch.no_grad():
         torch.testing.assert_close(adapter.model(**ids).logits, merged(**ids).logits, atol=1e-4, rtol=1e-4)
-    int8 = ChatEngine.from_pretrained(chat_sensitive_dir, quantize="int8")
+    int8 = LocalEngine.from_pretrained(chat_sensitive_dir, quantize="int8")
     kinds = {name: type(module) for name, module in int8.model.named_modules()}
     # the feed-forward layers are int8; the attention projections and the tied output head stay fp32
     assert "quantized" in kinds["model.layers.0.mlp.up_proj"].__module__
@@ -366,7 +366,7 @@ def test_chat_model_adapter_int8_and_window(chat_sensitive_dir, chat_engine, tmp
 def test_regenerate_samples_under_greedy_settings_and_offers_a_choice_only_between_different_replies(sensitive):
     """Regenerate answers the same prompt again: under settings that cannot vary (greedy here) it samples, so the
     choice "Which reply is better?" is between two replies; an equal pair is never offered."""
-    from chat_e.ui import FeedbackControls, Handlers
+    from chat_e.web.ui import FeedbackControls, Handlers
 
     handlers = Handlers(sensitive)
     greedy = (1, False, 1.0, 1.0, 8, 1)  # the respond endpoint's settings, in GenerationSettings' order

@@ -7,14 +7,14 @@ import sys
 
 from ..conftest import RECIPE, ROOT, launch_env
 
-#: the chat_e modules recipes/blenderbot.py imports (chat_e.engine when it loads its outputs)
+#: the chat_e modules recipes/blenderbot.py imports (chat_e.engines.local when it loads its outputs)
 RECIPE_MODULES = (
-    "chat_e.samples",
-    "chat_e.corpora",
-    "chat_e.dialogue",
-    "chat_e.lora",
-    "chat_e.models",
-    "chat_e.plotting",
+    "chat_e.data.samples",
+    "chat_e.data.corpora",
+    "chat_e.data.dialogue",
+    "chat_e.data.lora",
+    "chat_e.data.models",
+    "chat_e.data.plotting",
 )
 
 
@@ -26,8 +26,8 @@ def imports_gradio(*modules: str) -> bool:
 
 
 def test_the_recipes_chat_e_modules_do_not_import_gradio():
-    assert not imports_gradio(*RECIPE_MODULES, "chat_e.engine")
+    assert not imports_gradio(*RECIPE_MODULES, "chat_e.engines.local")
     assert imports_gradio("gradio")  # positive control: the probe sees an import
     recipe = RECIPE.read_text()
-    assert "from chat_e.samples import SAMPLE_CHATS" in recipe and "chat_e.ui" not in recipe
+    assert "from chat_e.data.samples import SAMPLE_CHATS" in recipe and "chat_e.web.ui" not in recipe
     assert {line.split()[1] for line in recipe.splitlines() if line.startswith("from chat_e")} <= set(RECIPE_MODULES)

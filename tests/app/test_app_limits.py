@@ -1,13 +1,13 @@
-"""Chat-E's request rules as plain functions (no server): :func:`chat_e.limits.check_request`, the limits' own
+"""Chat-E's request rules as plain functions (no server): :func:`chat_e.data.limits.check_request`, the limits' own
 checks, the exposure warning, and the UI handlers refusing before the engine is touched."""
 
 from __future__ import annotations
 
 import pytest
 
-from chat_e.guard import exposure_warning, is_loopback, parse_auth
-from chat_e.limits import ChatLimits, Refused, check_request
-from chat_e.ui import Handlers, from_display, to_display
+from chat_e.data.limits import ChatLimits, Refused, check_request
+from chat_e.http.guard import exposure_warning, is_loopback, parse_auth
+from chat_e.web.ui import Handlers, from_display, to_display
 
 LIMITS = ChatLimits(max_message_chars=10, max_context_chars=8, max_history_turns=4, max_history_chars=20)
 
@@ -97,7 +97,7 @@ class NoModel:
     max_positions = 128
 
     def default_settings(self):
-        from chat_e.engine import GenerationSettings
+        from chat_e.engines.local import GenerationSettings
 
         return GenerationSettings(num_beams=1)
 

@@ -23,9 +23,9 @@ import httpx
 import pytest
 from gradio_client.exceptions import AppError
 
-from chat_e.limits import ChatLimits
-from chat_e.messages import message_text
-from chat_e.ui import from_display, to_display
+from chat_e.data.limits import ChatLimits
+from chat_e.data.messages import message_text
+from chat_e.web.ui import from_display, to_display
 
 from .support import TEST_SETTINGS, ChatEServer, served_engine, serving
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from chat_e.samples import EXAMPLES, SAMPLE_CHATS
+from chat_e.data.samples import EXAMPLES, SAMPLE_CHATS
 
 from .support import ChatEServer, serving
 from .test_app_browser import BOT, CHROMIUM, USER, page, texts  # noqa: F401 (page is a fixture)

@@ -16,9 +16,9 @@ import pytest
 from gradio_client.exceptions import AppError
 
 from chat_e.__main__ import resolve_quantize
-from chat_e.limits import ChatLimits
-from chat_e.messages import message_text
-from chat_e.ui import APOLOGY, Handlers, from_display, to_display
+from chat_e.data.limits import ChatLimits
+from chat_e.data.messages import message_text
+from chat_e.web.ui import APOLOGY, Handlers, from_display, to_display
 
 from ..conftest import BIN, ROOT, free_port, launch_env
 from .support import (

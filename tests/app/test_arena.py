@@ -1,4 +1,4 @@
-"""Chat-E's blind arena (chat_e.arena) served in this process and driven by gradio_client: votes recorded once each
+"""Chat-E's blind arena (chat_e.web.arena) served in this process and driven by gradio_client: votes recorded once each
 with what training on them needs, the reveal, refusals, the leaderboard against choix, and the pairing's balance."""
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from gradio_client import Client
 from gradio_client.exceptions import AppError
 from scipy import stats
 
-from chat_e.arena import VOTE_KEYS, Arena, build_arena, draw_pair
-from chat_e.dialogue import normalize_mode
-from chat_e.engine import ChatEngine
-from chat_e.feedback import FeedbackStore
-from chat_e.leaderboard import BT_ALPHA
-from chat_e.limits import ChatLimits
-from chat_e.messages import message_text, plain_turn
-from chat_e.ui import APOLOGY, from_display
+from chat_e.data.dialogue import normalize_mode
+from chat_e.data.limits import ChatLimits
+from chat_e.data.messages import message_text, plain_turn
+from chat_e.engines.local import LocalEngine
+from chat_e.feedback.leaderboard import BT_ALPHA
+from chat_e.feedback.store import FeedbackStore
+from chat_e.web.arena import VOTE_KEYS, Arena, build_arena, draw_pair
+from chat_e.web.ui import APOLOGY, from_display
 
 from ..conftest import free_port
 from .support import TEST_SETTINGS, make_sensitive_model
@@ -44,7 +44,7 @@ def engines(tiny_chat_model_dir, tmp_path_factory):
     found = {}
     for k in (1, 2, 3):
         path = make_sensitive_model(tiny_chat_model_dir, root / f"m{k}", seed=k)
-        found[f"m{k}"] = ChatEngine.from_pretrained(path)
+        found[f"m{k}"] = LocalEngine.from_pretrained(path)
     yield found
     torch.set_num_threads(threads)
 
@@ -234,7 +234,7 @@ def test_three_models_leaderboard_is_choixs(engines, tmp_path):
 
 
 def test_a_failed_reply_shows_the_apology_and_cannot_be_voted_on(engines):
-    class Broken(ChatEngine):
+    class Broken(LocalEngine):
         def stream_chat(self, *args, **kwargs):
             raise RuntimeError("generation failed on purpose")
             yield  # a generator, like the real one
@@ -297,9 +297,9 @@ def test_ten_thousand_votes_keep_the_arena_bounded(engines, tmp_path):
     leaderboard reads from the store (three columns of each vote, not its texts)."""
     from sqlalchemy.orm import Session
 
-    from chat_e.arena import VOTED_MEMORY, Battle
-    from chat_e.feedback import Vote, utcnow
-    from chat_e.leaderboard import BT_HEADERS, KEPT_PLOTS
+    from chat_e.feedback.leaderboard import BT_HEADERS, KEPT_PLOTS
+    from chat_e.feedback.store import Vote, utcnow
+    from chat_e.web.arena import VOTED_MEMORY, Battle
 
     votes = Votes(tmp_path)
     arena = Arena(engines, record_vote=votes.record, load_votes=votes.store.vote_outcomes, plot_dir=tmp_path / "plots")

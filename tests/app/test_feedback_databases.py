@@ -13,8 +13,8 @@ import subprocess
 import pytest
 from sqlalchemy import inspect
 
-from chat_e.feedback import Base, FeedbackStore, make_engine
-from chat_e.migrations import current_revision, head_revision
+from chat_e.feedback.migrations import current_revision, head_revision
+from chat_e.feedback.store import Base, FeedbackStore, make_engine
 
 from ..conftest import BIN, launch_env
 from ..unit.test_feedback import FEEDBACK, VOTES

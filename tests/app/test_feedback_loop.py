@@ -23,9 +23,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from chat_e.dialogue import normalize_mode
-from chat_e.feedback import FeedbackStore
-from chat_e.ui import NEW_REPLY, PREVIOUS_REPLY, from_display
+from chat_e.data.dialogue import normalize_mode
+from chat_e.feedback.store import FeedbackStore
+from chat_e.web.ui import NEW_REPLY, PREVIOUS_REPLY, from_display
 
 from ..conftest import ROOT, TRAIN_LAUNCHER, launcher_cmd, run
 from .support import TEST_SETTINGS, ChatEServer, make_sensitive_model
@@ -236,10 +236,10 @@ def test_exported_rows_train_five_dpo_steps_on_two_ranks(loop, tmp_path):
 
 def test_the_feedback_controls_come_with_a_store_only(tiny_chat_model_dir, tmp_path):
     """``--no_feedback`` builds the UI without a store: no thumbs, no correction box, no feedback endpoints."""
-    from chat_e.engine import ChatEngine
-    from chat_e.ui import build_app
+    from chat_e.engines.local import LocalEngine
+    from chat_e.web.ui import build_app
 
-    engine = ChatEngine.from_pretrained(tiny_chat_model_dir)
+    engine = LocalEngine.from_pretrained(tiny_chat_model_dir)
     store = FeedbackStore(f"sqlite:///{tmp_path}/feedback.db")
     try:
         for demo, offered in ((build_app(engine, store=store), True), (build_app(engine), False)):

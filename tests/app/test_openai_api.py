@@ -15,8 +15,8 @@ import httpx
 import openai
 import pytest
 
-from chat_e.messages import message_text
-from chat_e.ui import APOLOGY
+from chat_e.data.messages import message_text
+from chat_e.web.ui import APOLOGY
 
 from ..conftest import BIN, ROOT, free_port, launch_env
 from .support import TEST_SETTINGS, ChatEServer, make_sensitive_model, serving, stop_process

@@ -49,7 +49,7 @@ def test_accelerate_with_a_deepspeed_plugin_runs_zero2(topics_run):
 def test_the_saved_classifier_beats_the_majority_class_on_the_test_split(topics_run):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from chat_e.corpora import load_chatterbot_topics
+    from chat_e.data.corpora import load_chatterbot_topics
 
     results = json.loads((topics_run / "all_results.json").read_text())
     test = load_chatterbot_topics()["test"]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from chat_e.engine import ChatEngine
+from chat_e.engines.local import LocalEngine
 
 from ..conftest import ROOT, TRAIN_LAUNCHER, launcher_cmd, run
 
@@ -95,6 +95,6 @@ def test_kto_trains_and_reports_before_and_after(preference_runs):
 
 def test_the_output_serves_in_chat_e(preference_runs):
     out, _ = preference_runs("dpo")
-    engine = ChatEngine.from_pretrained(str(out), device="cpu")
+    engine = LocalEngine.from_pretrained(str(out), device="cpu")
     reply = engine.chat("Hi! How was your weekend?", [], "topic", "Weekends", engine.default_settings())
     assert isinstance(reply, str)

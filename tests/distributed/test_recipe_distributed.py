@@ -20,7 +20,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, BlenderbotForConditionalGeneration
 
-from chat_e.samples import SAMPLE_CHATS
+from chat_e.data.samples import SAMPLE_CHATS
 from hf_ext.runtime import has_accelerator, usable_cores
 
 from ..conftest import BIN, RECIPE, ROOT, TINY_YAML, free_port, launch_env, launcher_cmd, run
@@ -286,7 +286,7 @@ def training_rows(config: Path, model_dir: Path, **overrides):
 
     import yaml
 
-    from chat_e.corpora import DataArguments, load_dialogue_dataset, tokenize_dataset
+    from chat_e.data.corpora import DataArguments, load_dialogue_dataset, tokenize_dataset
 
     names = {f.name for f in dataclasses.fields(DataArguments)}
     data_args = DataArguments(**{**{k: v for k, v in yaml.safe_load(config.read_text()).items() if k in names},

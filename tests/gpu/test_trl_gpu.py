@@ -26,7 +26,7 @@ def gpu_chat_model(tmp_path_factory) -> Path:
     """The tiny chat model: ``HF_EXT_GPU_MODEL`` (a copy carried to a machine without the corpora), else built."""
     if os.environ.get("HF_EXT_GPU_MODEL"):
         return Path(os.environ["HF_EXT_GPU_MODEL"])
-    from chat_e.models import build_chat_model
+    from chat_e.data.models import build_chat_model
 
     return build_chat_model(tmp_path_factory.mktemp("models") / "tiny_chat", "tiny", seed=0)
 

@@ -163,8 +163,8 @@ def test_decoder_only_eval_equals_stock_generate_per_row(tiny_chat_model_dir, tm
     replies."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from chat_e.corpora import DataArguments, load_dialogue_dataset
-    from chat_e.dialogue import encode_texts
+    from chat_e.data.corpora import DataArguments, load_dialogue_dataset
+    from chat_e.data.dialogue import encode_texts
 
     from ..app.support import make_sensitive_model
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM
 
-from chat_e.models import SMOLLM2_CHAT_TEMPLATE, SMOLLM2_GGUF, SMOLLM2_HUB_ID, build_smollm2, smollm2_gguf_file
+from chat_e.data.models import SMOLLM2_CHAT_TEMPLATE, SMOLLM2_GGUF, SMOLLM2_HUB_ID, build_smollm2, smollm2_gguf_file
 
 pytestmark = pytest.mark.slow
 

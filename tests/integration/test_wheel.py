@@ -23,7 +23,7 @@ def test_the_wheel_installs_two_top_level_packages(tmp_path):
     assert "hf_ext/deepspeed/presets/zero3.json" in names
     # the feedback database's schema migrations (Alembic reads them from the installed package)
     assert {
-        "chat_e/migrations/env.py",
-        "chat_e/migrations/script.py.mako",
-        "chat_e/migrations/versions/0001_initial.py",
+        "chat_e/feedback/migrations/env.py",
+        "chat_e/feedback/migrations/script.py.mako",
+        "chat_e/feedback/migrations/versions/0001_initial.py",
     } <= set(names)

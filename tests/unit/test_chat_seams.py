@@ -1,4 +1,4 @@
-"""Chat-E's seams without a model: a chat's shapes made plain turns (chat_e.messages), the mode names, and each
+"""Chat-E's seams without a model: a chat's shapes made plain turns (chat_e.data.messages), the mode names, and each
 generation setting declared once (the CLI flags and the UI controls are built from the declaration)."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import argparse
 
 import pytest
 
-from chat_e.__main__ import build_parser
-from chat_e.dialogue import MODES, normalize_mode
-from chat_e.limits import ChatLimits, check_request
-from chat_e.messages import (
+from chat_e.__main__ import build_parser, parse
+from chat_e.data.dialogue import MODES, normalize_mode
+from chat_e.data.limits import ChatLimits, check_request
+from chat_e.data.messages import (
     MAX_HISTORY_TURNS,
     MAX_MESSAGE_CHARS,
     chat_turns,
@@ -18,7 +18,7 @@ from chat_e.messages import (
     message_text,
     stripped_pieces,
 )
-from chat_e.settings import SETTING_NAMES, GenerationSettings, setting_ranges
+from chat_e.data.settings import SETTING_NAMES, GenerationSettings, setting_ranges
 
 HISTORY = ["hello, who are you?", "I am a bot. And you?", "a person who likes cats"]
 #: the generation settings, written out: a setting added to (or dropped from) the declaration must show up here
@@ -99,7 +99,7 @@ def test_the_declaration_is_the_settings():
 
 
 def test_cli_flags_are_the_declared_settings():
-    parser = build_parser()
+    parser = build_parser().parse_args(["serve", "--model", "m"]).command_parser
     (group,) = [g for g in parser._action_groups if g.title.startswith("generation defaults")]
     assert [a.dest for a in group._group_actions] == DECLARED
     flags = {a.dest: a.option_strings for a in group._group_actions}
@@ -125,7 +125,7 @@ def test_cli_flags_are_the_declared_settings():
 
 def test_ui_controls_are_the_declared_settings():
     gr = pytest.importorskip("gradio")  # the app extra
-    from chat_e.ui import RESPOND_PARAMETERS, setting_controls
+    from chat_e.web.ui import RESPOND_PARAMETERS, setting_controls
 
     settings = GenerationSettings(num_beams=12, max_new_tokens=500)
     with gr.Blocks():
@@ -141,3 +141,13 @@ def test_ui_controls_are_the_declared_settings():
         "min_new_tokens": (0, 127, 1, 19),
     }
     assert RESPOND_PARAMETERS == ("chat", "mode", "context", *DECLARED)
+
+
+def test_chat_e_lists_its_subcommands_and_serves_by_default():
+    help_text = build_parser().format_help()
+    assert "{serve,arena,feedback}" in help_text and "Serve a model (the default command)." in help_text
+    assert parse(["--model", "m"])[0].command == "serve"  # chat-e --model DIR, as the docs write it
+    args, parser = parse(["arena", "--model", "a", "--model", "b", "--seed", "3"])
+    assert (args.command, args.model, args.seed, parser.prog) == ("arena", ["a", "b"], 3, "chat-e arena")
+    args, _ = parse(["feedback", "export", "--format", "dpo", "--out", "rows.jsonl"])
+    assert (args.command, args.feedback_command, args.format) == ("feedback", "export", "dpo")

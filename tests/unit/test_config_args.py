@@ -2,7 +2,7 @@
 
 import pytest
 
-from chat_e.corpora import DataArguments
+from chat_e.data.corpora import DataArguments
 from hf_ext import Seq2SeqTrainingArguments
 from hf_ext.config_args import parse_args_with_config
 

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from chat_e.corpora import (
+from chat_e.data.corpora import (
     CHATTERBOT_HEADERS,
     CHITCHAT_CONTEXT_TURNS,
     DataArguments,
@@ -20,7 +20,7 @@ from chat_e.corpora import (
     load_dialogue_dataset,
     tokenize_dataset,
 )
-from chat_e.dialogue import TURN_JOIN, make_header, parse_header, parse_texts
+from chat_e.data.dialogue import TURN_JOIN, make_header, parse_header, parse_texts
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,7 @@ def test_bad_rows_are_counted_skipped_and_reported_once(tmp_path, caplog, suffix
         lines = ["texts,labels"] + [f"{r['texts']},{r['labels']}" for r in good] + [",empty texts", "no label,"]
         path.write_text("\n".join(lines) + "\n")
         expected_bad = 2
-    with caplog.at_level(logging.WARNING, logger="chat_e.corpora"):
+    with caplog.at_level(logging.WARNING, logger="chat_e.data.corpora"):
         ds = load_dialogue_dataset(DataArguments(train_file=str(path)))
     assert ds["train"]["texts"] == [r["texts"] for r in good]
     lines = [r.message for r in caplog.records if "Skipped" in r.message]
@@ -205,7 +205,7 @@ def test_chitchat_bad_records_are_counted_and_skipped(caplog):
             ],
         },
     }
-    with caplog.at_level(logging.INFO, logger="chat_e.corpora"):
+    with caplog.at_level(logging.INFO, logger="chat_e.data.corpora"):
         conversations, drops = chitchat_conversations(dataset)
     assert conversations == [
         {"category": "chitchat", "topic": "Pets?", "turns": ["hi you there?", "yes", "cool look: https://x.io"]},
@@ -273,7 +273,7 @@ def test_chitchat_plus_chatterbot_has_both_sources_shuffled():
 def test_chatterbot_topics_are_the_corpus_categories_split_by_conversation():
     from collections import Counter
 
-    from chat_e.corpora import chatterbot_conversations, load_chatterbot_topics
+    from chat_e.data.corpora import chatterbot_conversations, load_chatterbot_topics
 
     data = load_chatterbot_topics()
     names = data["train"].features["label"].names

@@ -2,7 +2,7 @@
 
 import pytest
 
-from chat_e.dialogue import (
+from chat_e.data.dialogue import (
     HEADER_JOIN,
     IGNORE_INDEX,
     MODES,

@@ -12,8 +12,8 @@ import sqlite3
 
 import pytest
 
-from chat_e.export import Examples
-from chat_e.feedback import Base, FeedbackStore
+from chat_e.feedback.export import Examples
+from chat_e.feedback.store import Base, FeedbackStore
 
 PERSONA = "I like cats."
 #: the prompt Chat-E's decoder-only engine renders for this exchange, written out by hand
@@ -44,7 +44,7 @@ def vote(winner: str, turn: int = 1, a: str = "Fine, thanks.", b: str = "I am a 
     fields = dict(battle_id="b1", turn=turn, model_a="base", model_b="tuned", winner=winner, reply_a=a, reply_b=b)
     history = {"model_a": [], "model_b": []} if turn == 1 else {"model_a": ["hi", "A"], "model_b": ["hi", "B"]}
     row = exchange(mode="none", context="", history=history, message="hey", **fields)
-    del row["model"]  # a vote names its two models; each side has its own history (chat_e.arena)
+    del row["model"]  # a vote names its two models; each side has its own history (chat_e.web.arena)
     return row
 
 
@@ -178,7 +178,7 @@ def test_sft_rows_never_take_a_disliked_or_losing_reply():
 
 def test_exported_rows_pass_the_recipes_own_row_checks(tmp_path, store, capsys):
     from chat_e.__main__ import main
-    from chat_e.corpora import clean_rows
+    from chat_e.data.corpora import clean_rows
     from recipes.preference import clean_preference_rows, read_jsonl
 
     for row in FEEDBACK:

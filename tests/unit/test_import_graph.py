@@ -133,6 +133,70 @@ def test_hf_ext_needs_no_product_dependency():
     assert used & product_only == set()
 
 
+# --- chat_e in layers -------------------------------------------------------------------------------------------------
+
+#: chat_e's layers (its sub-packages), each with the layers it may import; ``server`` and ``__main__`` compose them
+CHAT_E_MAY_IMPORT = {
+    "data": set(),
+    "engines": {"data"},
+    "feedback": {"data"},
+    "web": {"data", "engines", "feedback"},
+    "http": {"data", "engines"},
+}
+CHAT_E_COMPOSITION = {"chat_e", "chat_e.__main__", "chat_e.server"}
+#: the serving and storage stacks, which the model-side layers (data, engines) never import
+SERVING_STACK = {"gradio", "gradio_client", "fastapi", "starlette", "uvicorn", "sqlalchemy", "alembic", "psycopg"}
+
+
+def chat_e_layer(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "chat_e" and len(parts) > 1 and parts[1] in CHAT_E_MAY_IMPORT else None
+
+
+def test_every_chat_e_module_is_in_a_layer_or_composes_them():
+    modules = {m for m in module_files() if m.split(".")[0] == "chat_e"}
+    assert {m for m in modules if chat_e_layer(m) is None} == CHAT_E_COMPOSITION
+
+
+def layer_violations(edges: dict[str, set[str]]) -> list[str]:
+    """Each import of ``edges`` that breaks chat_e's layers, in words."""
+    wrong = []
+    for module, targets in edges.items():
+        layer = chat_e_layer(module)
+        if layer is None:
+            continue
+        for target in sorted(targets):
+            other = chat_e_layer(target)
+            if target.split(".")[0] == "chat_e" and other is None and target != "chat_e":
+                wrong.append(f"{module} imports {target}, which composes the layers")
+            elif other not in (None, layer) and other not in CHAT_E_MAY_IMPORT[layer]:
+                wrong.append(f"{module} ({layer}) imports {target} ({other})")
+            elif layer in ("data", "engines") and target.split(".")[0] in SERVING_STACK:
+                wrong.append(f"{module} ({layer}) imports {target.split('.')[0]}")
+    return wrong
+
+
+def test_chat_e_layers_import_downward_only():
+    """data and engines import no Gradio, FastAPI or SQLAlchemy; web and http do not import each other; feedback
+    imports neither; nothing in a layer imports what composes the layers."""
+    assert layer_violations(graph()) == []
+
+
+def test_the_layer_rules_catch_a_sideways_import():
+    real = graph()
+    fake = {
+        **real,
+        "chat_e.web.ui": real["chat_e.web.ui"] | {"chat_e.http.guard", "sqlalchemy"},
+        "chat_e.engines.local": real["chat_e.engines.local"] | {"gradio"},
+        "chat_e.feedback.store": real["chat_e.feedback.store"] | {"chat_e.server"},
+    }
+    assert set(layer_violations(fake)) == {
+        "chat_e.web.ui (web) imports chat_e.http.guard (http)",
+        "chat_e.engines.local (engines) imports gradio",
+        "chat_e.feedback.store imports chat_e.server, which composes the layers",
+    }
+
+
 # --- the package-level DAG, and docs/architecture.md written from it -------------------------------------------------
 
 #: the building blocks every feature may use

@@ -1,4 +1,4 @@
-"""The arena's statistics (chat_e.leaderboard) against independent oracles: choix and scipy called here on data
+"""The arena's statistics (chat_e.feedback.leaderboard) against independent oracles: choix and scipy called here on data
 encoded by hand, a Monte-Carlo power estimate, counts written out."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from chat_e.leaderboard import (
+from chat_e.feedback.leaderboard import (
     BT_ALPHA,
     BT_HEADERS,
     ELO_BASE,

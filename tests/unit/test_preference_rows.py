@@ -1,5 +1,5 @@
 """recipes/preference.py's rows: bad preference rows are counted per reason and skipped, and SPIN pairs are the text
-Chat-E serves (checked against chat_e.dialogue's serving path called directly)."""
+Chat-E serves (checked against chat_e.data.dialogue's serving path called directly)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 import pytest
 from transformers import AutoTokenizer
 
-from chat_e.dialogue import chat_reply_ids, encode_history, format_context
+from chat_e.data.dialogue import chat_reply_ids, encode_history, format_context
 
 from ..conftest import ROOT
 
@@ -111,7 +111,7 @@ def test_spin_pairs_render_through_chat_e_dialogue(recipe, chat_tokenizer):
     args = recipe.PreferenceDataArguments(max_source_length=40, max_target_length=8)
     (pair,), drops = recipe.spin_pairs(rows, ["no no no no no no no no no no no no no no"], chat_tokenizer, args)
     assert not drops
-    # the oracle: what Chat-E feeds the model for this chat (chat_e.dialogue's serving entry point) ...
+    # the oracle: what Chat-E feeds the model for this chat (chat_e.data.dialogue's serving entry point) ...
     served = encode_history(chat_tokenizer, turns, "topic", "Outdoors", max_length=40, family="causal")
     # ... and what the chat template makes a chat model end an assistant message with, cut to the reply budget
     human = chat_reply_ids(chat_tokenizer, "That sounds fun, was it steep?", max_length=8)

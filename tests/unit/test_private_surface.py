@@ -513,7 +513,7 @@ PINS = [
                              "b6ee0a370c266b6f6ada183d32719e4f689ac7a54086c1ec40a69a79e79921c6") for name in ("SFTTrainer", "DPOTrainer", "KTOTrainer")))),
     # Gradio (chat_e: the app's server, its login by API key, its chat window)
     Pin("gradio", "App.tokens, App.cookie_id and the access-token cookies", "source lines",
-        "chat_e/guard.py RequestGuard._as_session (an API key logs a request in as Gradio's login would: its session "
+        "chat_e/http/guard.py RequestGuard._as_session (an API key logs a request in as Gradio's login would: its session "
         "token in app.tokens, under the cookies Gradio reads)",
         all_of(source_has("gradio.routes:App.__init__", "self.tokens = {}", "self.cookie_id = secrets.token_urlsafe(32)"),
                source_has("gradio.routes:App.create_app", 'f"access-token-{app.cookie_id}"',
@@ -524,7 +524,7 @@ PINS = [
                source_has("gradio.state_holder:StateHolder.set_blocks",
                           "self.capacity = blocks.state_session_capacity"))),
     Pin("gradio", "a component's data_model validates its input before any handler", "source lines",
-        "chat_e/ui.py checked_chat_model (the chat window's model, with a clear refusal of a malformed chat)",
+        "chat_e/web/ui.py checked_chat_model (the chat window's model, with a clear refusal of a malformed chat)",
         all_of(source_has("gradio.components.chatbot:Chatbot", "data_model = ChatbotDataMessages"),
                source_has("gradio.blocks:Blocks.preprocess_data", 'if getattr(block, "data_model", None)',
                           "inputs_cached = data_model.model_validate("))),

@@ -15,7 +15,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from chat_e.models import (
+from chat_e.data.models import (
     GENERATION_DEFAULTS,
     SIZES,
     SMOLLM2_CHAT_TEMPLATE,

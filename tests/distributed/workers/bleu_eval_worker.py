@@ -18,8 +18,8 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, DataCollatorForSeq2Seq
 
 import hf_ext
-from chat_e.corpora import DataArguments, load_dialogue_dataset, tokenize_dataset
-from chat_e.dialogue import family_of
+from chat_e.data.corpora import DataArguments, load_dialogue_dataset, tokenize_dataset
+from chat_e.data.dialogue import family_of
 from hf_ext.deepspeed.resolve import load_deepspeed_config
 from hf_ext.model_info import model_class
 from tests.saving_support import gathered_state_dict

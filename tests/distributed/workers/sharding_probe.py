@@ -8,7 +8,7 @@ import torch.distributed as dist
 from deepspeed.comm import comm as ds_comm
 from transformers import AutoTokenizer, BlenderbotForConditionalGeneration, DataCollatorForSeq2Seq
 
-from chat_e.corpora import DataArguments, load_dialogue_dataset, tokenize_dataset
+from chat_e.data.corpora import DataArguments, load_dialogue_dataset, tokenize_dataset
 from hf_ext import Seq2SeqTrainer, Seq2SeqTrainingArguments, end_distributed
 
 model_dir, out_dir, deepspeed = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]

@@ -93,8 +93,8 @@ class ChatLimits:
 
 @dataclass
 class Request:
-    """A request's fields after :func:`check_request`, as :class:`~chat_e.engine.ChatEngine` takes them: the message
-    one plain turn, the history plain turns (:mod:`chat_e.messages`), a known mode, settings in range."""
+    """A request's fields after :func:`check_request`, as :class:`~chat_e.engines.base.ChatEngine` takes them: the message
+    one plain turn, the history plain turns (:mod:`chat_e.data.messages`), a known mode, settings in range."""
 
     message: str | None = None
     history: list[str] | None = None
@@ -129,7 +129,7 @@ def check_request(
 
     Returns:
         The fields as the engine takes them (it trusts them): the message and the history as plain turns, made so
-        here, once per request (:func:`chat_e.messages.chat_turns`'s rules); the mode normalized.
+        here, once per request (:func:`chat_e.data.messages.chat_turns`'s rules); the mode normalized.
 
     Raises:
         Refused: the first field outside its limit or of the wrong type, with what to change.

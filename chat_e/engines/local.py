@@ -1,17 +1,17 @@
-"""ChatEngine: load a fine-tuned dialogue model, build its context, generate or stream a reply.
+"""LocalEngine: load a fine-tuned dialogue model, build its context, generate or stream a reply.
 
 Both model families are served: an encoder-decoder (BlenderBot) reads the MuDoConv string, a decoder-only chat model
 (SmolLM2-135M-Instruct) its chat template with the persona/emotion/domain/topic header as the system message.
 
 The engine takes a chat as plain turns: the user's newest message and the earlier turns as strings, oldest first,
-speakers alternating. It neither reads message shapes nor cleans text: the UI (:mod:`chat_e.ui`) and the ``chat``
-API endpoint hand it what :func:`chat_e.limits.check_request` made of a request (with :mod:`chat_e.messages`), once
+speakers alternating. It neither reads message shapes nor cleans text: the UI (:mod:`chat_e.web.ui`) and the ``chat``
+API endpoint hand it what :func:`chat_e.data.limits.check_request` made of a request (with :mod:`chat_e.data.messages`), once
 per reply. No Gradio here: the UI is a thin layer over this module, which is tested on its own.
 
-The context is built by :mod:`chat_e.dialogue` -- the same code that prepares the training data -- so what the bot
+The context is built by :mod:`chat_e.data.dialogue` -- the same code that prepares the training data -- so what the bot
 sees at serving time is exactly what it was trained on::
 
-    engine = ChatEngine.from_pretrained("runs/demo/final")
+    engine = LocalEngine.from_pretrained("runs/demo/final")
     engine.chat("Hi! Any plans for the summer?", mode="domain", context="vacation ideas")
     for piece in engine.stream_chat("Tell me more.", history=["Hi!", "Hello there."], num_beams=1):
         print(piece, end="", flush=True)
@@ -35,9 +35,10 @@ from hf_ext.model_info import model_class
 from hf_ext.saving.model_dir import ModelDirError as ModelLoadError
 from hf_ext.saving.model_dir import describe_model_dir
 
-from .dialogue import encode_history, family_of, format_context, normalize_mode
-from .messages import stripped_pieces
-from .settings import LENGTH, STOP, Completion, GenerationSettings
+from ..data.dialogue import encode_history, family_of, format_context, normalize_mode
+from ..data.messages import stripped_pieces
+from ..data.settings import LENGTH, STOP, Completion, GenerationSettings
+from .base import ChatEngine
 
 logger = logging.getLogger(__name__)
 
@@ -85,13 +86,13 @@ class _Cancelled:
         return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
 
 
-class ChatEngine:
+class LocalEngine(ChatEngine):
     """A dialogue model, its tokenizer and generation defaults, and its family's context format.
 
     A chat reaches it as plain turns -- the user's newest ``message`` and the earlier ``history``, strings oldest first,
     speakers alternating -- and a context mode name. It trusts them: no message shapes are read and no text is
-    cleaned or cut here. Chat-E's server makes them so once per request (:func:`chat_e.limits.check_request`, by
-    :mod:`chat_e.messages`' rules); only what exceeds the model's window is cut, by :mod:`chat_e.dialogue`.
+    cleaned or cut here. Chat-E's server makes them so once per request (:func:`chat_e.data.limits.check_request`, by
+    :mod:`chat_e.data.messages`' rules); only what exceeds the model's window is cut, by :mod:`chat_e.data.dialogue`.
 
     Args:
         model: an encoder-decoder (MuDoConv inputs) or a decoder-only chat model (chat-template inputs).
@@ -119,7 +120,7 @@ class ChatEngine:
     @classmethod
     def from_pretrained(
         cls, path: str | Path, dtype: str = "fp32", quantize: str = "none", device: str = "cpu"
-    ) -> ChatEngine:
+    ) -> LocalEngine:
         """Load a recipe's model directory: a 16-bit save or an exported merge (``config.json``), or a PEFT adapter
         (``adapter_config.json``, merged into its base at load).
 
@@ -216,7 +217,7 @@ class ChatEngine:
         self, message: str | None, history: Sequence[str] = (), mode: str = "none", context: str | None = None
     ) -> str:
         """The MuDoConv ``texts`` string for this chat (before truncation and rendering), as
-        :func:`chat_e.dialogue.format_context`."""
+        :func:`chat_e.data.dialogue.format_context`."""
         return format_context(self.turns(message, history), normalize_mode(mode), context)
 
     def encode(
@@ -274,13 +275,13 @@ class ChatEngine:
         """The bot's reply to ``message`` after ``history`` under a context ``mode``.
 
         The engine trusts its inputs: text is passed to the model as given (neither cleaned nor cut here; what is
-        over the model's window is cut by :mod:`chat_e.dialogue`, oldest turns first). A server hands it what
-        :func:`chat_e.limits.check_request` made of a request; other callers give plain turns likewise.
+        over the model's window is cut by :mod:`chat_e.data.dialogue`, oldest turns first). A server hands it what
+        :func:`chat_e.data.limits.check_request` made of a request; other callers give plain turns likewise.
 
         Args:
             message: the user's newest message: one turn, non-empty.
             history: the earlier turns, oldest first, as strings: speakers alternate, the last is the bot's.
-            mode: a context mode, as :func:`chat_e.dialogue.normalize_mode` takes it (``persona``, ``emotion``,
+            mode: a context mode, as :func:`chat_e.data.dialogue.normalize_mode` takes it (``persona``, ``emotion``,
                 ``domain``, ``topic``, or ``none``/``free``); another name is a ``ValueError``.
             context: the persona sentences, emotion, domain or topic for the header.
             settings: generation settings (:meth:`default_settings` when None); keyword overrides win.
@@ -294,14 +295,16 @@ class ChatEngine:
             out = self.model.generate(**inputs, generation_config=config)
         new_tokens = self._new_tokens(out[0], inputs)
         reply = "".join(stripped_pieces([self.tokenizer.decode(new_tokens, skip_special_tokens=True)]))
-        self._finished(new_tokens, config, completion)
+        self._finished(inputs, new_tokens, config, completion)
         self._log(inputs, len(new_tokens), started, mode)
         return reply
 
-    def _finished(self, new_tokens, config, completion: Completion | None) -> None:
-        """Fill ``completion``: "length" when the reply ran to its limit without the model's end token."""
+    def _finished(self, inputs, new_tokens, config, completion: Completion | None) -> None:
+        """Fill ``completion``: "length" when the reply ran to its limit without the model's end token; the token
+        counts of the prompt and of the reply (its end token not counted)."""
         if completion is None:
             return
+        completion.prompt_tokens = int(inputs["input_ids"].shape[-1])
         ends = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
         limit = config.max_new_tokens if self.family != "seq2seq" else config.max_length - 1
         ended = len(new_tokens) > 0 and int(new_tokens[-1]) in ends
@@ -350,7 +353,7 @@ class ChatEngine:
                     )
                 new_tokens = self._new_tokens(out[0], inputs)
                 lengths.append(len(new_tokens))
-                self._finished(new_tokens, config, completion)
+                self._finished(inputs, new_tokens, config, completion)
             except BaseException as err:  # handed to the reading thread, which re-raises it
                 failure.append(err)
                 streamer.end()

@@ -3,13 +3,13 @@
 What people tell Chat-E -- a thumb up or down on a reply, a corrected reply ("what it should have said"), the better of
 a reply and its regeneration, a blind arena vote -- becomes a row with everything needed to train on it: the context
 mode and its text, the history as the model saw it (plain turns, oldest first), the user's message, the reply, the
-model's id and generation settings, the time (UTC) and the session. :mod:`chat_e.export` turns the rows into what the
+model's id and generation settings, the time (UTC) and the session. :mod:`chat_e.feedback.export` turns the rows into what the
 recipes read.
 
 Storage is any SQLAlchemy URL: by default a SQLite file in the run directory (``runs/chat-e/feedback.db``), in WAL
 mode with full synchronous commits, so that a row is on disk before its request is answered and a killed server loses
 nothing it acknowledged; ``postgresql://...`` (or another server) for a database several Chat-E processes share. The
-schema carries a version: Alembic's migrations in :mod:`chat_e.migrations` create and upgrade it whenever a store is
+schema carries a version: Alembic's migrations in :mod:`chat_e.feedback.migrations` create and upgrade it whenever a store is
 opened (``chat-e feedback upgrade`` does it by hand, e.g. before several servers start on a shared database).
 
 Rows are appended, never rewritten: a rating changed later is a newer row for the same reply, and the newest wins at
@@ -73,13 +73,13 @@ class _Exchange:
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     created_at: Mapped[datetime.datetime] = mapped_column(UTCDateTime, index=True)
     session_id: Mapped[str] = mapped_column(String(64), index=True)
-    #: a context mode as chat_e.dialogue names it (persona, emotion, domain, topic, none)
+    #: a context mode as chat_e.data.dialogue names it (persona, emotion, domain, topic, none)
     mode: Mapped[str] = mapped_column(String(16))
     context: Mapped[str] = mapped_column(Text, default="")
     #: the earlier turns as the model saw them (plain strings, oldest first, speakers alternating)
     history: Mapped[list] = mapped_column(JSON)
     message: Mapped[str] = mapped_column(Text)
-    #: the generation settings the reply was made with (chat_e.settings.GenerationSettings' fields)
+    #: the generation settings the reply was made with (chat_e.data.settings.GenerationSettings' fields)
     settings: Mapped[dict] = mapped_column(JSON)
 
 

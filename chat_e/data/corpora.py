@@ -460,7 +460,7 @@ def tokenize_dataset(
     ds: datasets.Dataset, tokenizer, args: DataArguments, desc: str = "Tokenizing", family: str = "seq2seq"
 ):
     """``input_ids``/``attention_mask`` (left-truncated contexts) and ``labels``, in ``family``'s rendering
-    (:func:`chat_e.dialogue.encode_example`): the response ids for an encoder-decoder; for a decoder-only model the
+    (:func:`chat_e.data.dialogue.encode_example`): the response ids for an encoder-decoder; for a decoder-only model the
     chat-template prompt followed by the reply, with the loss on the reply only."""
 
     def encode(batch):

@@ -1,6 +1,6 @@
 """How a dialogue (mode, context, turns) becomes model input, for both model families, in one place.
 
-Training data preparation (:mod:`chat_e.corpora`) and the Chat-E app both build model inputs here, so the two can
+Training data preparation (:mod:`chat_e.data.corpora`) and the Chat-E app both build model inputs here, so the two can
 never drift apart. Each family has one rendering:
 
 * ``seq2seq`` (BlenderBot): the MuDoConv string below, encoded by the tokenizer; the reply is the decoder's target.
@@ -49,7 +49,7 @@ _TURN_SPLIT_RE = re.compile(r"\s*</s>\s*<s>\s*")
 
 def normalize_mode(mode: str | None) -> str:
     """A UI or API mode name (``persona``, ``emotion``, ``domain``, ``topic``, ``free``/``none``, any case) -> one of
-    :data:`MODES`, the names :class:`chat_e.engine.ChatEngine` and :func:`make_header` take."""
+    :data:`MODES`, the names :class:`chat_e.engines.base.ChatEngine` and :func:`make_header` take."""
     mode = (mode or "").strip().lower()
     mode = MODE_ALIASES.get(mode, mode)
     if mode not in MODES:

@@ -2,9 +2,9 @@
 
 A field's type, default and metadata say everything the rest of Chat-E needs: ``chat-e``'s flags
 (:func:`chat_e.__main__.build_parser`), the UI's controls and their order, the ``respond`` endpoint's parameters
-(:func:`chat_e.ui.build_app`) and the ranges a request's settings are checked against
-(:func:`chat_e.limits.check_request`). A setting added here appears in all of them; how it reaches ``generate``
-is the engine's to say (``ChatEngine._generation_config``), and how a model's defaults fill it,
+(:func:`chat_e.web.ui.build_app`) and the ranges a request's settings are checked against
+(:func:`chat_e.data.limits.check_request`). A setting added here appears in all of them; how it reaches ``generate``
+is the engine's to say (``LocalEngine._generation_config``), and how a model's defaults fill it,
 :meth:`GenerationSettings.from_generation_config`'s.
 
 No torch and no Gradio here: ``chat-e --help`` and the UI's module import it.
@@ -29,7 +29,7 @@ def setting(default: Any, help: str, ui: tuple[float, float | None, float] | Non
 
 @dataclass
 class GenerationSettings:
-    """Per-reply generation settings; :meth:`chat_e.engine.ChatEngine.default_settings` fills them from the model's
+    """Per-reply generation settings; :meth:`chat_e.engines.base.ChatEngine.default_settings` fills them from the model's
     defaults. The fields' order is the UI's and the ``respond`` endpoint's."""
 
     num_beams: int = setting(10, "Beams for beam search; 1 streams token by token.", ui=(1, 10, 1))
@@ -100,3 +100,5 @@ class Completion:
     finish_reason: str = STOP
     #: the reply's tokens, where the engine counts them (None: not known)
     tokens: int | None = None
+    #: the prompt's tokens, where the engine counts them (None: not known)
+    prompt_tokens: int | None = None

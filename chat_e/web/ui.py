@@ -1,14 +1,14 @@
-"""Chat-E's Gradio UI: a thin layer that lays out Blocks and wires events to a :class:`chat_e.engine.ChatEngine`.
+"""Chat-E's Gradio UI: a thin layer that lays out Blocks and wires events to a :class:`chat_e.engines.base.ChatEngine`.
 
 Everything a reply depends on travels with the request (the session's chat, the context mode, the settings), so
 sessions never share a history. Messages are shown as text: they are HTML-escaped for display and unescaped (an
 exact inverse) before they reach the model.
 
 Every event that can reach the model takes its inputs raw (``preprocess=False``) and checks them first, with
-:func:`chat_e.limits.check_request`: one rule per field for the UI and the API alike, a refusal a ``gr.Error``. What
-it returns is what the engine takes: the chat window's messages made plain turns (:mod:`chat_e.messages`), the mode
+:func:`chat_e.data.limits.check_request`: one rule per field for the UI and the API alike, a refusal a ``gr.Error``. What
+it returns is what the engine takes: the chat window's messages made plain turns (:mod:`chat_e.data.messages`), the mode
 normalized, the settings in their ranges. The generation settings' controls, their order and ranges come from their
-declaration, :class:`chat_e.settings.GenerationSettings`.
+declaration, :class:`chat_e.data.settings.GenerationSettings`.
 """
 
 from __future__ import annotations
@@ -23,15 +23,15 @@ from typing import TYPE_CHECKING, Any
 
 import pydantic
 
-from .limits import ChatLimits, Refused, Request, check_request
-from .messages import message_text
-from .remote import BackendError
-from .samples import EXAMPLES
-from .settings import SETTING_NAMES, SETTINGS, GenerationSettings, setting_ranges
+from ..data.limits import ChatLimits, Refused, Request, check_request
+from ..data.messages import message_text
+from ..data.samples import EXAMPLES
+from ..data.settings import SETTING_NAMES, SETTINGS, GenerationSettings, setting_ranges
+from ..engines.base import BackendError
 
 if TYPE_CHECKING:
-    from .engine import ChatEngine
-    from .feedback import FeedbackStore
+    from ..engines.base import ChatEngine
+    from ..feedback.store import FeedbackStore
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ class Handlers:
         self.store = store
 
     def check(self, where: str, **fields) -> Request:
-        """:func:`~chat_e.limits.check_request` under this server's limits; a refusal is a ``gr.Error`` with its
+        """:func:`~chat_e.data.limits.check_request` under this server's limits; a refusal is a ``gr.Error`` with its
         message (and one log line, no traceback)."""
         try:
             return check_request(self.limits, ranges=self.ranges, **fields)
@@ -220,7 +220,7 @@ class Handlers:
         yield chat, (None if failed else self.record(checked, settings, reply))
 
     def record(self, checked: Request, settings: GenerationSettings, reply: str) -> dict[str, Any]:
-        """A reply and what it was made from, as feedback on it is stored (:class:`chat_e.feedback.Feedback`)."""
+        """A reply and what it was made from, as feedback on it is stored (:class:`chat_e.feedback.store.Feedback`)."""
         return {
             "reply_id": uuid.uuid4().hex,
             "model": self.engine.name,

@@ -8,7 +8,7 @@
     chat-e feedback purge --older_than_days 90                # retention: delete older rows
 
 ``--feedback_db`` is the same SQLAlchemy URL ``chat-e`` and ``chat-e arena`` store to (default: the SQLite file in
-``runs/chat-e``). The export rules are :mod:`chat_e.export`'s.
+``runs/chat-e``). The export rules are :mod:`chat_e.feedback.export`'s.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import datetime
 import sys
 
 from .export import FORMATS, export
-from .feedback import DEFAULT_RUN_DIR, FeedbackStore, default_url
+from .store import DEFAULT_RUN_DIR, FeedbackStore, default_url
 
 
 def add_db_argument(parser: argparse.ArgumentParser) -> None:
@@ -33,13 +33,15 @@ def add_db_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="chat-e feedback",
-        description="What Chat-E's users told it (thumbs, corrections, choices, arena votes), as training rows, and "
-        "the feedback database's upkeep.",
-    )
-    commands = parser.add_subparsers(dest="command", required=True)
+DESCRIPTION = (
+    "What Chat-E's users told it (thumbs, corrections, choices, arena votes), as training rows, and the feedback "
+    "database's upkeep."
+)
+
+
+def add_feedback_commands(parser: argparse.ArgumentParser) -> None:
+    """``chat-e feedback``'s subcommands (``export``, ``stats``, ``upgrade``, ``purge``) on ``parser``."""
+    commands = parser.add_subparsers(dest="feedback_command", metavar="{export,stats,upgrade,purge}", required=True)
     out = commands.add_parser("export", help="Write training rows (JSON Lines) made from the feedback and votes.")
     out.add_argument(
         "--format", choices=FORMATS, required=True, help="dpo / kto: preference rows; sft: dialogue rows."
@@ -51,11 +53,20 @@ def build_parser() -> argparse.ArgumentParser:
     purge = commands.add_parser("purge", help="Delete rows older than a number of days (retention).")
     purge.add_argument("--older_than_days", "--older-than-days", type=float, required=True)
     add_db_argument(purge)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="chat-e feedback", description=DESCRIPTION)
+    add_feedback_commands(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    return run(build_parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the parsed ``chat-e feedback`` command ``args``."""
     url = args.feedback_db or default_url()
     try:
         store = FeedbackStore(url)
@@ -63,15 +74,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"chat-e feedback: error: cannot open the feedback database {url}: {err}", file=sys.stderr)
         return 2
     try:
-        if args.command == "export":
+        if args.feedback_command == "export":
             written, unused = export(store.feedback(), store.votes(), args.format, args.out)
             detail = ", ".join(f"{n} {why}" for why, n in sorted(unused.items())) or "nothing"
             print(f"Wrote {written} {args.format} rows to {args.out}; no row from: {detail}.")
-        elif args.command == "stats":
+        elif args.feedback_command == "stats":
             print(", ".join(f"{kind}: {n}" for kind, n in store.counts().items()) + f" ({store.describe()})")
-        elif args.command == "upgrade":
+        elif args.feedback_command == "upgrade":
             print(f"{store.describe()} is at the current schema.")
-        elif args.command == "purge":
+        elif args.feedback_command == "purge":
             deleted = store.purge(datetime.timedelta(days=args.older_than_days))
             print(f"Deleted {deleted} rows older than {args.older_than_days:g} days from {store.describe()}.")
     finally:

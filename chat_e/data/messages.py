@@ -1,14 +1,14 @@
-"""A chat as the UI and the API carry it, made into the plain turns :class:`chat_e.engine.ChatEngine` takes.
+"""A chat as the UI and the API carry it, made into the plain turns :class:`chat_e.engines.base.ChatEngine` takes.
 
 A history arrives as ``{"role", "content"}`` messages (the content a string, a ``{"text": ...}`` part or a list of
 parts, as Gradio's chat window holds it), ``[user, bot]`` pairs or plain strings, oldest first.
 :func:`chat_turns` is the one place a chat is made plain for the model, once per reply (the UI's ``respond`` and the
-``chat`` API endpoint reach it through :func:`chat_e.limits.check_request`): every turn's whitespace is collapsed
+``chat`` API endpoint reach it through :func:`chat_e.data.limits.check_request`): every turn's whitespace is collapsed
 and it is cut to a length (:data:`MAX_MESSAGE_CHARS` unless the server's limits say otherwise); empty turns and
 system messages are dropped, consecutive messages of one speaker are joined into one turn (MuDoConv alternates
 speakers), and the newest turns are kept (:data:`MAX_HISTORY_TURNS`, or the limits').
 
-No Gradio here (the limits use it); escaping text for display is the UI's (:mod:`chat_e.ui`).
+No Gradio here (the limits use it); escaping text for display is the UI's (:mod:`chat_e.web.ui`).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import Any
 
 from .dialogue import clean_turn, without_nul
 
-#: Longest turn (characters) kept by default; :mod:`chat_e.limits` passes the server's ``--max_message_chars``.
+#: Longest turn (characters) kept by default; :mod:`chat_e.data.limits` passes the server's ``--max_message_chars``.
 MAX_MESSAGE_CHARS = 2000
-#: Newest turns of a history kept by default; :mod:`chat_e.limits` passes the server's ``--max_history_turns``.
+#: Newest turns of a history kept by default; :mod:`chat_e.data.limits` passes the server's ``--max_history_turns``.
 MAX_HISTORY_TURNS = 128
 #: Who speaks a piece of a history: ``user``, ``assistant``, ``system`` or None (a plain string: turns alternate)
 Role = str | None
@@ -79,7 +79,7 @@ def history_turns(history: Sequence[Any] | None, text: Callable[[Any], str] = me
 def chat_turns(
     message: str, history: Sequence[Any] | None, text: Callable[[Any], str] = message_text
 ) -> tuple[str, list[str]]:
-    """The user's newest ``message`` and the earlier ``history`` as :class:`~chat_e.engine.ChatEngine` takes them:
+    """The user's newest ``message`` and the earlier ``history`` as :class:`~chat_e.engines.base.ChatEngine` takes them:
     one plain turn, and the plain turns before it (the message is never joined with them)."""
     return plain_turn(message), history_turns(history, text)
 
@@ -87,7 +87,7 @@ def chat_turns(
 def stripped_pieces(pieces: Iterable[str]) -> Iterator[str]:
     """A streamed reply's pieces as the stripped reply's: no leading whitespace, and trailing whitespace held back
     until more text follows, so that the pieces add up to the whole reply stripped (empty pieces are dropped). NULs
-    are dropped (:func:`chat_e.dialogue.without_nul`)."""
+    are dropped (:func:`chat_e.data.dialogue.without_nul`)."""
     pending, first = "", True
     for piece in pieces:
         text = pending + without_nul(piece)

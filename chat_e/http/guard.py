@@ -20,12 +20,13 @@ import json
 import secrets
 from typing import Any
 
+from ..engines.gate import BUSY
+
 #: environment variables that ``chat-e`` reads when ``--api_key`` / ``--auth`` are not given
 API_KEY_ENV = "CHAT_E_API_KEY"
 AUTH_ENV = "CHAT_E_AUTH"
 #: the user name of requests let in by the API key on a server with a login
 API_KEY_USER = "api-key"
-BUSY = "Chat-E is busy: too many requests are waiting for a reply. Try again in a moment."
 NEEDS_KEY = "Chat-E needs its API key: send the header 'Authorization: Bearer KEY'."
 WRONG_KEY = "Wrong API key: send the server's key as 'Authorization: Bearer KEY'."
 NO_KEY_SET = (

@@ -1,10 +1,10 @@
-"""Alembic's entry point for chat_e's migrations: runs them on the connection :func:`chat_e.migrations.upgrade` hands
+"""Alembic's entry point for chat_e's migrations: runs them on the connection :func:`chat_e.feedback.migrations.upgrade` hands
 over (or, from the ``alembic`` command line, on ``sqlalchemy.url``)."""
 
 from alembic import context
 from sqlalchemy import create_engine
 
-from chat_e.feedback import Base
+from chat_e.feedback.store import Base
 
 config = context.config
 target_metadata = Base.metadata

@@ -30,9 +30,9 @@ from scipy import stats
 
 from hf_ext.atomic import write_bytes_atomically
 
-from .feedback import WINNERS
+from .store import WINNERS
 
-#: the vote kinds (:data:`chat_e.feedback.WINNERS`, FastChat's) that have a winner
+#: the vote kinds (:data:`chat_e.feedback.store.WINNERS`, FastChat's) that have a winner
 DECISIVE = ("model_a", "model_b")
 CONFIDENCE = 0.95
 #: the confidence interval of a win rate: Wilson's score interval. With the few votes an arena gathers it keeps close

@@ -1,13 +1,13 @@
 """Chat-E's blind arena: one message to two models drawn at random, shown as "Model A" and "Model B"; the user votes
 for the better reply, and only then learns which models they were. The votes rank the models
-(:mod:`chat_e.leaderboard`).
+(:mod:`chat_e.feedback.leaderboard`).
 
 A battle's pairing lives in a ``gr.State`` -- kept on the server, never sent to the browser -- until the vote, which
 ends the battle: the names are revealed and a second vote on it is refused. Each side keeps its own conversation (a
 model sees its own earlier replies), as in FastChat's arena.
 
-The events take their inputs raw and check them with :func:`chat_e.limits.check_request`, through the main UI's
-:meth:`chat_e.ui.Handlers.check` (one :class:`~chat_e.ui.Handlers` per engine, which also holds the engine's
+The events take their inputs raw and check them with :func:`chat_e.data.limits.check_request`, through the main UI's
+:meth:`chat_e.web.ui.Handlers.check` (one :class:`~chat_e.web.ui.Handlers` per engine, which also holds the engine's
 generation settings): the same rules, the same refusals. Named endpoints, for ``gradio_client``: ``battle``
 (``message, mode, context``: both replies), ``vote`` (``winner``: the reveal), ``new_battle`` and ``leaderboard``.
 
@@ -27,14 +27,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .feedback import WINNERS, utcnow
-from .leaderboard import DECISIVE, Leaderboard, leaderboard, matrix_png
-from .limits import ChatLimits
-from .settings import GenerationSettings
+from ..data.limits import ChatLimits
+from ..data.settings import GenerationSettings
+from ..feedback.leaderboard import DECISIVE, Leaderboard, leaderboard, matrix_png
+from ..feedback.store import WINNERS, utcnow
 from .ui import APOLOGY, GENERATE_GROUP, Handlers, context_controls, import_gradio, to_display
 
 if TYPE_CHECKING:
-    from .engine import ChatEngine
+    from ..engines.base import ChatEngine
 
 logger = logging.getLogger(__name__)
 
@@ -120,10 +120,10 @@ class Arena:
         engines: at least two, by the name that votes and the leaderboard use.
         record_vote: called once per accepted vote with its dict (:data:`VOTE_KEYS`).
         load_votes: every vote so far, for the leaderboard: ``(model_a, model_b, winner)`` tuples
-            (:meth:`chat_e.feedback.FeedbackStore.vote_outcomes`) or dicts with those keys.
+            (:meth:`chat_e.feedback.store.FeedbackStore.vote_outcomes`) or dicts with those keys.
         settings: the generation settings of every engine, or of each by name (an engine's own defaults when None
             or not named).
-        limits: what a request may carry (:class:`~chat_e.limits.ChatLimits`).
+        limits: what a request may carry (:class:`~chat_e.data.limits.ChatLimits`).
         seed: the pairings' random seed (None: unseeded).
         plot_dir: where the win-rate matrix's PNGs are written.
     """
@@ -169,7 +169,7 @@ class Arena:
         return self.draw(), [], [], "", ""
 
     def check(self, where: str, **fields):
-        """The main UI's check (:meth:`chat_e.ui.Handlers.check`): a refusal is a ``gr.Error``."""
+        """The main UI's check (:meth:`chat_e.web.ui.Handlers.check`): a refusal is a ``gr.Error``."""
         return self.handlers[self.names[0]].check(where, **fields)
 
     def battle(self, message: Any, mode: Any, context: Any, battle: Battle | None) -> Iterator[tuple]:
@@ -240,7 +240,7 @@ class Arena:
 
         ``record_vote`` receives :data:`VOTE_KEYS`: the session id (``gr.Request.session_hash``), the battle id, the
         turn (1 after the first exchange), the models' real names (A on the left), the winner (a
-        :data:`~chat_e.leaderboard.WINNERS` kind), the last exchange's mode and context, ``history`` (each side's
+        :data:`~chat_e.feedback.leaderboard.WINNERS` kind), the last exchange's mode and context, ``history`` (each side's
         earlier plain turns, as that model saw them: ``{"model_a": [...], "model_b": [...]}``), the message, both
         replies, ``settings`` (each side's generation settings: ``{"model_a": {...}, "model_b": {...}}``) and the
         time (UTC). A vote without a reply to vote on, on a battle whose reply failed, or on a

@@ -16,10 +16,10 @@ The rules, each applied once (a row dropped says why, and the counts are printed
   with an empty reply (a model can end its turn at once), which no recipe takes.
 
 DPO and KTO rows are TRL's conversational rows (``prompt``/``chosen``/``rejected``, ``prompt``/``completion``/``label``),
-the prompt rendered by :func:`chat_e.dialogue.chat_messages` -- the system message and turns Chat-E's decoder-only
+the prompt rendered by :func:`chat_e.data.dialogue.chat_messages` -- the system message and turns Chat-E's decoder-only
 engine puts through the chat template -- so ``recipes/preference.py --data_file rows.jsonl`` trains on exactly what
 the model saw. SFT rows are the dialogue recipe's ``texts``/``labels`` (MuDoConv's format,
-:func:`chat_e.dialogue.format_context`): ``recipes/blenderbot.py --train_file rows.jsonl``.
+:func:`chat_e.data.dialogue.format_context`): ``recipes/blenderbot.py --train_file rows.jsonl``.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from typing import Any
 
 from hf_ext.atomic import write_text_atomically
 
-from .dialogue import chat_messages, clean_turn, format_context, make_header
-from .feedback import CHOICE, EDIT, RATING
+from ..data.dialogue import chat_messages, clean_turn, format_context, make_header
+from .store import CHOICE, EDIT, RATING
 
 FORMATS = ("dpo", "kto", "sft")
 
@@ -94,7 +94,7 @@ class Examples:
         self.endorsed.append((row, chosen))
 
     def _vote(self, vote: Mapping) -> None:
-        # each side's own history (chat_e.arena): on the first turn both are the battle's (empty) start
+        # each side's own history (chat_e.web.arena): on the first turn both are the battle's (empty) start
         histories = vote["history"] if isinstance(vote["history"], Mapping) else {"model_a": vote["history"]}
         vote = {**vote, "history": histories.get("model_a", [])}
         if vote["turn"] != 1 or any(h != vote["history"] for h in histories.values()):

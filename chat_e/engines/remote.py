@@ -1,9 +1,9 @@
 """A remote OpenAI-compatible server (vLLM, ``transformers serve``, another Chat-E) as Chat-E's engine:
 ``chat-e --backend URL --model NAME``.
 
-:class:`RemoteEngine` has the interface the UI (:mod:`chat_e.ui`) and the API (:mod:`chat_e.openai_api`) use from
-:class:`chat_e.engine.ChatEngine`. A chat reaches the remote model as the messages
-:func:`chat_e.dialogue.chat_messages` makes -- the header of the mode as the system message, the turns alternating
+:class:`RemoteEngine` has the interface the UI (:mod:`chat_e.web.ui`) and the API (:mod:`chat_e.http.openai_api`) use from
+:class:`chat_e.engines.base.ChatEngine`. A chat reaches the remote model as the messages
+:func:`chat_e.data.dialogue.chat_messages` makes -- the header of the mode as the system message, the turns alternating
 with the user's newest last -- the same messages the embedded decoder-only engine renders with its chat template, so
 one rule decides what a chat model sees. The remote server renders them with its own template and generates.
 
@@ -17,9 +17,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Sequence
 
-from .dialogue import chat_messages, make_header, normalize_mode
-from .messages import stripped_pieces
-from .settings import Completion, GenerationSettings
+from ..data.dialogue import chat_messages, make_header, normalize_mode
+from ..data.messages import stripped_pieces
+from ..data.settings import Completion, GenerationSettings
+from .base import BackendError, ChatEngine
 
 logger = logging.getLogger(__name__)
 
@@ -36,12 +37,8 @@ DEFAULT_MAX_POSITIONS = 4096
 CONNECT_TIMEOUT, READ_TIMEOUT = 10.0, 600.0
 
 
-class BackendError(RuntimeError):
-    """The remote server could not be reached or answered with an error; the message is one line."""
-
-
-class RemoteEngine:
-    """A model served by a remote OpenAI-compatible server, with :class:`~chat_e.engine.ChatEngine`'s interface.
+class RemoteEngine(ChatEngine):
+    """A model served by a remote OpenAI-compatible server, with :class:`~chat_e.engines.base.ChatEngine`'s interface.
 
     Args:
         base_url: the server's API root, such as ``http://127.0.0.1:8000/v1``.
@@ -90,7 +87,7 @@ class RemoteEngine:
     def messages(
         self, message: str | None, history: Sequence[str] = (), mode: str = "none", context: str | None = None
     ) -> list[dict]:
-        """The chat messages the remote model gets: :func:`chat_e.dialogue.chat_messages` of the turns under the
+        """The chat messages the remote model gets: :func:`chat_e.data.dialogue.chat_messages` of the turns under the
         mode's header."""
         turns = [*history, message] if message else list(history)
         return chat_messages(turns, make_header(normalize_mode(mode), context))
@@ -115,7 +112,7 @@ class RemoteEngine:
         completion: Completion | None = None,
         **overrides,
     ) -> str:
-        """The remote model's reply (the arguments are :meth:`chat_e.engine.ChatEngine.chat`'s)."""
+        """The remote model's reply (the arguments are :meth:`chat_e.engines.base.ChatEngine.chat`'s)."""
         return "".join(self.stream_chat(message, history, mode, context, settings, completion, **overrides))
 
     def stream_chat(

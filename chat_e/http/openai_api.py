@@ -1,13 +1,13 @@
 """Chat-E's OpenAI-compatible API, beside its UI: ``GET /v1/models`` and ``POST /v1/chat/completions`` (plain, or
 ``stream: true`` as server-sent ``chat.completion.chunk`` events ending with ``data: [DONE]``).
 
-A request is bounded exactly as the UI's (:func:`chat_e.limits.check_request`, the same refusal texts, as HTTP 400 in
-OpenAI's error shape) and generated through the same :class:`chat_e.gate.GatedEngine`, so the UI and the API share
+A request is bounded exactly as the UI's (:func:`chat_e.data.limits.check_request`, the same refusal texts, as HTTP 400 in
+OpenAI's error shape) and generated through the same :class:`chat_e.engines.gate.GatedEngine`, so the UI and the API share
 one concurrency limit. The context mode comes from the extra body fields ``mode`` and ``context`` or else from the
-system message: one in the form :func:`chat_e.dialogue.system_message` makes (``your persona: ...``, ``topic:
+system message: one in the form :func:`chat_e.data.dialogue.system_message` makes (``your persona: ...``, ``topic:
 ...``, ``context: ...`` for an emotion, ``domain: ...``) selects that mode, any other text is a persona, none is free
 chat. The API key (``Authorization: Bearer KEY``, as the openai client sends it) is checked by
-:class:`chat_e.guard.RequestGuard` in front of the whole server.
+:class:`chat_e.http.guard.RequestGuard` in front of the whole server.
 
 Every answer is built from the ``openai`` package's own types (``openai.types.chat``: ``ChatCompletion``,
 ``ChatCompletionChunk``; ``Model``, ``CompletionUsage``, ``ErrorObject``), so that its fields are OpenAI's.
@@ -35,11 +35,11 @@ from openai.types.chat.chat_completion_chunk import ChoiceDelta
 from openai.types.shared import ErrorObject
 from starlette.concurrency import run_in_threadpool
 
-from .dialogue import parse_system_message
-from .gate import Busy, GatedEngine
-from .limits import ChatLimits, Refused, check_request
-from .messages import message_text
-from .settings import Completion, GenerationSettings, setting_ranges
+from ..data.dialogue import parse_system_message
+from ..data.limits import ChatLimits, Refused, check_request
+from ..data.messages import message_text
+from ..data.settings import Completion, GenerationSettings, setting_ranges
+from ..engines.gate import Busy, GatedEngine
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ def openai_router(
     limits: ChatLimits | None = None,
     model_id: str | None = None,
 ):
-    """The ``/v1`` routes over ``engine`` (shared with the UI, see :mod:`chat_e.gate`): ``settings`` are the server's
+    """The ``/v1`` routes over ``engine`` (shared with the UI, see :mod:`chat_e.engines.gate`): ``settings`` are the server's
     defaults (a request's fields override them), ``limits`` bound every request as the UI's, ``model_id`` is the
     model's name in ``/v1/models`` and the answers (``engine.name`` when None)."""
     if not isinstance(engine, GatedEngine):
@@ -209,13 +209,12 @@ def openai_router(
             raise refusal(str(err).replace(err.setting, name, 1), param=name) from None
         return request, checked
 
-    def usage(checked, done: Completion) -> CompletionUsage | None:
-        """Token counts, where the engine counts them (the embedded one): the prompt's, and the reply's as
-        generated (its end token not counted)."""
-        if done.tokens is None or not hasattr(engine, "encode"):
+    def usage(done: Completion) -> CompletionUsage | None:
+        """Token counts, where the engine counts them (the local one): the prompt's, and the reply's as generated
+        (its end token not counted)."""
+        if done.tokens is None or done.prompt_tokens is None:
             return None
-        prompt = len(engine.encode(checked.message, checked.history, checked.mode, checked.context))
-        completion = done.tokens
+        prompt, completion = done.prompt_tokens, done.tokens
         return CompletionUsage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
     @router.post("/chat/completions")
@@ -241,7 +240,7 @@ def openai_router(
                 return error(APIError(503, str(err), kind="server_error", code="busy"))
             except Exception as err:
                 return error(failed(err, checked))
-            counts = await run_in_threadpool(usage, checked, done)
+            counts = usage(done)
             message = ChatCompletionMessage(role="assistant", content=reply)
             answer = ChatCompletion(
                 id=completion_id,
@@ -280,7 +279,7 @@ def openai_router(
                         yield chunk({"content": piece})
                 yield chunk({}, done.finish_reason)  # the stream has ended: the engine has filled it in
                 if include_usage:
-                    yield event(choices=[], usage=await run_in_threadpool(usage, checked, done))
+                    yield event(choices=[], usage=usage(done))
                 yield "data: [DONE]\n\n"
             except Exception as err:  # after the answer started: the error as the stream's last event
                 yield f"data: {json.dumps(failed(err, checked).body())}\n\n"

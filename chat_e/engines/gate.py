@@ -10,17 +10,22 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from typing import Any
 
-from .guard import BUSY
+from ..data.settings import GenerationSettings
+from .base import ChatEngine
+
+#: what a caller is told when too many wait for a slot (and the server's full queue answers)
+BUSY = "Chat-E is busy: too many requests are waiting for a reply. Try again in a moment."
 
 
 class Busy(RuntimeError):
     """More callers wait for a slot than the caller allowed."""
 
 
-class GatedEngine:
-    """``engine`` (a :class:`~chat_e.engine.ChatEngine` or :class:`~chat_e.remote.RemoteEngine`) whose ``chat`` and
-    ``stream_chat`` run at most ``concurrency`` at a time; every other attribute is the engine's own.
+class GatedEngine(ChatEngine):
+    """``engine`` (any :class:`~chat_e.engines.base.ChatEngine`) whose ``chat`` and ``stream_chat`` run at most
+    ``concurrency`` at a time; its name, window, description and defaults are the engine's.
 
     Args:
         engine: the engine behind the gate.
@@ -36,8 +41,23 @@ class GatedEngine:
         self._lock = threading.Lock()
         self.waiting = 0
 
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
+    @property
+    def name(self) -> str:
+        return self.engine.name
+
+    @property
+    def max_positions(self) -> int:
+        return self.engine.max_positions
+
+    @property
+    def info(self) -> dict[str, Any]:
+        return self.engine.info
+
+    def describe(self) -> str:
+        return self.engine.describe()
+
+    def default_settings(self) -> GenerationSettings:
+        return self.engine.default_settings()
 
     @contextlib.contextmanager
     def slot(self, max_waiting: int | None = None) -> Iterator[None]:
