@@ -50,7 +50,7 @@ def ensure_size(size: str, model_dir: Path) -> Path:
     if size not in BENCH_SIZES:
         return harness.ensure_model(size, model_dir)
     if not (model_dir / "config.json").exists():
-        from chat_e import models
+        from chat_e.data import models
 
         models.SIZES.setdefault(size, BENCH_SIZES[size])
         models.build(str(model_dir), size, seed=0)

@@ -59,7 +59,7 @@ CHAT_BENCH_SIZES = {
 def ensure_chat_model(size: str, model_dir: str | Path | None = None) -> Path:
     """The random-init chat model ``size`` (``chat-<chat_e CHAT_SIZES name>`` or one of :data:`CHAT_BENCH_SIZES`) in
     ``model_dir`` (default ``runs/models/<size>``), built there (seed 0) if it holds no model."""
-    from chat_e import models
+    from chat_e.data import models
 
     model = Path(model_dir) if model_dir else harness.ROOT / "runs" / "models" / size
     if (model / "config.json").exists():

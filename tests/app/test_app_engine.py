@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from chat_e import dialogue
+from chat_e.data import dialogue
 from chat_e.data.dialogue import normalize_mode
 from chat_e.engines.local import GenerationSettings, LocalEngine, ModelLoadError
 

@@ -383,11 +383,16 @@ def test_int8_with_bf16_is_refused_with_the_fix(tiny_model_dir):
 
 
 def test_python_dash_m_app_help():
-    proc = subprocess.run([sys.executable, "-m", "chat_e", "--help"], capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode == 0
+    """``chat-e --help`` lists the subcommands; ``chat-e serve --help`` the server's flags."""
+    top, serve = (
+        subprocess.run([sys.executable, "-m", "chat_e", *args, "--help"], capture_output=True, text=True, cwd=ROOT)
+        for args in ([], ["serve"])
+    )
+    assert top.returncode == 0 and serve.returncode == 0
+    assert "{serve,arena,feedback}" in top.stdout and "usage: chat-e serve" in serve.stdout
     for flag in ("--model", "--host", "--port", "--share", "--dtype", "--quantize", "--concurrency"):
-        assert flag in proc.stdout
-    assert "127.0.0.1" in proc.stdout
+        assert flag in serve.stdout
+    assert "127.0.0.1" in serve.stdout
 
 
 def test_cpu_serving_defaults_to_int8_for_fp32_weights():
