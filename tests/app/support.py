@@ -153,14 +153,23 @@ def stop_process(proc: subprocess.Popen, timeout: float = 30) -> None:
             proc.wait()
 
 
+def stop_all(servers: Sequence[ChatEServer]) -> None:
+    """Stop ``servers`` together: SIGTERM to each first, so that their graceful shutdowns (open connections get
+    ``GRACEFUL_SHUTDOWN_SECONDS``) overlap."""
+    for srv in servers:
+        if srv.alive():
+            srv.proc.terminate()
+    for srv in servers:
+        srv.stop()
+
+
 @contextlib.contextmanager
 def serving(*servers: ChatEServer):
     """Every server ready (a list, in order), and stopped afterwards whatever happened."""
     try:
         yield [srv.wait_ready() for srv in servers]
     finally:
-        for srv in servers:
-            srv.stop()
+        stop_all(servers)
 
 
 @contextlib.contextmanager

@@ -28,10 +28,10 @@ from chat_e.feedback.store import FeedbackStore
 from chat_e.web.ui import NEW_REPLY, PREVIOUS_REPLY, from_display
 
 from ..conftest import ROOT, TRAIN_LAUNCHER, launcher_cmd, run
-from .support import TEST_SETTINGS, ChatEServer, make_sensitive_model
+from .support import TEST_SETTINGS, ChatEServer, make_sensitive_model, stop_all
 
 CLIENTS = 20
-ROUNDS = 3
+ROUNDS = 2
 #: servers started at once on the fresh database; the first REPLICAS of them stay for the load (client i on i % 2)
 SERVERS, REPLICAS = 10, 2
 #: the replica killed (and restarted) once KILL_AFTER pieces of feedback are acknowledged
@@ -146,8 +146,7 @@ def loop(tiny_chat_model_dir, postgres, tmp_path_factory):
             server.wait_ready()
         replies = [chat_once(server) for server in servers]  # every one serves
         assert all(reply.strip() for reply in replies), replies
-        for server in servers[REPLICAS:]:
-            server.stop()
+        stop_all(servers[REPLICAS:])
         replicas = servers[:REPLICAS]
         load = Load()
         load.urls = [server.url for server in replicas]
@@ -168,8 +167,7 @@ def loop(tiny_chat_model_dir, postgres, tmp_path_factory):
             t.join(timeout=600)
         logs = [server.log() for server in (*servers, restarted)]
     finally:
-        for server in (backend, *servers, *([restarted] if restarted else [])):
-            server.stop()
+        stop_all([backend, *servers, *([restarted] if restarted else [])])
     return load, url, model, killed_with, logs
 
 
