@@ -35,7 +35,9 @@ def as_server_user(cmd: list[str]) -> list[str]:
 
 
 class PostgresServer:
-    def __init__(self):
+    """``fsync``: the server syncs its commits to disk (as a production server does); off by default, for the tests."""
+
+    def __init__(self, fsync: bool = False):
         bin_dir = binaries()
         if bin_dir is None:
             raise FileNotFoundError("PostgreSQL is not installed: run `make postgres` (Debian's postgresql package)")
@@ -51,7 +53,8 @@ class PostgresServer:
         # fsync off: a test server in a temporary folder (a crash of the server itself is not what the tests check)
         self.process = subprocess.Popen(
             as_server_user([str(bin_dir / "postgres"), "-D", str(data), "-p", str(self.port), "-h", "127.0.0.1",
-                            "-k", str(self.folder), "-c", "fsync=off", "-c", "max_connections=200"]),
+                            "-k", str(self.folder), *(() if fsync else ("-c", "fsync=off")),
+                            "-c", "max_connections=200"]),
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         self._wait_ready()
