@@ -24,7 +24,7 @@ api_name="/rate")``: the client's request, the server's handler and its commit, 
 
 * **p50, p95**: of every acknowledged write's latency (linear interpolation, ``harness.percentile``);
 * **throughput**: acknowledged writes / seconds from the barrier's release to the end of the last write;
-* **rows**: the ``rating`` rows in the database afterwards (``chat_e.feedback.FeedbackStore.counts``). They must
+* **rows**: the ``rating`` rows in the database afterwards (``chat_e.feedback.store.FeedbackStore.counts``). They must
   equal the acknowledged writes (the database holds nothing else): the run fails otherwise, before anything is
   published;
 * **CPU ms per write**: user and system CPU seconds over the same span (barrier to last write) per acknowledged write,
@@ -206,14 +206,12 @@ def greedy() -> tuple:
 
 
 def client_session(i: int, url: str, writes: int, load: Load) -> None:
-    from gradio_client import Client
+    from tests.app.support import gradio_client  # ssl_verify=False: see its docstring
 
     client = None
     try:
         try:
-            # http on loopback: no TLS. Without ssl_verify=False gradio_client loads the CA bundle for each request
-            # it makes (about 40 ms of this process's CPU per /rate call here)
-            client = Client(url, verbose=False, analytics_enabled=False, ssl_verify=False)
+            client = gradio_client(url)
             _, chat, *_ = client.predict(f"client {i}: hello, who is there?", [], api_name="/add_message")
             chat = client.predict(chat, "free", "", *greedy(), api_name="/respond")
             index = len(chat) - 1
@@ -266,7 +264,7 @@ def database_settings(url: str) -> dict:
     them, or PostgreSQL's fsync and synchronous_commit."""
     from sqlalchemy import text
 
-    from chat_e.feedback import make_engine
+    from chat_e.feedback.store import make_engine
 
     engine = make_engine(url)
     try:
@@ -283,7 +281,7 @@ def database_settings(url: str) -> dict:
 
 
 def rating_rows(url: str) -> int:
-    from chat_e.feedback import FeedbackStore
+    from chat_e.feedback.store import FeedbackStore
 
     store = FeedbackStore(url)
     try:
@@ -343,7 +341,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--section", default="bench-feedback", help="the section of --doc this run writes")
     args = parser.parse_args(argv)
 
-    from chat_e.models import build_chat_model
+    from chat_e.data.models import build_chat_model
     from tests.app.postgres import PostgresServer
     from tests.app.support import ChatEServer, make_sensitive_model
 

@@ -16,7 +16,7 @@ from chat_e.data.messages import message_text
 from chat_e.http.guard import BUSY, NEEDS_KEY, WRONG_KEY
 
 from ..conftest import ROOT, free_port, launch_env
-from .support import ChatEServer, chat_e_cmd, serving
+from .support import ChatEServer, chat_e_cmd, gradio_client, serving
 
 USER, PASSWORD, KEY = "alice", "wonder:land", "k3y-for-programs"
 #: one reply that keeps a worker busy for a while: 10 beams, the tiny model's whole window
@@ -53,9 +53,7 @@ def keyed(servers):
 
 
 def anonymous(server, **kwargs):
-    from gradio_client import Client
-
-    return Client(server.url, verbose=False, analytics_enabled=False, **kwargs)
+    return gradio_client(server.url, **kwargs)
 
 
 def post_chat(server, headers=None) -> httpx.Response:

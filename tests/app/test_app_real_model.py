@@ -17,7 +17,7 @@ import pytest
 
 from chat_e.data.samples import EXAMPLES, SAMPLE_CHATS
 
-from .support import ChatEServer, serving
+from .support import ChatEServer, gradio_client, serving
 from .test_app_browser import BOT, CHROMIUM, USER, page, texts  # noqa: F401 (page is a fixture)
 
 pytestmark = pytest.mark.slow
@@ -73,9 +73,8 @@ def test_the_api_says_stop_for_a_reply_the_model_ended_and_length_for_one_it_cut
 
 @pytest.mark.parametrize("mode, context, message", SAMPLE_CHATS, ids=[m for m, _, _ in SAMPLE_CHATS])
 def test_every_mode_answers_in_english_without_loops(server, tokenizer, mode, context, message):
-    from gradio_client import Client
 
-    reply = Client(server.url, verbose=False).predict(message, [], mode, context or "", api_name="/chat")
+    reply = gradio_client(server.url).predict(message, [], mode, context or "", api_name="/chat")
     print(f"\n[{mode}: {context}] {message!r} -> {reply!r}")
     check_english_reply(reply, tokenizer)
     assert "Traceback" not in reply and "Sorry, something went wrong" not in reply

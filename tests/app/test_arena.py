@@ -13,7 +13,6 @@ from collections import Counter
 from dataclasses import asdict
 
 import pytest
-from gradio_client import Client
 from gradio_client.exceptions import AppError
 from scipy import stats
 
@@ -27,7 +26,7 @@ from chat_e.web.arena import VOTE_KEYS, Arena, build_arena, draw_pair
 from chat_e.web.ui import APOLOGY, from_display
 
 from ..conftest import free_port
-from .support import TEST_SETTINGS, make_sensitive_model
+from .support import TEST_SETTINGS, gradio_client, make_sensitive_model
 
 REVEAL = re.compile(r"\*\*Model A\*\* was `(?P<a>[^`]+)`, \*\*Model B\*\* was `(?P<b>[^`]+)`")
 
@@ -92,7 +91,7 @@ def arena_server(engines, tmp_path, seed=0, votes=None):
 
 
 def client(url):
-    return Client(url, verbose=False, analytics_enabled=False)
+    return gradio_client(url)
 
 
 def texts(chat):

@@ -28,7 +28,7 @@ from chat_e.feedback.store import FeedbackStore
 from chat_e.web.ui import NEW_REPLY, PREVIOUS_REPLY, from_display
 
 from ..conftest import ROOT, TRAIN_LAUNCHER, launcher_cmd, run
-from .support import TEST_SETTINGS, ChatEServer, make_sensitive_model, stop_all
+from .support import TEST_SETTINGS, ChatEServer, gradio_client, make_sensitive_model, stop_all
 
 CLIENTS = 20
 ROUNDS = 2
@@ -76,7 +76,6 @@ class Load:
 
 
 def client_loop(i: int, load: Load, model: str) -> None:
-    from gradio_client import Client
 
     mode, context = CONTEXTS[i % len(CONTEXTS)]
     replica = i % REPLICAS
@@ -85,7 +84,7 @@ def client_loop(i: int, load: Load, model: str) -> None:
         try:
             if client is None:  # connecting can meet the kill too (a thread may start late on a busy machine)
                 url = load.urls[replica]
-                client = Client(url, verbose=False, analytics_enabled=False)
+                client = gradio_client(url)
             message = f"client {i} round {rnd}: what do you think?"
             _, chat, *_ = client.predict(message, chat, api_name="/add_message")
             chat = client.predict(chat, mode, context, *GREEDY, api_name="/respond")
