@@ -50,7 +50,7 @@ MESSAGE = "Hi! What's your name?"
 MODE = "persona"
 CONTEXT = "My name is Chat-E. I'm helpful, creative, clever and very friendly."
 #: the engine's line per reply in the server's log
-GENERATE_LINE = re.compile(r"chat_e\.engine: generate: .* new_tokens=(\d+) seconds=([0-9.]+)")
+GENERATE_LINE = re.compile(r"chat_e\.engines\.local: generate: .* new_tokens=(\d+) seconds=([0-9.]+)")
 
 
 # ---------------------------------------------------------------------------------------------- the server

@@ -98,29 +98,29 @@ def refusal(message: str, param: str | None = None, code: str | None = None) -> 
     return APIError(400, message, param=param, code=code)
 
 
+#: the generation settings a request sets, each with the request's fields it comes from (the first given wins)
+REQUEST_FIELDS = {
+    "max_new_tokens": ("max_completion_tokens", "max_tokens"),
+    "temperature": ("temperature",),
+    "top_p": ("top_p",),
+}
+
+
+def given_field(request: ChatCompletionRequest, setting: str | None) -> str | None:
+    """The request field a generation setting comes from, as the client spelled it (None: not given)."""
+    return next((f for f in REQUEST_FIELDS.get(setting or "", ()) if getattr(request, f) is not None), None)
+
+
 def request_settings(request: ChatCompletionRequest) -> dict[str, Any]:
     """The generation settings a request asks for (the server's defaults keep the rest): ``max_tokens`` /
     ``max_completion_tokens`` the reply's length; ``temperature`` 0 greedy, above 0 sampling at it; ``top_p``
     sampling with it. Either of the last two means one beam (OpenAI has no beam search)."""
-    settings: dict[str, Any] = {}
-    length = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-    if length is not None:
-        settings["max_new_tokens"] = length
-    greedy = request.temperature == 0
-    if request.temperature is not None or request.top_p is not None:
+    values = {s: getattr(request, f) for s in REQUEST_FIELDS if (f := given_field(request, s))}
+    greedy = values.get("temperature") == 0
+    settings: dict[str, Any] = {k: v for k, v in values.items() if k == "max_new_tokens" or not greedy}
+    if "temperature" in values or "top_p" in values:
         settings.update(num_beams=1, do_sample=not greedy)
-    if request.temperature is not None and not greedy:
-        settings["temperature"] = request.temperature
-    if request.top_p is not None and not greedy:
-        settings["top_p"] = request.top_p
     return settings
-
-
-def openai_name(setting: str | None, request: ChatCompletionRequest) -> str | None:
-    """The request field a generation setting came from (:func:`request_settings`), as the client spelled it."""
-    if setting == "max_new_tokens":
-        return "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
-    return setting if setting in ("temperature", "top_p") else None
 
 
 def split_messages(messages: list[Message]) -> tuple[str, list[dict], Any]:
@@ -203,7 +203,7 @@ def openai_router(
                 ranges=ranges,
             )
         except Refused as err:
-            name = openai_name(err.setting, request)
+            name = given_field(request, err.setting)
             if name is None:
                 raise refusal(str(err)) from None
             raise refusal(str(err).replace(err.setting, name, 1), param=name) from None
