@@ -118,6 +118,20 @@ def serve(
     """
     import uvicorn  # noqa: PLC0415 (optional extra: comes with gradio)
 
+    class _EndingHeartbeats(uvicorn.Server):
+        """uvicorn's server that, told to stop, also ends the Gradio sessions' heartbeat streams at once, as Gradio's
+        own ``launch`` does when it closes (``App.stop_event``). Open for as long as a browser tab or a client is,
+        they would otherwise hold the shutdown for its whole grace period and then be cancelled, one traceback
+        each; replies still being generated keep the grace period to finish."""
+
+        def __init__(self, config, gradio_app):
+            super().__init__(config)
+            self.gradio_app = gradio_app
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            self.gradio_app.stop_event.set()  # the signal arrives on the loop's thread, between its steps
+
     sock = bind(host, port)
     try:
         bound = sock.getsockname()[1]
@@ -130,7 +144,7 @@ def serve(
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
             lifespan="on",
         )
-        server = uvicorn.Server(config)
+        server = _EndingHeartbeats(config, mounted_gradio_app(app))
         server.run(sockets=[sock])
     finally:
         sock.close()
