@@ -193,16 +193,21 @@ def launcher_cmd(launcher: str, script: str | Path, nproc: int = 2) -> list[str]
     raise ValueError(launcher)
 
 
-def run_side_by_side(cmds: list[list[str]], timeout: int = 300, cwd: Path = ROOT) -> list[subprocess.CompletedProcess]:
+def run_side_by_side(
+    cmds: list[list[str]], timeout: int = 300, cwd: Path | list[Path] = ROOT
+) -> list[subprocess.CompletedProcess]:
     """Independent single-process commands (a CLI, an export), as many at once as there are cores: each spends its
-    seconds importing on one core. Their results in order, output captured; nothing is checked here."""
+    seconds importing on one core. Their results in order, output captured; nothing is checked here. ``cwd``: one
+    folder for all, or one per command."""
     env = launch_env()
+    cwds = cwd if isinstance(cwd, list) else [cwd] * len(cmds)
 
-    def one(cmd: list[str]) -> subprocess.CompletedProcess:
-        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    def one(cmd_and_cwd: tuple[list[str], Path]) -> subprocess.CompletedProcess:
+        cmd, folder = cmd_and_cwd
+        return subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=timeout)
 
     with ThreadPoolExecutor(max_workers=max(1, min(len(cmds), os.cpu_count() or 1))) as pool:
-        return list(pool.map(one, cmds))
+        return list(pool.map(one, zip(cmds, cwds)))
 
 
 def run(cmd: list[str], timeout: int = 900, **env) -> subprocess.CompletedProcess:

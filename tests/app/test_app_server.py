@@ -20,7 +20,7 @@ from chat_e.data.limits import ChatLimits
 from chat_e.data.messages import message_text
 from chat_e.web.ui import APOLOGY, Handlers, from_display, to_display
 
-from ..conftest import BIN, ROOT, free_port, launch_env
+from ..conftest import BIN, ROOT, free_port, launch_env, run_side_by_side
 from .support import (
     ChatEServer,
     chat_e_cmd,
@@ -317,21 +317,50 @@ def test_html_is_shown_as_text(server, reference):
     assert c.predict(message, [], "free", "", api_name="/chat") == reference(message, [], "free", "")
 
 
-@pytest.mark.parametrize("case", ["missing", "file", "empty", "bad-json", "weightless"])
-def test_bad_model_dir_fails_at_startup_naming_the_path(case, tmp_path):
-    path = tmp_path / case
-    if case == "file":
-        path.write_text("not a directory")
-    elif case != "missing":
-        path.mkdir()
-    if case == "bad-json":
-        (path / "config.json").write_text("{not json")
-    if case == "weightless":
-        (path / "config.json").write_text(json.dumps({"model_type": "blenderbot"}))
-    cmd = chat_e_cmd(path, free_port())
-    if case == "missing":  # the console script, as users type it
-        cmd = [str(BIN / "chat-e"), *cmd[3:]]
-    proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=300)
+BAD_MODEL_DIRS = ["missing", "file", "empty", "bad-json", "weightless"]
+
+
+@pytest.fixture(scope="module")
+def refused_starts(tiny_model_dir, tmp_path_factory):
+    """``chat-e`` started where it must refuse to serve, each run once, side by side (each spends its seconds
+    importing): ``(folder or path, port, its result)`` by case. A bad model directory of each kind (the missing one
+    through the console script, as users type it); a port in use, with the feedback database (the default, in the run
+    directory: each runs in a folder of its own) and without (``--no_feedback``)."""
+    root = tmp_path_factory.mktemp("refusals")
+    cases, cmds, cwds = [], [], []
+    for case in BAD_MODEL_DIRS:
+        path = root / case
+        if case == "file":
+            path.write_text("not a directory")
+        elif case != "missing":
+            path.mkdir()
+        if case == "bad-json":
+            (path / "config.json").write_text("{not json")
+        if case == "weightless":
+            (path / "config.json").write_text(json.dumps({"model_type": "blenderbot"}))
+        cmd = chat_e_cmd(path, free_port())
+        if case == "missing":  # the console script, as users type it
+            cmd = [str(BIN / "chat-e"), *cmd[3:]]
+        cases.append((case, path, None))
+        cmds.append(cmd)
+        cwds.append(ROOT)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for case, flags in (("port-feedback", []), ("port-no_feedback", ["--no_feedback"])):
+            folder = root / case
+            folder.mkdir()
+            cases.append((case, folder, port))
+            cmds.append([*chat_e_cmd(tiny_model_dir, port), *flags])
+            cwds.append(folder)
+        results = run_side_by_side(cmds, cwd=cwds)
+    return {case: (path, port, result) for (case, path, port), result in zip(cases, results)}
+
+
+@pytest.mark.parametrize("case", BAD_MODEL_DIRS)
+def test_bad_model_dir_fails_at_startup_naming_the_path(case, refused_starts):
+    path, _, proc = refused_starts[case]
     assert proc.returncode != 0
     assert str(path) in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
@@ -402,18 +431,13 @@ def test_cpu_serving_defaults_to_int8_for_fp32_weights():
 
 
 @pytest.mark.parametrize("feedback", [True, False], ids=["feedback", "no_feedback"])
-def test_a_port_in_use_is_one_line_and_exit_code_2(tiny_model_dir, tmp_path, feedback):
+def test_a_port_in_use_is_one_line_and_exit_code_2(refused_starts, feedback):
     """...before the model is loaded, and after the feedback database is opened, in the run directory by default,
-    unless --no_feedback (run from ``tmp_path``, so the default run directory is there)."""
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        cmd = [*chat_e_cmd(tiny_model_dir, port), *([] if feedback else ["--no_feedback"])]
-        proc = subprocess.run(cmd, cwd=tmp_path, env=launch_env(), capture_output=True, text=True, timeout=300)
+    unless --no_feedback (run from a folder of its own, so the default run directory is there)."""
+    folder, port, proc = refused_starts["port-feedback" if feedback else "port-no_feedback"]
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].startswith(f"chat-e: error: cannot serve on 127.0.0.1:{port}: ")
     assert "Traceback" not in proc.stderr + proc.stdout
     assert "INFO chat-e: loaded" not in proc.stderr  # said before loading the model (its log line when loaded)
-    assert (tmp_path / "runs" / "chat-e" / "feedback.db").is_file() is feedback
+    assert (folder / "runs" / "chat-e" / "feedback.db").is_file() is feedback
     assert ("feedback: stored in sqlite:///runs/chat-e/feedback.db" in proc.stderr) is feedback

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
+
+from hf_ext.runtime import has_accelerator
 
 from ..conftest import ROOT, launcher_cmd, run
 
@@ -19,7 +22,13 @@ SCRIPT = ROOT / "tests" / "distributed" / "workers" / "comm_probe.py"
 def test_training_arguments_start_deepspeed_comm_and_zero3_partitions(launcher, tiny_model_dir, tmp_path):
     from transformers import AutoConfig
 
-    run(launcher_cmd(launcher, SCRIPT) + [str(tiny_model_dir), str(tmp_path)])
+    cmd = launcher_cmd(launcher, SCRIPT)
+    run(cmd + [str(tiny_model_dir), str(tmp_path)])
+    # on CPUs DeepSpeed's shm comm op ran, and hf-ext's end_distributed left no workspace of it in /dev/shm (RAM)
+    port = cmd[cmd.index("--master_port") + 1]
+    ranks = [json.loads((tmp_path / f"comm-rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert ranks[0]["shm_comm_op"] == ranks[1]["shm_comm_op"] == (not has_accelerator())
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
     config = AutoConfig.from_pretrained(tiny_model_dir)
     full = config.vocab_size * config.d_model  # the shared embedding's shape, from the model's config
     for rank in (0, 1):

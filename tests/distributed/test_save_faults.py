@@ -123,26 +123,41 @@ def start_ranks(cmd: list[str], logs: list[Path]) -> list[subprocess.Popen]:
     return procs
 
 
-@pytest.mark.parametrize("where", ["checkpoint", "final_save", "resume", "evaluation"])
-def test_one_rank_fails_every_rank_stops(where, old_run, tiny_model_dir, tmp_path):
-    out = tmp_path / "out"
-    extra = {"resume": ["--resume", str(old_run / "old" / "checkpoint-4")], "evaluation": ["--eval_first"]}
-    extra = extra.get(where, [])
-    cmd = [sys.executable, str(SCRIPT), "--model", str(tiny_model_dir), "--out", str(out), *SMALL, *extra,
-           "--raise_on_rank1", where]  # fmt: skip
-    log_files = [tmp_path / f"rank{rank}.log" for rank in (0, 1)]
-    procs = start_ranks(cmd, log_files)
-    exited: dict[int, float] = {}
+FAILURE_POINTS = ["checkpoint", "final_save", "resume", "evaluation"]
+
+
+@pytest.fixture(scope="module")
+def failed_runs(old_run, tiny_model_dir, tmp_path_factory) -> dict:
+    """Each failure point's 2-rank run, all started at once (each pair of ranks independent of the others): by point,
+    its folder, its ranks and the time each rank exited (None: killed after 5 minutes)."""
+    root = tmp_path_factory.mktemp("failures")
+    runs = {}
+    for where in FAILURE_POINTS:
+        folder = root / where
+        folder.mkdir()
+        extra = {"resume": ["--resume", str(old_run / "old" / "checkpoint-4")], "evaluation": ["--eval_first"]}
+        cmd = [sys.executable, str(SCRIPT), "--model", str(tiny_model_dir), "--out", str(folder / "out"), *SMALL,
+               *extra.get(where, []), "--raise_on_rank1", where]  # fmt: skip
+        log_files = [folder / f"rank{rank}.log" for rank in (0, 1)]
+        runs[where] = {"logs": log_files, "procs": start_ranks(cmd, log_files), "exited": {}}
     deadline = time.time() + 300
-    while len(exited) < 2 and time.time() < deadline:
-        for rank, proc in enumerate(procs):
-            if rank not in exited and proc.poll() is not None:
-                exited[rank] = time.time()
+    while time.time() < deadline and any(len(r["exited"]) < 2 for r in runs.values()):
+        for r in runs.values():
+            for rank, proc in enumerate(r["procs"]):
+                if rank not in r["exited"] and proc.poll() is not None:
+                    r["exited"][rank] = time.time()
         time.sleep(0.05)
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
+    for r in runs.values():
+        for proc in r["procs"]:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    return runs
+
+
+@pytest.mark.parametrize("where", FAILURE_POINTS)
+def test_one_rank_fails_every_rank_stops(where, failed_runs):
+    procs, exited, log_files = (failed_runs[where][k] for k in ("procs", "exited", "logs"))
     logs = [log.read_text() for log in log_files]
     raised = re.search(r"rank 1 raises at ([\d.]+)", logs[1])
     assert raised, logs[1][-3000:]

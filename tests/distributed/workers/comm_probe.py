@@ -1,5 +1,6 @@
 """Build hf-ext TrainingArguments with a ZeRO-3 config, then, before any Trainer exists, record whether DeepSpeed's
-comm layer is up and whether models built through transformers are partitioned at construction.
+comm layer is up (and its CPU shm op, where it runs on CPUs) and whether models built through transformers are
+partitioned at construction.
 
     torchrun --nproc_per_node 2 tests/distributed/workers/comm_probe.py MODEL_DIR OUT_DIR
 
@@ -12,6 +13,7 @@ import sys
 
 import deepspeed.comm as ds_comm
 import torch.distributed as dist
+from deepspeed.comm import comm as ds_comm_state
 from transformers import AutoConfig, AutoModelForSeq2SeqLM
 
 import hf_ext
@@ -24,6 +26,8 @@ result = {
     "ds_comm_initialized": ds_comm.is_initialized(),
     "ds_world_size": ds_comm.get_world_size() if ds_comm.is_initialized() else None,
     "torch_world_size": dist.get_world_size() if dist.is_initialized() else None,
+    # DeepSpeed's CPU shm comm op, which allocates a workspace in /dev/shm per rank
+    "shm_comm_op": getattr(ds_comm_state.cdb, "shm_comm_op", None) is not None,
 }
 config = AutoConfig.from_pretrained(model_dir)
 for name, build in (
