@@ -151,3 +151,22 @@ def test_chat_e_lists_its_subcommands_and_serves_by_default():
     assert (args.command, args.model, args.seed, parser.prog) == ("arena", ["a", "b"], 3, "chat-e arena")
     args, _ = parse(["feedback", "export", "--format", "dpo", "--out", "rows.jsonl"])
     assert (args.command, args.feedback_command, args.format) == ("feedback", "export", "dpo")
+
+
+# ---- the engines' one interface -------------------------------------------------------------------------------------
+
+
+def test_every_engine_is_a_chat_engine_and_the_gate_adds_nothing_else():
+    from chat_e.engines.base import ChatEngine
+    from chat_e.engines.gate import GatedEngine
+    from chat_e.engines.local import LocalEngine
+    from chat_e.engines.remote import RemoteEngine
+
+    remote = RemoteEngine("http://127.0.0.1:9/v1", "some-model")  # nothing is contacted until a reply
+    gated = GatedEngine(remote, concurrency=1)
+    assert ChatEngine in LocalEngine.__mro__ and isinstance(remote, ChatEngine) and isinstance(gated, ChatEngine)
+    assert (gated.name, gated.max_positions, gated.info, gated.describe()) == (
+        remote.name, remote.max_positions, remote.info, remote.describe(),
+    )  # fmt: skip
+    assert gated.default_settings() == remote.default_settings()
+    assert not hasattr(gated, "request")  # the remote engine's own method: the gate forwards the protocol only
