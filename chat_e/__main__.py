@@ -27,6 +27,9 @@ from .feedback.cli import run as run_feedback
 from .feedback.store import FeedbackStore, default_url
 from .http.guard import API_KEY_ENV, AUTH_ENV, exposure_warning, parse_auth
 from .server import bind
+from .training.launch import DESCRIPTION as TRAIN_DESCRIPTION
+from .training.launch import add_train_arguments
+from .training.launch import run as run_training
 
 logger = logging.getLogger("chat-e")
 SHARE_REFUSAL = (
@@ -49,7 +52,7 @@ SERVE_DESCRIPTION = (
     "server (--backend)."
 )
 #: ``chat-e``'s subcommands; ``chat-e --model DIR`` (no subcommand) is ``chat-e serve --model DIR``
-COMMANDS = ("serve", "arena", "feedback")
+COMMANDS = ("serve", "arena", "feedback", "train")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="chat-e",
         description="Chat-E: serve a dialogue model with a Gradio UI and an OpenAI-compatible API, compare models "
-        "blind, and turn what users said into training rows.",
+        "blind, turn what users said into training rows, and train on them.",
         epilog="'chat-e --model DIR ...' is 'chat-e serve --model DIR ...'. 'chat-e COMMAND --help' tells more.",
     )
     commands = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
@@ -69,7 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     feedback = commands.add_parser("feedback", help="Training rows from what users said; the database's upkeep.",
                                    description=FEEDBACK_DESCRIPTION)  # fmt: skip
     add_feedback_commands(feedback)
-    for command in (serve, arena, feedback):
+    train = commands.add_parser("train", help="Train a model: dialogue fine-tuning (sft), DPO or KTO.",
+                                description=TRAIN_DESCRIPTION)  # fmt: skip
+    add_train_arguments(train)
+    for command in (serve, arena, feedback, train):
         command.set_defaults(command_parser=command)  # its own errors say "chat-e COMMAND: error: ..."
     return parser
 
@@ -236,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     args, parser = parse(sys.argv[1:] if argv is None else list(argv))
     if args.command == "feedback":
         return run_feedback(args)
+    if args.command == "train":
+        return run_training(args, parser)
     arena = args.command == "arena"
     models = list(dict.fromkeys(args.model)) if arena else [args.model]
     if arena and len(models) < 2:

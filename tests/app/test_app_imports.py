@@ -7,15 +7,8 @@ import sys
 
 from ..conftest import RECIPE, ROOT, launch_env
 
-#: the chat_e modules recipes/blenderbot.py imports (chat_e.engines.local when it loads its outputs)
-RECIPE_MODULES = (
-    "chat_e.data.samples",
-    "chat_e.data.corpora",
-    "chat_e.data.dialogue",
-    "chat_e.data.lora",
-    "chat_e.data.models",
-    "chat_e.data.plotting",
-)
+#: Chat-E's training, which the recipes run (chat_e.engines.local when it loads its outputs)
+TRAINING_MODULES = ("chat_e.training.dialogue", "chat_e.training.preference", "chat_e.training.launch")
 
 
 def imports_gradio(*modules: str) -> bool:
@@ -26,8 +19,9 @@ def imports_gradio(*modules: str) -> bool:
 
 
 def test_the_recipes_chat_e_modules_do_not_import_gradio():
-    assert not imports_gradio(*RECIPE_MODULES, "chat_e.engines.local")
+    assert not imports_gradio(*TRAINING_MODULES, "chat_e.engines.local")
     assert imports_gradio("gradio")  # positive control: the probe sees an import
     recipe = RECIPE.read_text()
-    assert "from chat_e.data.samples import SAMPLE_CHATS" in recipe and "chat_e.web.ui" not in recipe
-    assert {line.split()[1] for line in recipe.splitlines() if line.startswith("from chat_e")} <= set(RECIPE_MODULES)
+    assert {line.split()[1] for line in recipe.splitlines() if line.startswith("from chat_e")} == {
+        "chat_e.training.dialogue"
+    }

@@ -9,8 +9,8 @@ server (``--backend``, the model served by another Chat-E's OpenAI API), all sto
   clients carry on there, the other replica's clients never notice. Then every piece of feedback a client got an
   answer for is in the database, once, with the exchange as the client saw it (message, history, mode, context, the
   reply shown, the model and its settings, the session); nothing is there that no client sent.
-* ``chat-e feedback export`` writes rows the preference recipe takes, and the recipe trains 5 DPO steps on them on 2
-  ranks (ZeRO-2).
+* ``chat-e feedback export`` writes rows the preference training takes, and ``chat-e train --method dpo`` trains 5
+  DPO steps on them on 2 ranks (ZeRO-2).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from chat_e.data.dialogue import normalize_mode
 from chat_e.feedback.store import FeedbackStore
 from chat_e.web.ui import NEW_REPLY, PREVIOUS_REPLY, from_display
 
-from ..conftest import ROOT, TRAIN_LAUNCHER, launcher_cmd, run
+from ..conftest import BIN, ROOT, free_port, run
 from .support import TEST_SETTINGS, ChatEServer, gradio_client, make_sensitive_model, stop_all
 
 CLIENTS = 20
@@ -212,7 +212,7 @@ def test_the_database_holds_exactly_the_feedback_sent_across_a_sigkill(loop):
 
 def test_exported_rows_train_five_dpo_steps_on_two_ranks(loop, tmp_path):
     from chat_e.__main__ import main
-    from recipes.preference import clean_preference_rows, read_jsonl
+    from chat_e.training.preference import clean_preference_rows, read_jsonl
 
     _, url, model, _, _ = loop
     rows_file = tmp_path / "dpo.jsonl"
@@ -221,10 +221,10 @@ def test_exported_rows_train_five_dpo_steps_on_two_ranks(loop, tmp_path):
     assert bad == 0 and len(rows) >= CLIENTS * ROUNDS  # a correction per round, and most choices
     assert clean_preference_rows(rows, "dpo", str(rows_file)) == rows  # the recipe takes every row
     out = tmp_path / "dpo"
-    cmd = launcher_cmd(TRAIN_LAUNCHER, ROOT / "recipes" / "preference.py") + [
-        "--config", str(ROOT / "recipes" / "configs" / "preference_tiny.yaml"), "--model_name_or_path", str(model),
-        "--data_file", str(rows_file), "--n_eval", "8", "--max_steps", "5", "--output_dir", str(out),
-    ]  # fmt: skip
+    # the installed training, as a user without a clone runs it
+    cmd = [str(BIN / "chat-e"), "train", "--method", "dpo", "--nproc", "2", "--master_port", str(free_port()), "--",
+           "--config", str(ROOT / "recipes" / "configs" / "preference_tiny.yaml"), "--model_name_or_path", str(model),
+           "--data_file", str(rows_file), "--n_eval", "8", "--max_steps", "5", "--output_dir", str(out)]  # fmt: skip
     proc = run(cmd)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "preference_metrics.json").read_text())

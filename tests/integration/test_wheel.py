@@ -27,3 +27,5 @@ def test_the_wheel_installs_two_top_level_packages(tmp_path):
         "chat_e/feedback/migrations/script.py.mako",
         "chat_e/feedback/migrations/versions/0001_initial.py",
     } <= set(names)
+    # the recipes' training, installed: what chat-e train runs without a clone
+    assert {"chat_e/training/dialogue.py", "chat_e/training/preference.py", "chat_e/training/launch.py"} <= set(names)

@@ -145,7 +145,7 @@ def test_ui_controls_are_the_declared_settings():
 
 def test_chat_e_lists_its_subcommands_and_serves_by_default():
     help_text = build_parser().format_help()
-    assert "{serve,arena,feedback}" in help_text and "Serve a model (the default command)." in help_text
+    assert "{serve,arena,feedback,train}" in help_text and "Serve a model (the default command)." in help_text
     assert parse(["--model", "m"])[0].command == "serve"  # chat-e --model DIR, as the docs write it
     args, parser = parse(["arena", "--model", "a", "--model", "b", "--seed", "3"])
     assert (args.command, args.model, args.seed, parser.prog) == ("arena", ["a", "b"], 3, "chat-e arena")
@@ -170,3 +170,31 @@ def test_every_engine_is_a_chat_engine_and_the_gate_adds_nothing_else():
     )  # fmt: skip
     assert gated.default_settings() == remote.default_settings()
     assert not hasattr(gated, "request")  # the remote engine's own method: the gate forwards the protocol only
+
+
+# ---- chat-e train ---------------------------------------------------------------------------------------------------
+
+
+def test_chat_e_train_runs_the_installed_training_under_the_launcher_asked_for():
+    from chat_e.training.launch import command, executable
+
+    flags = ["--", "--config", "c.yaml", "--output_dir", "out"]
+    assert command("dpo", "torchrun", 2, flags) == [
+        executable("torchrun"), "--nproc_per_node", "2", "-m", "chat_e.training.preference",
+        "--config", "c.yaml", "--output_dir", "out", "--loss", "dpo",
+    ]  # fmt: skip
+    assert command("sft", "deepspeed", 2, flags)[:5] == [
+        executable("deepspeed"), "--num_gpus", "2", "--module", "chat_e.training.dialogue",
+    ]  # fmt: skip
+    assert command("kto", "python", 1, flags)[1:4] == ["-m", "chat_e.training.preference", "--config"]
+    assert command("kto", "python", 1, flags)[-2:] == ["--loss", "kto"]
+    with pytest.raises(ValueError, match="one process"):
+        command("sft", "python", 2, flags)
+    args, parser = parse(["train", "--method", "sft", "--nproc", "2", "--", "--max_steps", "3"])
+    assert (args.method, args.launcher, args.nproc, args.training_args) == (
+        "sft",
+        "torchrun",
+        2,
+        flags[:1] + ["--max_steps", "3"],
+    )
+    assert parser.prog == "chat-e train"

@@ -179,7 +179,7 @@ def test_sft_rows_never_take_a_disliked_or_losing_reply():
 def test_exported_rows_pass_the_recipes_own_row_checks(tmp_path, store, capsys):
     from chat_e.__main__ import main
     from chat_e.data.corpora import clean_rows
-    from recipes.preference import clean_preference_rows, read_jsonl
+    from chat_e.training.preference import clean_preference_rows, read_jsonl
 
     for row in FEEDBACK:
         store.add_feedback(**row)

@@ -142,9 +142,10 @@ CHAT_E_MAY_IMPORT = {
     "feedback": {"data"},
     "web": {"data", "engines", "feedback"},
     "http": {"data", "engines"},
+    "training": {"data", "engines"},
 }
 CHAT_E_COMPOSITION = {"chat_e", "chat_e.__main__", "chat_e.server"}
-#: the serving and storage stacks, which the model-side layers (data, engines) never import
+#: the serving and storage stacks, which the model-side layers (data, engines, training) never import
 SERVING_STACK = {"gradio", "gradio_client", "fastapi", "starlette", "uvicorn", "sqlalchemy", "alembic", "psycopg"}
 
 
@@ -171,7 +172,7 @@ def layer_violations(edges: dict[str, set[str]]) -> list[str]:
                 wrong.append(f"{module} imports {target}, which composes the layers")
             elif other not in (None, layer) and other not in CHAT_E_MAY_IMPORT[layer]:
                 wrong.append(f"{module} ({layer}) imports {target} ({other})")
-            elif layer in ("data", "engines") and target.split(".")[0] in SERVING_STACK:
+            elif layer in ("data", "engines", "training") and target.split(".")[0] in SERVING_STACK:
                 wrong.append(f"{module} ({layer}) imports {target.split('.')[0]}")
     return wrong
 
@@ -218,13 +219,21 @@ DOC = ROOT / "docs" / "architecture.md"
 BEGIN, END = "<!-- import-graph: begin (written by tests/unit/test_import_graph.py) -->", "<!-- import-graph: end -->"
 
 
+#: the product's units: Chat-E, and its training (chat_e.training's trainings; its ``launch``, which names them as
+#: strings, is ``chat-e``'s), which uses hf-ext's trainer and settings as any user's script does
+PRODUCT = {"chat_e", "chat_e.training"}
+
+
 def unit_of(module: str) -> str:
     parts = module.split(".")
+    if parts[:2] == ["chat_e", "training"] and len(parts) > 2 and parts[2] != "launch":
+        return "chat_e.training"
     return parts[1] if parts[0] == "hf_ext" and len(parts) > 1 else parts[0]
 
 
 def unit_graph() -> dict[str, set[str]]:
-    """hf_ext's top-level modules and packages, and chat_e as one unit: who imports whom."""
+    """hf_ext's top-level modules and packages, chat_e's training, and the rest of chat_e as one unit: who imports
+    whom."""
     units: dict[str, set[str]] = {}
     for module, targets in graph().items():
         if module == "hf_ext":
@@ -236,7 +245,7 @@ def unit_graph() -> dict[str, set[str]]:
 
 
 def test_every_unit_has_a_place_in_the_layers():
-    assert set(unit_graph()) == FOUNDATIONS | FEATURES | SETTINGS | COMPOSITION | {"chat_e"}
+    assert set(unit_graph()) == FOUNDATIONS | FEATURES | SETTINGS | COMPOSITION | PRODUCT
 
 
 def test_the_packages_form_a_dag_where_features_never_import_settings_or_each_other_sideways():
@@ -270,7 +279,7 @@ def _depths(units: dict[str, set[str]]) -> dict[str, int]:
 
 
 def _summary(unit: str) -> str:
-    path = ROOT / "hf_ext" / unit if unit != "chat_e" else ROOT / "chat_e"
+    path = ROOT.joinpath(*unit.split(".")) if unit in PRODUCT else ROOT / "hf_ext" / unit
     path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
     doc = ast.get_docstring(ast.parse(path.read_text())) or ""
     first = " ".join(doc.split("\n\n")[0].split())
@@ -286,8 +295,8 @@ def architecture_block() -> str:
     for unit in sorted(units, key=lambda u: (depth[u], u)):
         kind = next((name for name, members in kinds if unit in members), "product")
         name = (
-            "`chat_e/`"
-            if unit == "chat_e"
+            f"`{unit.replace('.', '/')}/`"
+            if unit in PRODUCT
             else f"`hf_ext/{unit}{'/' if (ROOT / 'hf_ext' / unit).is_dir() else '.py'}`"
         )
         deps = ", ".join(sorted(units[unit])) or "—"

@@ -1,31 +1,22 @@
-"""recipes/preference.py's rows: bad preference rows are counted per reason and skipped, and SPIN pairs are the text
+"""The preference training's rows (chat_e.training.preference, what recipes/preference.py runs): bad preference rows are counted per reason and skipped, and SPIN pairs are the text
 Chat-E serves (checked against chat_e.data.dialogue's serving path called directly)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
-import sys
 
 import pytest
 from transformers import AutoTokenizer
 
 from chat_e.data.dialogue import chat_reply_ids, encode_history, format_context
 
-from ..conftest import ROOT
-
 
 @pytest.fixture(scope="module")
 def recipe():
-    spec = importlib.util.spec_from_file_location("preference_recipe", ROOT / "recipes" / "preference.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while being defined
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        del sys.modules[spec.name]
+    from chat_e.training import preference
+
+    return preference
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +49,7 @@ KTO_ROWS = [
 
 
 def test_bad_dpo_rows_are_counted_per_reason_and_skipped(recipe, caplog):
-    with caplog.at_level(logging.WARNING, logger="recipes.preference"):
+    with caplog.at_level(logging.WARNING, logger="chat_e.training.preference"):
         kept = recipe.clean_preference_rows(DPO_ROWS, "dpo", "rows.jsonl", unparsable=2)
     assert kept == DPO_ROWS[:2]
     lines = [r.getMessage() for r in caplog.records]
@@ -79,7 +70,7 @@ def test_bad_dpo_rows_are_counted_per_reason_and_skipped(recipe, caplog):
 
 
 def test_bad_kto_rows_are_counted_per_reason_and_skipped(recipe, caplog):
-    with caplog.at_level(logging.WARNING, logger="recipes.preference"):
+    with caplog.at_level(logging.WARNING, logger="chat_e.training.preference"):
         kept = recipe.clean_preference_rows(KTO_ROWS, "kto", "hub")
     assert kept == KTO_ROWS[:2]
     (line,) = [r.getMessage() for r in caplog.records]
