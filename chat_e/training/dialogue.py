@@ -37,19 +37,19 @@ from transformers import (
 )
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
+# absolute imports: Ray Train's workers load this file by its path (hf_ext.ray.run_script), outside its package
+from chat_e.data.corpora import DataArguments, load_dialogue_dataset, tokenize_dataset
+from chat_e.data.dialogue import family_of, parse_header, parse_texts
+from chat_e.data.lora import LoraArguments
+from chat_e.data.models import BUILDERS, build_model
+from chat_e.data.plotting import plot_training_curves
+from chat_e.data.samples import SAMPLE_CHATS
 from hf_ext import Seq2SeqTrainer, Seq2SeqTrainingArguments
 from hf_ext.atomic import write_text_atomically
 from hf_ext.config_args import parse_args_with_config, split_launcher_args
 from hf_ext.model_info import model_class
 from hf_ext.runtime import end_distributed, prepare_run, run_summary
 from hf_ext.saving.export import export
-
-from ..data.corpora import DataArguments, load_dialogue_dataset, tokenize_dataset
-from ..data.dialogue import family_of, parse_header, parse_texts
-from ..data.lora import LoraArguments
-from ..data.models import BUILDERS, build_model
-from ..data.plotting import plot_training_curves
-from ..data.samples import SAMPLE_CHATS
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ def sample_chats(eval_raw: datasets.Dataset, n: int) -> list[dict]:
 def print_samples(model_dirs: dict[str, str], chats: list[dict], args) -> list[dict]:
     """Replies of each model in ``model_dirs`` (name -> directory, loaded as Chat-E serves it, proving the output
     loads) to the ``chats``, printed side by side."""
-    from ..engines.local import LocalEngine  # noqa: PLC0415 (the samples at the end only)
+    from chat_e.engines.local import LocalEngine  # noqa: PLC0415 (the samples at the end only)
 
     # rank 0 alone: a plain load, not a ZeRO-3 partitioned one that would wait for the other ranks
     unset_hf_deepspeed_config()
