@@ -12,7 +12,7 @@ NPROC ?= 2
 # the environment's executables first: DeepSpeed's launcher and ninja (scripts/build_deepspeed_ops.py says why)
 ENV_PATH := PATH="$(CURDIR)/$(BIN):$$PATH"
 
-.PHONY: setup demo demo-preference demo-blenderbot serve space test test-fast test-peer test-gpu test-kernels lint clean browser postgres
+.PHONY: setup demo demo-preference demo-blenderbot serve space test test-fast test-peer test-gpu test-gpu-dryrun test-kernels lint clean browser postgres
 
 setup: $(STAMP)
 
@@ -89,6 +89,10 @@ test: setup browser postgres
 # the GPU tier, on a machine with a CUDA GPU only (make test never runs it): make TORCH="... cu128 index" test-gpu
 test-gpu: setup
 	$(BIN)/python -m pytest tests/gpu -s
+
+# the GPU tier's launches and checks on CPU (no GPU needed): what a borrowed GPU's minutes would run, checked first
+test-gpu-dryrun: setup
+	HF_EXT_GPU_DRYRUN=1 $(BIN)/python -m pytest tests/gpu -s
 
 # the peer tier: stock transformers' classes and hf-ext's through the same tests (docs/drop-in.md);
 # PEER=stock or PEER=hf_ext runs one side only

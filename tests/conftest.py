@@ -26,7 +26,9 @@ def _has_cuda() -> bool:
 
 
 #: the GPU tier runs where a GPU is (``make test-gpu``); a CPU run does not collect it (``make test`` leaves it out too)
-collect_ignore = [] if _has_cuda() else ["gpu"]
+#: unless HF_EXT_GPU_DRYRUN=1 asks for its logic to be checked on CPU (``make test-gpu-dryrun``: same launches, no GPU)
+GPU_DRYRUN = os.environ.get("HF_EXT_GPU_DRYRUN") == "1"
+collect_ignore = [] if _has_cuda() or GPU_DRYRUN else ["gpu"]
 BIN = Path(sys.executable).parent
 # The environment's executables first for the whole session, this process and all it launches: DeepSpeed's launcher
 # and console scripts, and ninja. DeepSpeed's CPU ops are compiled once and reused while the compile command is the

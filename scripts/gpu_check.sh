@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The GPU tier and the GPU benchmark rows in one command, for a borrowed GPU machine that reaches no package registry
+# and has Python, a CUDA torch and the common HF packages but not this project's pins (docs/testing.md, "GPU tier").
+#
+#   here:  scripts/gpu_wheels.sh            # the pinned wheels it lacks, for its Python 3.12, into .whl/
+#   there: OUT=DIR scripts/gpu_check.sh     # from the repository root, with .whl/ copied along
+#
+# Installs .whl/ into /tmp/site (no index, no dependencies), prints the versions and the device, runs `pytest
+# tests/gpu` (one worker per test file, each file's launches in order) and then `python -m benchmarks.bench_gpu`.
+# Logs and the benchmark JSON go to $OUT. Exit status: the tests' (the benchmark's when the tests passed).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/gpu}
+PY=${PY:-python3}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || exit 1
+    export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+"$PY" - <<'PYEOF' 2>&1 | tee "$OUT/versions.txt"
+import importlib.metadata as m, torch
+print("device:", torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (no CUDA)")
+for name in ("torch", "transformers", "deepspeed", "accelerate", "peft", "trl", "datasets", "tokenizers"):
+    print(f"{name} {m.version(name)}")
+PYEOF
+workers=()
+if "$PY" -c "import xdist" 2>/dev/null; then workers=(-n 4 --dist loadfile); fi
+started=$(date +%s)
+"$PY" -m pytest tests/gpu -s -p no:cacheprovider "${workers[@]}" 2>&1 | tee "$OUT/test_gpu.log"
+status=${PIPESTATUS[0]}
+echo "pytest tests/gpu: exit $status in $(( $(date +%s) - started )) s" | tee -a "$OUT/test_gpu.log"
+started=$(date +%s)
+"$PY" -m benchmarks.bench_gpu --out "$OUT/gpu_bench.json" ${BENCH_FLAGS:-} 2>&1 | tee "$OUT/bench_gpu.log"
+bench=${PIPESTATUS[0]}
+echo "bench_gpu: exit $bench in $(( $(date +%s) - started )) s" | tee -a "$OUT/bench_gpu.log"
+exit $(( status != 0 ? status : bench ))

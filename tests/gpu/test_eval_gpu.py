@@ -1,0 +1,73 @@
+"""Generation on one GPU, each beside its CPU twin:
+
+* the BLEU generation eval under ZeRO-3 with the weights gathered once (tests/distributed/test_bleu_eval_distributed.py):
+  the same generations and scores as hf-ext's trainer evaluating the same model in one process without DeepSpeed on
+  the same GPU, in fp32 (greedy search on the same batches through the same kernels: equal, as on CPU);
+* Chat-E's engine in bf16 on the GPU (tests/unit/test_chat_seams.py and benchmarks/bench_chat.py on CPU): the reply of
+  stock ``generate`` on the same input ids with the same greedy settings, streamed or not.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoTokenizer
+
+from chat_e.data.dialogue import without_nul
+from chat_e.data.settings import Completion
+from chat_e.engines.local import LocalEngine
+from hf_ext.model_info import model_class
+
+from ..conftest import ROOT, run
+from .conftest import DEVICE, one_gpu, report
+
+WORKER = ROOT / "tests" / "distributed" / "workers" / "bleu_eval_worker.py"
+
+
+def test_zero3_gathered_bleu_eval_equals_one_process(eval_model_dir, single_rank, tmp_path):
+    run(one_gpu("torchrun", WORKER) + ["--model", str(eval_model_dir), "--out", str(tmp_path), "--stage", "3",
+                                       "--gather", "true"])  # fmt: skip
+    result = json.loads((tmp_path / "result-rank0.json").read_text())
+    assert result["world_size"] == 1 and result["eval_only_stats"]["path"] == "gathered once"
+    assert result["eval_only_generations"] == single_rank["generations"]
+    for key in ("eval_bleu", "eval_chrf", "eval_gen_len"):
+        assert result["eval_only"][key] == single_rank["metrics"][key], key
+    report("BLEU eval ZeRO-3 gathered", bleu=result["eval_only"]["eval_bleu"],
+           device=str(single_rank["trainer"].args.device))  # fmt: skip
+
+
+PROMPTS = [("Do you like movies?", ["hello", "hi, how are you?", "good, thanks"], "none", None),
+           ("My dog is sick and I'm worried.", [], "emotion", "sad")]  # fmt: skip
+NEW_TOKENS = 16
+
+
+@pytest.mark.parametrize("model", ["tiny_model_dir", "tiny_chat_model_dir"])
+def test_chat_e_engine_in_bf16_replies_as_stock_generate(model, request):
+    model_dir = request.getfixturevalue(model)
+    engine = LocalEngine.from_pretrained(model_dir, dtype="bf16", device=DEVICE)
+    assert next(engine.model.parameters()).dtype == torch.bfloat16
+    stock = model_class(AutoConfig.from_pretrained(model_dir)).from_pretrained(model_dir, dtype=torch.bfloat16)
+    stock = stock.to(DEVICE).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    seq2seq = stock.config.is_encoder_decoder
+    # greedy, NEW_TOKENS exactly (a random-init model may end at once): stock counts an encoder-decoder's start token
+    # in max_length and min_length
+    lengths = dict(max_length=NEW_TOKENS + 1, min_length=NEW_TOKENS + 1) if seq2seq else dict(
+        max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)  # fmt: skip
+    replies = []
+    for prompt in PROMPTS:
+        ids = torch.tensor([engine.encode(*prompt)], device=DEVICE)
+        with torch.no_grad():
+            out = stock.generate(input_ids=ids, attention_mask=torch.ones_like(ids), num_beams=1, do_sample=False,
+                                 **lengths)  # fmt: skip
+        expected = without_nul(tokenizer.decode(out[0, 0 if seq2seq else ids.shape[1] :], skip_special_tokens=True))
+        settings = dict(num_beams=1, do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+        completion = Completion()
+        reply = engine.chat(*prompt, completion=completion, **settings)
+        assert completion.tokens >= NEW_TOKENS - 1  # the last may be the end token (not counted)
+        assert reply == expected.strip(), prompt
+        assert "".join(engine.stream_chat(*prompt, **settings)) == reply
+        replies.append(reply)
+    report(f"Chat-E engine bf16 {model}", replies=replies)
