@@ -8,6 +8,7 @@
 # Installs .whl/ into /tmp/site (no index, no dependencies), prints the versions and the device, runs `pytest
 # tests/gpu` (one worker per test file, each file's launches in order) and then `python -m benchmarks.bench_gpu`.
 # Logs and the benchmark JSON go to $OUT. Exit status: the tests' (the benchmark's when the tests passed).
+# PYTEST_ARGS (e.g. "-k padding") narrows the tests for a rerun; SKIP_BENCH=1 leaves the benchmark out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu}
@@ -28,9 +29,11 @@ PYEOF
 workers=()
 if "$PY" -c "import xdist" 2>/dev/null; then workers=(-n 4 --dist loadfile); fi
 started=$(date +%s)
-"$PY" -m pytest tests/gpu -s -p no:cacheprovider "${workers[@]}" 2>&1 | tee "$OUT/test_gpu.log"
+HF_EXT_GPU_REPORT="$OUT/report.txt" "$PY" -m pytest tests/gpu -s -p no:cacheprovider "${workers[@]}" ${PYTEST_ARGS:-} 2>&1 \
+    | tee "$OUT/test_gpu.log"
 status=${PIPESTATUS[0]}
 echo "pytest tests/gpu: exit $status in $(( $(date +%s) - started )) s" | tee -a "$OUT/test_gpu.log"
+[ -n "${SKIP_BENCH:-}" ] && exit "$status"
 started=$(date +%s)
 "$PY" -m benchmarks.bench_gpu --out "$OUT/gpu_bench.json" ${BENCH_FLAGS:-} 2>&1 | tee "$OUT/bench_gpu.log"
 bench=${PIPESTATUS[0]}

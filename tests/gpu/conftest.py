@@ -11,6 +11,7 @@ console scripts (``torchrun``, ``deepspeed``) are not on PATH.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -46,5 +47,10 @@ def max_abs_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
 
 
 def report(name: str, **numbers) -> None:
-    """One line per measured fact, collected from the -s output for the closing note and docs/testing.md."""
-    print(f"GPU-TIER {name}: {json.dumps(numbers, default=str)}", flush=True)
+    """One line per measured fact, for the closing note and docs/testing.md: printed (seen with ``-s``) and appended
+    to ``$HF_EXT_GPU_REPORT`` when set (pytest-xdist's workers print nowhere; scripts/gpu_check.sh sets it)."""
+    line = f"GPU-TIER {name}: {json.dumps(numbers, default=str)}"
+    print(line, flush=True)
+    if os.environ.get("HF_EXT_GPU_REPORT"):
+        with open(os.environ["HF_EXT_GPU_REPORT"], "a") as f:
+            f.write(line + "\n")
