@@ -67,12 +67,17 @@ PROMPTS = [
 
 
 # ---------------------------------------------------------------------------------------------- the variants
-def stock_runner(model_dir: str, engine: LocalEngine, gen_kwargs: dict):
-    """A reply function for plain transformers: the engine only builds the context string, as a user would by hand."""
+def stock_runner(
+    model_dir: str, engine: LocalEngine, gen_kwargs: dict, dtype: torch.dtype = torch.float32, device: str = "cpu"
+):
+    """A reply function for plain transformers: the engine only builds the context string, as a user would by hand.
+    The model is loaded in ``dtype`` and moved to ``device``; ``run(prompt, text, **overrides)`` passes
+    ``overrides`` on to ``generate`` (over ``gen_kwargs``)."""
     from transformers import AutoConfig, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = model_class(AutoConfig.from_pretrained(model_dir)).from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = model_class(AutoConfig.from_pretrained(model_dir)).from_pretrained(model_dir, dtype=dtype)
+    model = model.to(device).eval()
     decoder_only = engine.family == "causal"  # its output starts with the prompt
 
     def text_of(prompt) -> str:
@@ -82,11 +87,11 @@ def stock_runner(model_dir: str, engine: LocalEngine, gen_kwargs: dict):
             raise RuntimeError(f"stock and engine inputs differ for {prompt!r}; the comparison would be unfair.")
         return text
 
-    def run(prompt, text: str) -> tuple[str, float, float]:
+    def run(prompt, text: str, **overrides) -> tuple[str, float, float]:
         start = time.perf_counter()
-        inputs = tokenizer(text, add_special_tokens=False, return_tensors="pt")
+        inputs = tokenizer(text, add_special_tokens=False, return_tensors="pt").to(device)
         with torch.no_grad():
-            out = model.generate(**inputs, **gen_kwargs)
+            out = model.generate(**inputs, **{**gen_kwargs, **overrides})
         start_at = inputs["input_ids"].shape[1] if decoder_only else 0
         reply = tokenizer.decode(out[0, start_at:], skip_special_tokens=True).strip()
         latency = time.perf_counter() - start

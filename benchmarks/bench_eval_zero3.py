@@ -36,6 +36,7 @@ def parse(argv=None):
     p.add_argument("--num_beams", type=int, default=4)
     p.add_argument("--max_length", type=int, default=32)
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="torch threads per rank")
+    p.add_argument("--bf16", action="store_true", help="bf16 on every path (the config's bf16 must be enabled)")
     p.add_argument("--out", default="runs/bench/eval_zero3.json")
     p.add_argument("--doc", default=None, help="also write the table into this Markdown file (docs/benchmarks.md)")
     # worker side
@@ -66,6 +67,7 @@ def worker(opts) -> None:
     from transformers import AutoTokenizer, BlenderbotForConditionalGeneration, DataCollatorForSeq2Seq
 
     import hf_ext
+    from hf_ext.evaluation.bleu import compute_bleu_chrf
     from hf_ext.runtime import return_freed_memory_to_os, start_deepspeed_comm
 
     transformers.utils.logging.set_verbosity_error()
@@ -74,7 +76,8 @@ def worker(opts) -> None:
     work = Path(opts.workdir)
     common = dict(output_dir=str(work / opts.path), per_device_eval_batch_size=opts.per_device_eval_batch_size,
                   generation_num_beams=opts.num_beams, generation_max_length=opts.max_length, report_to=[],
-                  disable_tqdm=True, deepspeed=json.loads(Path(opts.ds_config).read_text()))  # fmt: skip
+                  disable_tqdm=True, deepspeed=json.loads(Path(opts.ds_config).read_text()),
+                  bf16=opts.bf16)  # fmt: skip
     if opts.path == "stock":
         args = transformers.Seq2SeqTrainingArguments(predict_with_generate=True, use_cpu=not torch.cuda.is_available(),
                                                      **common)  # fmt: skip
@@ -107,8 +110,12 @@ def worker(opts) -> None:
         seconds = time.perf_counter() - start
     if opts.path != "stock":
         generations = [row["generation"] for row in trainer.bleu_eval_callback.last_evaluation.rows]
+    labels = [[t for t in row if t != -100] for row in dataset["labels"]]
+    references = [t.strip() for t in tokenizer.batch_decode(labels, skip_special_tokens=True)]
+    scores = compute_bleu_chrf(generations, references)  # every path scored alike, on the decoded labels
     result = {"path": opts.path, "rank": args.process_index, "seconds": round(seconds, 3),
-              "peak_extra_rss_bytes": rss.extra, "rss_before_bytes": rss.base, "generations": generations}  # fmt: skip
+              "peak_extra_rss_bytes": rss.extra, "rss_before_bytes": rss.base, "generations": generations,
+              "bleu": scores["bleu"], "chrf": scores["chrf"]}  # fmt: skip
     if opts.path != "stock":
         result["generation_path"] = trainer.bleu_eval_callback.last_evaluation.stats.get("path")
         result["generation_seconds"] = metrics["eval_gen_runtime"]  # the rest: the loss pass and scoring
@@ -117,14 +124,16 @@ def worker(opts) -> None:
     hf_ext.end_distributed()
 
 
-def resolved_config(model: Path, opts, workdir: Path) -> Path:
-    """hf-ext's zero3 preset resolved once for 2 ranks: the one config every path runs."""
+def resolved_config(model: Path, opts, workdir: Path, world_size: int = 2, hardware=None) -> Path:
+    """hf-ext's zero3 preset resolved once for ``world_size`` ranks: the one config every path runs. ``hardware``
+    (an ``hf_ext.runtime.Hardware``): resolve for it (a GPU's precision and bucket sizes) instead of this CPU."""
     import hf_ext
     from hf_ext.deepspeed.resolve import resolve_deepspeed_config
 
     args = hf_ext.Seq2SeqTrainingArguments(str(workdir / "resolve"), per_device_eval_batch_size=opts.per_device_eval_batch_size,
                                            report_to=[], use_cpu=True)  # fmt: skip
-    config = resolve_deepspeed_config("zero3", args, model=model, world_size=2, num_training_steps=1)
+    extra = {"hardware": hardware} if hardware is not None else {}
+    config = resolve_deepspeed_config("zero3", args, model=model, world_size=world_size, num_training_steps=1, **extra)
     for section in ("optimizer", "scheduler"):  # eval only: stock's inference set-up refuses step-count mismatches
         config.pop(section, None)
     return harness.write_json(workdir / "ds_config.json", config)

@@ -144,20 +144,33 @@ def peak_without_file_maps(events, out: Path) -> int:
 
 def timed(trainer, args, fn, out, cross_check: bool = False) -> dict:
     """Wall time and rank-0 peak extra RSS of ``fn(out)`` on every rank; with ``cross_check``, also the peak live
-    bytes of the tensors rank 0 allocates inside it."""
+    bytes of the tensors rank 0 allocates inside it; on a GPU, also rank 0's peak allocated device memory above the
+    level before the call."""
+    import torch
+
     from hf_ext.runtime import trim_heap
 
     trainer.accelerator.wait_for_everyone()
     gc.collect()
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    device_base = torch.cuda.memory_allocated() if cuda else 0
     with harness.PeakTensorBytes(enabled=cross_check and args.process_index == 0) as tensors:
         trim_heap()  # what is free in the heap now goes back to the OS: the baseline holds only live bytes
         parts = rss_parts()
         with harness.PeakRSS() as rss:
             start = time.perf_counter()
             fn(out)
+            if cuda:
+                torch.cuda.synchronize()
             trainer.accelerator.wait_for_everyone()
             seconds = time.perf_counter() - start
     result = {"seconds": round(seconds, 3), "rank0_extra_rss_bytes": rss.extra, "rank0_base_rss_bytes": rss.base}
+    if cuda:
+        result["rank0_device_base_bytes"] = device_base
+        result["rank0_device_extra_bytes"] = torch.cuda.max_memory_allocated() - device_base
     result["rank0_base_rss_parts"] = parts
     if tensors.peak is not None:
         result.update(rank0_peak_tensor_bytes=tensors.peak, profiler_memory_events=len(tensors.events))

@@ -12,13 +12,18 @@ activation checkpointing, on by default in TRL's config, off as on the other pat
 
 Each rank writes ``OUT.rank<N>.json``: the end time of each optimizer step and the real tokens trained on by then
 (the Trainer's own count: ``include_num_input_tokens_seen="non_padding"``, the attention mask of a padded batch;
-every token of a packed one), the peak resident memory above the level before the model loaded, and the eval loss on
-the validation rows after training.
+every token of a packed one), the peak resident memory above the level before the model loaded (and on a GPU the
+peak allocated device memory above the level then), and the eval loss on the validation rows after training.
+
+One GPU (benchmarks.bench_gpu): ``--paths stock hf-ext trl --config none --bf16`` trains the paths one after the
+other in one process, without DeepSpeed, each writing ``OUT.<path>.rank0.json``; every run's model, trainer and
+device memory are dropped before the next starts.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 
@@ -31,6 +36,8 @@ from chat_e.data.corpora import DataArguments, load_dialogue_dataset, tokenize_d
 from hf_ext.deepspeed.resolve import load_deepspeed_config
 from hf_ext.memory.measure import current_rss, peak_rss, reset_peak_rss
 from hf_ext.runtime import end_distributed, start_deepspeed_comm
+
+PATHS = ("stock", "hf-ext", "trl")
 
 
 class TokenClock(transformers.TrainerCallback):
@@ -51,12 +58,99 @@ def dialogue_rows(tokenizer, opts):
             tokenize_dataset(raw["validation"], tokenizer, data_args, family="causal"))  # fmt: skip
 
 
+def training_arguments(opts, path: str):
+    """``path``'s TrainingArguments and Trainer class for ``opts`` (the same settings on every path)."""
+    common = dict(
+        output_dir=f"{opts.out}.{path}.run", per_device_train_batch_size=opts.batch, per_device_eval_batch_size=8,
+        num_train_epochs=opts.epochs, learning_rate=opts.learning_rate, lr_scheduler_type="linear", warmup_steps=2,
+        logging_steps=1, save_strategy="no", report_to=[], seed=42, disable_tqdm=True, bf16=opts.bf16,
+        include_num_input_tokens_seen="non_padding",
+        deepspeed=None if opts.config == "none" else load_deepspeed_config(opts.config),
+    )  # fmt: skip
+    if path == "hf-ext":
+        args = hf_ext.TrainingArguments(**common, padding_free=True, train_sampling_strategy="batch_rebalance",
+                                        release_freed_memory=False)  # fmt: skip
+        return args, hf_ext.Trainer
+    if path == "trl":
+        import trl
+
+        # the rows are truncated already (max_length=None: TRL enforces no length on padding-free rows). Every token
+        # of a packed batch is real: counted as "all", since "non_padding" would count the tokens unequal to the pad
+        # id, missing every end-of-turn token (it doubles as the pad token)
+        args = trl.SFTConfig(**{**common, "include_num_input_tokens_seen": "all"},
+                             use_cpu=not torch.cuda.is_available(), padding_free=True, max_length=None,
+                             gradient_checkpointing=False)  # fmt: skip
+        return args, trl.SFTTrainer
+    return transformers.TrainingArguments(**common, use_cpu=not torch.cuda.is_available()), transformers.Trainer
+
+
+def train_path(opts, path: str, tokenizer, train, validation) -> dict:
+    """One training run of ``path`` on ``train``, then the eval loss on ``validation``: the measurements (rank 0's
+    are the run's); everything the run built is dropped before returning."""
+    args, trainer_class = training_arguments(opts, path)
+    start_deepspeed_comm()  # on CPU stock's arguments start torch.distributed but not DeepSpeed's comm
+    cuda = torch.cuda.is_available()
+    gc.collect()
+    if cuda:  # the device's peak from here on, above what is allocated now
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    device_baseline = torch.cuda.memory_allocated() if cuda else None
+    baseline = current_rss()
+    reset_peak_rss()
+    transformers.set_seed(42)
+    model = AutoModelForCausalLM.from_pretrained(
+        opts.model, **({"attn_implementation": opts.attn} if opts.attn else {})
+    )
+    if opts.lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear"))
+    clock = TokenClock()
+    collator = None if path == "trl" else DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100)
+    trainer = trainer_class(model=model, args=args, train_dataset=train, eval_dataset=validation,
+                            data_collator=collator, processing_class=tokenizer, callbacks=[clock])  # fmt: skip
+    trainer.train()
+    train_peak = peak_rss() - baseline
+    device_peak = torch.cuda.max_memory_allocated() - device_baseline if cuda else None
+    eval_loss = trainer.evaluate()["eval_loss"]
+    result = {
+        "rank": args.process_index,
+        "path": path,
+        "steps": [(t - clock.steps[0][0], tokens) for t, tokens in clock.steps],
+        "global_batch": args.per_device_train_batch_size * args.world_size * args.gradient_accumulation_steps,
+        "train_rows": len(train),
+        "peak_increment_bytes": train_peak,
+        "peak_device_increment_bytes": device_peak,
+        "eval_loss": eval_loss,
+        "final_loss": next(e["loss"] for e in reversed(trainer.state.log_history) if "loss" in e),
+        "torch_threads": torch.get_num_threads(),
+        "attn_implementation": getattr(model.config, "_attn_implementation", None),
+        "bf16": bool(args.bf16),
+        "device": str(args.device),
+    }
+    trainer.accelerator.free_memory()
+    del trainer, model
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
-    parser.add_argument("--path", choices=["stock", "hf-ext", "trl"], required=True)
-    parser.add_argument("--config", required=True, help="DeepSpeed JSON, given as is to every path")
+    parser.add_argument("--path", choices=PATHS, help="the one path of this launch")
+    parser.add_argument("--paths", nargs="+", choices=PATHS,
+                        help="instead of --path: these paths one after the other in this process (no DeepSpeed: "
+                        "--config none), each writing OUT.<path>.rank<N>.json")  # fmt: skip
+    parser.add_argument(
+        "--config", required=True, help="DeepSpeed JSON, given as is to every path; none: no DeepSpeed"
+    )
     parser.add_argument("--lora", action="store_true", help="LoRA r=16 on every projection, as the demo")
+    parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision on every path")
+    parser.add_argument(
+        "--attn", default=None, help="attn_implementation of the model on every path (default: its own)"
+    )
     parser.add_argument("--epochs", type=float, default=1)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--learning_rate", type=float, default=3e-3)
@@ -65,63 +159,20 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--local_rank", type=int, default=-1)
     opts = parser.parse_args()
-
-    common = dict(
-        output_dir=opts.out + ".run", per_device_train_batch_size=opts.batch, per_device_eval_batch_size=8,
-        num_train_epochs=opts.epochs, learning_rate=opts.learning_rate, lr_scheduler_type="linear", warmup_steps=2,
-        logging_steps=1, save_strategy="no", report_to=[], seed=42, disable_tqdm=True, bf16=False,
-        include_num_input_tokens_seen="non_padding", deepspeed=load_deepspeed_config(opts.config),
-    )  # fmt: skip
-    if opts.path == "hf-ext":
-        args = hf_ext.TrainingArguments(**common, padding_free=True, train_sampling_strategy="batch_rebalance",
-                                        release_freed_memory=False)  # fmt: skip
-        trainer_class = hf_ext.Trainer
-    elif opts.path == "trl":
-        import trl
-
-        # the rows are truncated already (max_length=None: TRL enforces no length on padding-free rows). Every token
-        # of a packed batch is real: counted as "all", since "non_padding" would count the tokens unequal to the pad
-        # id, missing every end-of-turn token (it doubles as the pad token)
-        args = trl.SFTConfig(**{**common, "include_num_input_tokens_seen": "all"}, use_cpu=not torch.cuda.is_available(),
-                             padding_free=True, max_length=None, gradient_checkpointing=False)  # fmt: skip
-        trainer_class = trl.SFTTrainer
-    else:
-        args = transformers.TrainingArguments(**common, use_cpu=not torch.cuda.is_available())
-        trainer_class = transformers.Trainer
-    start_deepspeed_comm()  # on CPU stock's arguments start torch.distributed but not DeepSpeed's comm
+    if (opts.path is None) == (opts.paths is None):
+        parser.error("give --path or --paths")
+    if opts.paths and opts.config != "none":
+        parser.error("--paths runs in one process: DeepSpeed engines are not torn down between paths (--config none)")
 
     tokenizer = AutoTokenizer.from_pretrained(opts.model)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     train, validation = dialogue_rows(tokenizer, opts)
-    baseline = current_rss()
-    reset_peak_rss()
-    transformers.set_seed(42)
-    model = AutoModelForCausalLM.from_pretrained(opts.model)
-    if opts.lora:
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear"))
-    clock = TokenClock()
-    collator = None if opts.path == "trl" else DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100)
-    trainer = trainer_class(model=model, args=args, train_dataset=train, eval_dataset=validation,
-                            data_collator=collator, processing_class=tokenizer, callbacks=[clock])  # fmt: skip
-    trainer.train()
-    train_peak = peak_rss() - baseline
-    eval_loss = trainer.evaluate()["eval_loss"]
-    result = {
-        "rank": args.process_index,
-        "path": opts.path,
-        "steps": [(t - clock.steps[0][0], tokens) for t, tokens in clock.steps],
-        "global_batch": args.per_device_train_batch_size * args.world_size * args.gradient_accumulation_steps,
-        "train_rows": len(train),
-        "peak_increment_bytes": train_peak,
-        "eval_loss": eval_loss,
-        "final_loss": next(e["loss"] for e in reversed(trainer.state.log_history) if "loss" in e),
-        "torch_threads": torch.get_num_threads(),
-    }
-    with open(f"{opts.out}.rank{args.process_index}.json", "w") as f:
-        json.dump(result, f, indent=2)
+    for path in opts.paths or [opts.path]:
+        result = train_path(opts, path, tokenizer, train, validation)
+        name = f"{opts.out}.{path}" if opts.paths else opts.out
+        with open(f"{name}.rank{result['rank']}.json", "w") as f:
+            json.dump(result, f, indent=2)
 
 
 if __name__ == "__main__":

