@@ -22,10 +22,12 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 "$PY" - <<'PYEOF' 2>&1 | tee "$OUT/versions.txt"
 import importlib.metadata as m, torch
+import accelerate, datasets, deepspeed, peft, sacrebleu, transformers, trl  # every pin imports, before any test
 print("device:", torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (no CUDA)")
 for name in ("torch", "transformers", "deepspeed", "accelerate", "peft", "trl", "datasets", "tokenizers"):
     print(f"{name} {m.version(name)}")
 PYEOF
+[ "${PIPESTATUS[0]}" = 0 ] || exit 1
 workers=()
 if "$PY" -c "import xdist" 2>/dev/null; then workers=(-n 4 --dist loadfile); fi
 started=$(date +%s)
