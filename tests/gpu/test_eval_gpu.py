@@ -26,16 +26,43 @@ from .conftest import DEVICE, one_gpu, report
 WORKER = ROOT / "tests" / "distributed" / "workers" / "bleu_eval_worker.py"
 
 
-def test_zero3_gathered_bleu_eval_equals_one_process(eval_model_dir, single_rank, tmp_path):
+@pytest.fixture(scope="module")
+def single_rank_zero3_linear(eval_model_dir, tokenizer, tmp_path_factory):
+    """The one-process reference computed with DeepSpeed's ZeRO-3 linear function.
+
+    ``deepspeed.zero.Init`` replaces ``torch.nn.functional.linear`` for the rest of the process with
+    ``zero3_linear_wrap`` (``input.matmul(weight.t())``, then the bias added: its memory-efficient linear), so a ZeRO-3
+    process computes every linear layer that way, stock's ``predict_with_generate`` included. On CPU both give the
+    same floats (the CPU twin compares with the plain model). On an H100 (2026-11-27) the ZeRO-3 run ended 3 of 18
+    greedy replies at another token than the plain model in one process: the eval model's end-of-reply bias is tuned
+    so that replies end at many lengths, which leaves near-ties that an ulp decides. The difference we know of
+    between the two paths' arithmetic is this function (an unfused product and addition in cuBLAS against
+    ``F.linear``'s fused bias), so the reference runs it too and the generations are still compared for equality.
+    This reference has not run on a GPU yet (the device time of that session ran out): the next GPU run confirms the
+    cause or finds another."""
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+
+    from ..bleu_support import evaluate_single_rank
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.nn.functional, "linear", zero3_linear_wrap)
+        return evaluate_single_rank(eval_model_dir, tokenizer, tmp_path_factory)
+
+
+def test_zero3_gathered_bleu_eval_equals_one_process(eval_model_dir, single_rank, single_rank_zero3_linear, tmp_path):
     run(one_gpu("torchrun", WORKER) + ["--model", str(eval_model_dir), "--out", str(tmp_path), "--stage", "3",
                                        "--gather", "true"])  # fmt: skip
     result = json.loads((tmp_path / "result-rank0.json").read_text())
     assert result["world_size"] == 1 and result["eval_only_stats"]["path"] == "gathered once"
-    assert result["eval_only_generations"] == single_rank["generations"]
+    reference = single_rank_zero3_linear
+    differ_from_plain = sum(a != b for a, b in zip(reference["generations"], single_rank["generations"]))
+    report("BLEU eval ZeRO-3 gathered", bleu=result["eval_only"]["eval_bleu"], device=DEVICE,
+           plain_linear_generations_that_differ=differ_from_plain)  # fmt: skip
+    assert result["eval_only_generations"] == reference["generations"]
     for key in ("eval_bleu", "eval_chrf", "eval_gen_len"):
-        assert result["eval_only"][key] == single_rank["metrics"][key], key
-    report("BLEU eval ZeRO-3 gathered", bleu=result["eval_only"]["eval_bleu"],
-           device=str(single_rank["trainer"].args.device))  # fmt: skip
+        assert result["eval_only"][key] == reference["metrics"][key], key
+    if DEVICE == "cpu":  # the CPU twin's fact: there the two linear functions agree
+        assert differ_from_plain == 0
 
 
 PROMPTS = [("Do you like movies?", ["hello", "hi, how are you?", "good, thanks"], "none", None),
