@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import sys
 from dataclasses import fields
 
@@ -24,8 +25,8 @@ from .engines.remote import BACKEND_API_KEY_ENV
 from .feedback.cli import DESCRIPTION as FEEDBACK_DESCRIPTION
 from .feedback.cli import add_db_argument, add_feedback_commands
 from .feedback.cli import run as run_feedback
-from .feedback.store import FeedbackStore, default_url
-from .http.guard import API_KEY_ENV, AUTH_ENV, exposure_warning, parse_auth
+from .feedback.store import DEFAULT_RUN_DIR, FeedbackStore, default_url
+from .http.guard import ADMIN_ENV, API_KEY_ENV, AUTH_ENV, exposure_warning, parse_auth
 from .server import bind
 from .training.launch import DESCRIPTION as TRAIN_DESCRIPTION
 from .training.launch import add_train_arguments
@@ -90,6 +91,29 @@ def add_serve_arguments(parser: argparse.ArgumentParser, arena: bool = False) ->
         parser.add_argument("--seed", type=int, default=None, help="Seed of the battles' draws (default: random).")
     else:
         parser.add_argument("--model", required=True, help=what)
+        train = parser.add_argument_group(
+            "training from the feedback (the operator's Train page at /admin; docs/feedback.md)"
+        )
+        train.add_argument(
+            "--admin",
+            default=None,
+            metavar="USER:PASSWORD",
+            help=f"Serve the Train page at /admin behind this login: train the served model on the feedback, watch "
+            f"and cancel runs. Default: ${ADMIN_ENV}, else no Train page (/admin does not exist).",
+        )
+        train.add_argument(
+            "--train_args",
+            "--train-args",
+            default="",
+            metavar="FLAGS",
+            help='Flags every run\'s training gets first, in one string (e.g. "--config my.yaml").',
+        )
+        train.add_argument(
+            "--train_dir",
+            "--train-dir",
+            default=str(DEFAULT_RUN_DIR / "train"),
+            help=f"Where runs write their rows, logs and models (default {DEFAULT_RUN_DIR / 'train'}).",
+        )
     parser.add_argument(
         "--backend",
         default=None,
@@ -261,11 +285,17 @@ def main(argv: list[str] | None = None) -> int:
         limits = ChatLimits(**{f.name: getattr(args, f.name) for f in fields(ChatLimits)})
         auth_value = args.auth or os.environ.get(AUTH_ENV)
         auth = parse_auth(auth_value) if auth_value else None
+        admin_value = None if arena else args.admin or os.environ.get(ADMIN_ENV)
+        admin = parse_auth(admin_value, "--admin") if admin_value else None
     except ValueError as err:
         parser.error(str(err))
     if args.share:
         print(f"chat-e: error: {SHARE_REFUSAL}", file=sys.stderr)
         return 2
+    if admin and args.no_feedback:
+        parser.error("--admin trains on the feedback database: drop --no_feedback.")
+    if admin and args.backend:
+        parser.error("--admin trains the served model on this machine: give --model DIR without --backend.")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     warning = exposure_warning(args.host, auth is not None, api_key is not None)
     if warning:
@@ -333,9 +363,18 @@ def main(argv: list[str] | None = None) -> int:
         (engine,), (default,) = engines.values(), settings.values()
         demo = build_app(engine, default, concurrency_limit=args.concurrency, limits=limits, store=store)
         routers = [openai_router(engine, default, limits)]
+    mounts = []
+    if admin:
+        from .studio.runs import RunManager  # noqa: PLC0415 (heavy: the operator's page only)
+        from .web.train import build_train_app  # noqa: PLC0415 (heavy: the operator's page only)
+
+        manager = RunManager(store, args.model, args.train_dir, shlex.split(args.train_args))
+        mounts.append(("/admin", build_train_app(manager, store), admin))
+        logger.info("the Train page: /admin (its own login); runs in %s", args.train_dir)
     logger.info("limits: %s; login %s, API key %s", limits, "on" if auth else "off", "on" if api_key else "off")
     try:
-        serve(demo, host=args.host, port=args.port, auth=auth, api_key=api_key, limits=limits, routers=routers)
+        serve(demo, host=args.host, port=args.port, auth=auth, api_key=api_key, limits=limits, routers=routers,
+              mounts=mounts)  # fmt: skip
     except OSError as err:
         return cannot_serve(args, err)
     except RuntimeError as err:

@@ -32,12 +32,14 @@ def create_app(
     api_key: str | None = None,
     limits: ChatLimits | None = None,
     routers: Sequence[Any] = (),
+    mounts: Sequence[tuple[str, Any, tuple[str, str]]] = (),
     host: str = "127.0.0.1",
     port: int = 7860,
 ):
-    """The server's FastAPI app: ``routers`` first (a router's paths win over Gradio's catch-all mount), then
+    """The server's FastAPI app: ``routers`` first (a router's paths win over Gradio's catch-all mount), then each
+    ``(path, blocks, login)`` of ``mounts`` (the operator's Train page at ``/admin``, behind its own login), then
     ``demo`` mounted at ``/`` with Gradio's login (``auth``), and :class:`~chat_e.http.guard.RequestGuard` in front of
-    both. The routers' paths take the API key alone (Gradio's login does not cover them)."""
+    all. The routers' paths take the API key alone (Gradio's login does not cover them)."""
     from fastapi import FastAPI  # noqa: PLC0415 (optional extra: comes with gradio, which only serving needs)
 
     from .web.ui import import_gradio, theme  # noqa: PLC0415 (imports gradio)
@@ -50,6 +52,9 @@ def create_app(
         app.include_router(router)
         prefixes += [route.path.rsplit("/", 1)[0] + "/" for route in router.routes]
     demo.state_session_capacity = limits.max_sessions  # what launch(state_session_capacity=...) sets
+    for path, blocks, login in mounts:
+        gr.mount_gradio_app(app, blocks, path=path, server_name=host, server_port=port, auth=login,
+                            auth_message=AUTH_MESSAGE, show_error=False, max_file_size=limits.max_body_bytes)  # fmt: skip
     gr.mount_gradio_app(
         app,
         demo,
@@ -69,17 +74,23 @@ def create_app(
         api_key=api_key,
         login_app=mounted_gradio_app(app),
         key_only=tuple(sorted(set(prefixes))),
+        login_apps={f"{path}/": mounted_gradio_apps(app)[path] for path, _, _ in mounts},
     )
     return app
 
 
-def mounted_gradio_app(app):
-    """The Gradio app that ``mount_gradio_app`` mounted in ``app`` (its login and session tokens)."""
+def mounted_gradio_apps(app) -> dict[str, Any]:
+    """The Gradio apps that ``mount_gradio_app`` mounted in ``app``, by path (``""``: ``/``)."""
     from gradio.routes import App  # noqa: PLC0415 (optional extra: app)
 
-    for route in app.routes:
-        if isinstance(getattr(route, "app", None), App):
-            return route.app
+    return {route.path: route.app for route in app.routes if isinstance(getattr(route, "app", None), App)}
+
+
+def mounted_gradio_app(app):
+    """The Gradio app that ``mount_gradio_app`` mounted in ``app`` at ``/`` (its login and session tokens)."""
+    found = mounted_gradio_apps(app).get("")
+    if found is not None:
+        return found
     raise ValueError("no Gradio app is mounted in this app")
 
 
@@ -108,8 +119,9 @@ def serve(
     api_key: str | None = None,
     limits: ChatLimits | None = None,
     routers: Sequence[Any] = (),
+    mounts: Sequence[tuple[str, Any, tuple[str, str]]] = (),
 ) -> None:
-    """Serve ``demo`` (and ``routers`` beside it, see :func:`create_app`) on ``host:port`` until stopped (Ctrl-C,
+    """Serve ``demo`` (and ``routers`` and ``mounts`` beside it, see :func:`create_app`) on ``host:port`` until stopped (Ctrl-C,
     SIGTERM). Port 0 picks a free port.
 
     Raises:
@@ -124,18 +136,20 @@ def serve(
         they would otherwise hold the shutdown for its whole grace period and then be cancelled, one traceback
         each; replies still being generated keep the grace period to finish."""
 
-        def __init__(self, config, gradio_app):
+        def __init__(self, config, gradio_apps):
             super().__init__(config)
-            self.gradio_app = gradio_app
+            self.gradio_apps = gradio_apps
 
         def handle_exit(self, sig, frame) -> None:
             super().handle_exit(sig, frame)
-            self.gradio_app.stop_event.set()  # the signal arrives on the loop's thread, between its steps
+            for gradio_app in self.gradio_apps:
+                gradio_app.stop_event.set()  # the signal arrives on the loop's thread, between its steps
 
     sock = bind(host, port)
     try:
         bound = sock.getsockname()[1]
-        app = create_app(demo, auth=auth, api_key=api_key, limits=limits, routers=routers, host=host, port=bound)
+        app = create_app(demo, auth=auth, api_key=api_key, limits=limits, routers=routers, mounts=mounts, host=host,
+                         port=bound)  # fmt: skip
         shown = f"[{host}]" if ":" in host else host
         logger.info("serving on http://%s:%d/", shown, bound)
         config = uvicorn.Config(
@@ -144,7 +158,7 @@ def serve(
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
             lifespan="on",
         )
-        server = _EndingHeartbeats(config, mounted_gradio_app(app))
+        server = _EndingHeartbeats(config, list(mounted_gradio_apps(app).values()))
         server.run(sockets=[sock])
     finally:
         sock.close()

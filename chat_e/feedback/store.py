@@ -23,7 +23,21 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, Integer, String, Text, TypeDecorator, create_engine, delete, event, func, select
+from sqlalchemy import (
+    JSON,
+    DateTime,
+    Float,
+    Integer,
+    String,
+    Text,
+    TypeDecorator,
+    create_engine,
+    delete,
+    event,
+    func,
+    select,
+    update,
+)
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
@@ -37,6 +51,10 @@ RATING, EDIT, CHOICE = "rating", "edit", "choice"
 FEEDBACK_KINDS = (RATING, EDIT, CHOICE)
 #: a vote's winner, FastChat's kinds: model A (the left side) better, model B better, a tie, both bad
 WINNERS = ("model_a", "model_b", "tie", "bothbad")
+#: a training run's states: accepted and not started yet; its process running; cancelled with a checkpoint (it can be
+#: resumed); its process ended with an error or vanished; finished with its model saved
+QUEUED, RUNNING, STOPPED, FAILED, DONE = "queued", "running", "stopped", "failed", "done"
+RUN_STATES = (QUEUED, RUNNING, STOPPED, FAILED, DONE)
 #: how long SQLite waits for another writer's lock before it gives up (seconds)
 SQLITE_BUSY_SECONDS = 30
 
@@ -117,6 +135,35 @@ class Vote(_Exchange, Base):
     winner: Mapped[str] = mapped_column(String(16))
     reply_a: Mapped[str] = mapped_column(Text)
     reply_b: Mapped[str] = mapped_column(Text)
+
+
+class TrainingRun(Base):
+    """A training run the app started from its feedback: what it trained on and with, where it writes, how it ended."""
+
+    __tablename__ = "chat_e_runs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    created_at: Mapped[datetime.datetime] = mapped_column(UTCDateTime, index=True)
+    #: sft, dpo or kto (chat_e.training.launch.METHODS)
+    method: Mapped[str] = mapped_column(String(8))
+    #: the form's values and the command that ran
+    settings: Mapped[dict] = mapped_column(JSON)
+    #: the exported rows it trained on: how many, and the SHA-256 of the file
+    rows: Mapped[int] = mapped_column(Integer)
+    rows_sha256: Mapped[str] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    started_at: Mapped[datetime.datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    ended_at: Mapped[datetime.datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    #: the training's process (the launcher) and its start time, which tells it from a later process with its pid
+    pid: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    pid_started: Mapped[float | None] = mapped_column(Float, nullable=True)
+    output_dir: Mapped[str] = mapped_column(Text)
+    log_path: Mapped[str] = mapped_column(Text)
+    #: held-out metrics before and after training (the preference training's report)
+    metrics_before: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    metrics_after: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    #: why it stopped or failed: the exit status and the log's last lines
+    detail: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
 def _row(obj: Base) -> dict[str, Any]:
@@ -205,6 +252,32 @@ class FeedbackStore:
             kinds = dict(session.execute(select(Feedback.kind, func.count()).group_by(Feedback.kind)).all())
             kinds["vote"] = session.scalar(select(func.count()).select_from(Vote)) or 0
         return {kind: int(kinds.get(kind, 0)) for kind in (*FEEDBACK_KINDS, "vote")}
+
+    def add_run(self, **fields: Any) -> int:
+        """Store one :class:`TrainingRun` (its columns as keywords; ``created_at`` defaults to now, ``status`` to
+        queued); its id."""
+        fields = {"created_at": utcnow(), "status": QUEUED, **fields}
+        if fields["status"] not in RUN_STATES:
+            raise ValueError(f"status={fields['status']!r}: choose one of {', '.join(RUN_STATES)}.")
+        return self._add(TrainingRun(**fields))
+
+    def update_run(self, run_id: int, **fields: Any) -> None:
+        """Set some of run ``run_id``'s columns (committed before it returns)."""
+        if "status" in fields and fields["status"] not in RUN_STATES:
+            raise ValueError(f"status={fields['status']!r}: choose one of {', '.join(RUN_STATES)}.")
+        with self._session() as session, session.begin():
+            session.execute(update(TrainingRun).where(TrainingRun.id == run_id).values(**fields))
+
+    def runs(self) -> list[dict[str, Any]]:
+        """Every training run, newest first, as dicts of its columns."""
+        with self._session() as session:
+            return [_row(r) for r in session.scalars(select(TrainingRun).order_by(TrainingRun.id.desc()))]
+
+    def run(self, run_id: int) -> dict[str, Any] | None:
+        """Run ``run_id``'s columns, or None."""
+        with self._session() as session:
+            found = session.get(TrainingRun, run_id)
+            return _row(found) if found is not None else None
 
     def purge(self, older_than: datetime.timedelta) -> int:
         """Delete the rows stored more than ``older_than`` ago; how many went."""

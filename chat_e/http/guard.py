@@ -25,6 +25,8 @@ from ..engines.gate import BUSY
 #: environment variables that ``chat-e`` reads when ``--api_key`` / ``--auth`` are not given
 API_KEY_ENV = "CHAT_E_API_KEY"
 AUTH_ENV = "CHAT_E_AUTH"
+#: the operator's login of the Train page (chat-e serve --admin)
+ADMIN_ENV = "CHAT_E_ADMIN"
 #: the user name of requests let in by the API key on a server with a login
 API_KEY_USER = "api-key"
 NEEDS_KEY = "Chat-E needs its API key: send the header 'Authorization: Bearer KEY'."
@@ -63,11 +65,11 @@ def exposure_warning(host: str, auth: bool, api_key: bool) -> str | None:
     )
 
 
-def parse_auth(value: str) -> tuple[str, str]:
-    """``USER:PASSWORD`` -> ``(user, password)``; the password may contain ``:``."""
+def parse_auth(value: str, flag: str = "--auth") -> tuple[str, str]:
+    """``USER:PASSWORD`` -> ``(user, password)``; the password may contain ``:``. ``flag`` names it in a refusal."""
     user, sep, password = value.partition(":")
     if not sep or not user.strip() or not password:
-        raise ValueError("--auth takes USER:PASSWORD, both non-empty (e.g. --auth alice:s3cret).")
+        raise ValueError(f"{flag} takes USER:PASSWORD, both non-empty (e.g. {flag} alice:s3cret).")
     return user.strip(), password
 
 
@@ -80,6 +82,8 @@ class RequestGuard:
         api_key: the key programs send as ``Authorization: Bearer KEY``; None lets requests in without one.
         login_app: the Gradio app whose login (``auth``, session tokens) a request without the key may pass; None:
             the request's own ``scope["app"]``.
+        login_apps: path prefix -> the Gradio app mounted there, whose login covers that prefix instead (the
+            operator's Train page at ``/admin/``).
         key_only: path prefixes that Gradio's login does not cover (the OpenAI-compatible API's ``/v1/``).
     """
 
@@ -90,8 +94,10 @@ class RequestGuard:
         api_key: str | None = None,
         login_app=None,
         key_only: tuple[str, ...] = (),
+        login_apps: dict[str, Any] | None = None,
     ):
         self.app = app
+        self.login_apps = dict(login_apps or {})
         self.max_body_bytes = int(max_body_bytes)
         self.api_key = api_key or None
         self.login_app = login_app
@@ -122,7 +128,10 @@ class RequestGuard:
 
     def _authorize(self, scope) -> tuple[str | None, Any]:
         """``(refusal or None, scope)``: a request with the right key runs as a session of Gradio's login, if any."""
+        path = scope.get("path", "")
+        mounted = [prefix for prefix in self.login_apps if path == prefix.rstrip("/") or path.startswith(prefix)]
         app = self.login_app if self.login_app is not None else scope.get("app")
+        app = self.login_apps[max(mounted, key=len)] if mounted else app
         key_only = scope.get("path", "").startswith(self.key_only) if self.key_only else False
         login = getattr(app, "auth", None) is not None and not key_only
         if self.api_key is None:

@@ -44,6 +44,7 @@ from chat_e.data.lora import LoraArguments
 from chat_e.data.models import BUILDERS, build_model
 from chat_e.data.plotting import plot_training_curves
 from chat_e.data.samples import SAMPLE_CHATS
+from chat_e.training.progress import progress_callbacks
 from hf_ext import Seq2SeqTrainer, Seq2SeqTrainingArguments
 from hf_ext.atomic import write_text_atomically
 from hf_ext.config_args import parse_args_with_config, split_launcher_args
@@ -222,6 +223,7 @@ def main(argv: list[str] | None = None) -> dict:
         eval_dataset=eval_dataset,
         data_collator=collator,
         processing_class=tokenizer,
+        callbacks=progress_callbacks(),
     )
 
     # 6. train, 7. evaluate, 8. save

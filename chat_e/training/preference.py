@@ -57,6 +57,7 @@ from ..data.corpora import OFFLINE_DATASETS, load_offline, sample
 from ..data.dialogue import chat_reply_ids, encode_chat_prompt, family_of, parse_texts
 from ..data.lora import LoraArguments
 from ..data.models import BUILDERS, build_model
+from .progress import progress_callbacks
 
 logger = logging.getLogger(__name__)
 
@@ -511,6 +512,7 @@ def main(argv: list[str] | None = None) -> dict:
         eval_dataset=eval_dataset,
         processing_class=tokenizer,
         peft_config=peft_config,
+        callbacks=progress_callbacks(),
     )
 
     # 6. evaluate, train, evaluate, 7. save

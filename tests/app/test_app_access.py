@@ -89,6 +89,16 @@ def test_api_key_alone_guards_every_request(keyed):
     assert post_chat(keyed, {"Authorization": f"Bearer {KEY}"}).status_code == 200
 
 
+def test_without_admin_the_train_page_and_its_endpoints_do_not_exist(login, keyed):
+    """No --admin: nothing is served under /admin, to a logged-in user or a program with the key alike."""
+    user = anonymous(login, auth=(USER, PASSWORD))
+    assert "/start" not in str(user.view_api(print_info=False, return_format="dict"))
+    for server, headers in ((keyed, {"Authorization": f"Bearer {KEY}"}), (login, {"Authorization": f"Bearer {KEY}"})):
+        for path in ("admin/", "admin/config", "admin/gradio_api/info", "admin/gradio_api/call/start"):
+            answer = httpx.get(f"{server.url}{path}", headers=headers, timeout=30)
+            assert answer.status_code == 404, (path, answer.status_code)
+
+
 def test_a_full_queue_answers_busy_and_recovers(login):
     """One reply at a time and one waiting: further requests are told to try again, none is lost or left hanging."""
     chat = [{"role": "user", "content": [{"type": "text", "text": "hello"}]}]
@@ -146,8 +156,10 @@ def test_exposed_without_auth_or_key_warns_loudly(tmp_path, extra, env, warned):
         (("--max_body_bytes", "1000"), "--max_body_bytes 1,000 is too small for a request within the other limits"),
         (("--max_queue", "0"), "--max_queue must be at least 1 (got 0)."),
         (("--share",), "--share is not supported: Chat-E serves its UI and API on one app"),
+        (("--admin", "op"), "--admin takes USER:PASSWORD, both non-empty"),
+        (("--admin", "op:pw", "--no_feedback"), "--admin trains on the feedback database: drop --no_feedback"),
     ],
-    ids=["auth", "body", "queue", "share"],
+    ids=["auth", "body", "queue", "share", "admin", "admin-without-feedback"],
 )
 def test_bad_access_flags_are_refused_with_the_fix(tmp_path, extra, error):
     proc = subprocess.run(

@@ -9,8 +9,8 @@ server (``--backend``, the model served by another Chat-E's OpenAI API), all sto
   clients carry on there, the other replica's clients never notice. Then every piece of feedback a client got an
   answer for is in the database, once, with the exchange as the client saw it (message, history, mode, context, the
   reply shown, the model and its settings, the session); nothing is there that no client sent.
-* ``chat-e feedback export`` writes rows the preference training takes, and ``chat-e train --method dpo`` trains 5
-  DPO steps on them on 2 ranks (ZeRO-2).
+* ``chat-e feedback export`` writes rows the preference training takes whole (training on exported rows, 2 ranks
+  under torchrun, from the Train page: tests/app/test_training_runs.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -27,7 +26,6 @@ from chat_e.data.dialogue import normalize_mode
 from chat_e.feedback.store import FeedbackStore
 from chat_e.web.ui import NEW_REPLY, PREVIOUS_REPLY, from_display
 
-from ..conftest import BIN, ROOT, free_port, run
 from .support import TEST_SETTINGS, ChatEServer, gradio_client, make_sensitive_model, stop_all
 
 CLIENTS = 20
@@ -210,27 +208,18 @@ def test_the_database_holds_exactly_the_feedback_sent_across_a_sigkill(loop):
     assert all(row["settings"]["max_new_tokens"] == TEST_SETTINGS["max_new_tokens"] for row in rows)
 
 
-def test_exported_rows_train_five_dpo_steps_on_two_ranks(loop, tmp_path):
+def test_exported_rows_are_what_the_preference_training_takes(loop, tmp_path):
+    """The PostgreSQL database's export is a DPO file the preference training takes whole. (Training on exported
+    rows, through the Train page and ``chat-e train``'s launch command: tests/app/test_training_runs.py.)"""
     from chat_e.__main__ import main
     from chat_e.training.preference import clean_preference_rows, read_jsonl
 
-    _, url, model, _, _ = loop
+    _, url, _, _, _ = loop
     rows_file = tmp_path / "dpo.jsonl"
     assert main(["feedback", "export", "--format", "dpo", "--out", str(rows_file), "--feedback_db", url]) == 0
     rows, bad = read_jsonl(str(rows_file))
     assert bad == 0 and len(rows) >= CLIENTS * ROUNDS  # a correction per round, and most choices
-    assert clean_preference_rows(rows, "dpo", str(rows_file)) == rows  # the recipe takes every row
-    out = tmp_path / "dpo"
-    # the installed training, as a user without a clone runs it
-    cmd = [str(BIN / "chat-e"), "train", "--method", "dpo", "--nproc", "2", "--master_port", str(free_port()), "--",
-           "--config", str(ROOT / "recipes" / "configs" / "preference_tiny.yaml"), "--model_name_or_path", str(model),
-           "--data_file", str(rows_file), "--n_eval", "8", "--max_steps", "5", "--output_dir", str(out)]  # fmt: skip
-    proc = run(cmd)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads((out / "preference_metrics.json").read_text())
-    assert report["loss"] == "dpo" and report["steps"] == 5
-    assert report["after"]["eval_loss"] != report["before"]["eval_loss"]
-    assert (Path(out) / "config.json").is_file()
+    assert clean_preference_rows(rows, "dpo", str(rows_file)) == rows  # the training takes every row
 
 
 def test_the_feedback_controls_come_with_a_store_only(tiny_chat_model_dir, tmp_path):

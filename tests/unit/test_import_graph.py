@@ -140,9 +140,10 @@ CHAT_E_MAY_IMPORT = {
     "data": set(),
     "engines": {"data"},
     "feedback": {"data"},
-    "web": {"data", "engines", "feedback"},
+    "web": {"data", "engines", "feedback", "studio"},
     "http": {"data", "engines"},
     "training": {"data", "engines"},
+    "studio": {"data", "engines", "feedback", "training"},
 }
 CHAT_E_COMPOSITION = {"chat_e", "chat_e.__main__", "chat_e.server"}
 #: the serving and storage stacks, which the model-side layers (data, engines, training) never import

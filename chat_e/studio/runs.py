@@ -1,0 +1,282 @@
+"""Training runs started from the app: the feedback exported, ``chat-e train`` started as its own process group with
+its log on disk, its progress read back, cancelled with a checkpoint and resumed, and every run a record in the
+feedback database (:class:`chat_e.feedback.store.TrainingRun`).
+
+* **Start** exports the database's rows of the run's format (DPO pairs or KTO labels) into the run's folder, then
+  starts ``chat-e train`` (:mod:`chat_e.training.launch`) under ``nice``, in a new session (its process group holds
+  the launcher and every rank), with ``CHAT_E_PROGRESS_FILE`` set (:mod:`chat_e.data.progress`). One run at a
+  time: a second Start while one runs is refused in one line.
+* **Cancel** sends SIGTERM to the run's processes (the launcher and every rank): hf-ext's preemption (``save_on_preemption``) has every rank save one
+  checkpoint at the next step boundary and exit with status 75; the run is then ``stopped``. **Resume** starts the
+  same command with ``--resume_from_checkpoint True``.
+* **Refresh** decides what a ``running`` record is now: its process still running (the pid *and* the process's start
+  time, so that a later process given the same pid is not taken for it); else, from the exit status where this
+  manager started the process, or from what the run left where another (an app restarted mid-run) did: the training's
+  report (done), a preemption checkpoint (stopped), anything else failed with the log's last lines. A run is never
+  left ``running`` once its process is gone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from hf_ext.deepspeed.load import PRESETS
+
+from ..data.progress import ENV as PROGRESS_ENV
+from ..data.progress import read_progress
+from ..feedback.export import export
+from ..feedback.store import DONE, FAILED, QUEUED, RUNNING, STOPPED, FeedbackStore, utcnow
+from ..training.launch import LAUNCHERS, command
+
+#: the methods the app trains from its feedback (SFT from endorsed replies is ``chat-e train --method sft``)
+APP_METHODS = ("dpo", "kto")
+#: the exit status of a run that saved a preemption checkpoint (hf_ext.preemption.PREEMPTED_EXIT_CODE)
+PREEMPTED = 75
+#: the report the preference training writes when it finished (chat_e.training.preference)
+REPORT = "preference_metrics.json"
+#: how nice the training runs, so that chat stays responsive on a small machine (docs/benchmarks.md, "Chat while
+#: training")
+NICENESS = 10
+LOG_TAIL_LINES = 20
+#: the line the manager writes into a run's log before each launch (start, resume)
+LAUNCH_MARK = "=== chat-e: launch of run"
+MAX_STEPS = 100_000
+
+
+@dataclass
+class RunForm:
+    """What the operator chooses for a run; the base model is the served one."""
+
+    method: str = "dpo"
+    max_steps: int = 20
+    #: LoRA rank; 0 trains every weight
+    lora_rank: int = 0
+    learning_rate: float = 1e-3
+    launcher: str = "python"
+    nproc: int = 1
+    #: a DeepSpeed preset name (zero2, zero3...), or none
+    preset: str = "none"
+
+    def check(self) -> None:
+        """A ``ValueError`` naming the first bad value and a fix, before anything starts."""
+        if self.method not in APP_METHODS:
+            raise ValueError(f"method={self.method!r}: choose {' or '.join(APP_METHODS)}.")
+        if not isinstance(self.max_steps, int) or not 1 <= self.max_steps <= MAX_STEPS:
+            raise ValueError(f"steps={self.max_steps!r}: choose a whole number from 1 to {MAX_STEPS:,}.")
+        if not isinstance(self.lora_rank, int) or not 0 <= self.lora_rank <= 1024:
+            raise ValueError(f"LoRA rank={self.lora_rank!r}: choose 0 (every weight) to 1024.")
+        if not 0 < float(self.learning_rate) <= 1:
+            raise ValueError(f"learning rate={self.learning_rate!r}: choose a number above 0 and at most 1.")
+        if self.launcher not in LAUNCHERS:
+            raise ValueError(f"launcher={self.launcher!r}: choose one of {', '.join(LAUNCHERS)}.")
+        cores = os.cpu_count() or 1
+        if not isinstance(self.nproc, int) or not 1 <= self.nproc <= cores:
+            raise ValueError(f"ranks={self.nproc!r}: choose 1 to {cores} on this machine.")
+        if self.launcher == "python" and self.nproc != 1:
+            raise ValueError("The python launcher starts one rank: choose 1 rank, or torchrun / deepspeed.")
+        if self.preset not in ("none", *PRESETS):
+            raise ValueError(f"preset={self.preset!r}: choose none or one of {', '.join(PRESETS)}.")
+        if self.preset != "none" and self.launcher == "python":
+            raise ValueError(f"preset={self.preset!r} needs a distributed launcher: choose torchrun or deepspeed.")
+
+
+class RunManager:
+    """Runs of ``chat-e train`` on ``base_model``, recorded in ``store``, each in a folder of ``run_dir``.
+    ``train_args`` go before the form's flags (a ``--config`` YAML, say)."""
+
+    def __init__(self, store: FeedbackStore, base_model: str, run_dir: str | Path, train_args: list[str] = ()):
+        self.store, self.base_model, self.run_dir = store, str(base_model), Path(run_dir)
+        self.train_args = list(train_args)
+        self._procs: dict[int, subprocess.Popen] = {}
+
+    # ---- starting --------------------------------------------------------------------------------------------
+
+    def start(self, form: RunForm) -> int:
+        """Check ``form``, export the rows, record the run and start it; its id. ``ValueError``: one line saying
+        what is wrong (the form, no rows, a run already running)."""
+        form.check()
+        self._refuse_if_running()
+        feedback, votes = self.store.feedback(), self.store.votes()
+        folder = self.run_dir / f"run-{utcnow():%Y%m%d-%H%M%S-%f}"
+        folder.mkdir(parents=True)
+        rows_file = folder / f"{form.method}.jsonl"
+        count, unused = export(feedback, votes, form.method, rows_file)
+        if count == 0:
+            shutil.rmtree(folder, ignore_errors=True)
+            reasons = ", ".join(f"{n} {why}" for why, n in unused.most_common()) or "no feedback yet"
+            raise ValueError(f"The database has no {form.method.upper()} rows yet ({reasons}): collect more feedback.")
+        cmd = command(form.method, form.launcher, form.nproc, self._training_args(form, rows_file, folder / "out"))
+        run_id = self.store.add_run(
+            method=form.method, settings={"form": asdict(form), "command": cmd, "base_model": self.base_model},
+            rows=count, rows_sha256=hashlib.sha256(rows_file.read_bytes()).hexdigest(), status=QUEUED,
+            output_dir=str(folder / "out"), log_path=str(folder / "train.log"),
+        )  # fmt: skip
+        self._launch(run_id, cmd)
+        return run_id
+
+    def resume(self, run_id: int) -> None:
+        """Start stopped run ``run_id`` again from its checkpoint."""
+        run = self._get(run_id)
+        if run["status"] != STOPPED:
+            raise ValueError(f"Run #{run_id} is {run['status']}: only a stopped run resumes.")
+        self._refuse_if_running()
+        self._launch(run_id, [*run["settings"]["command"], "--resume_from_checkpoint", "True"])
+
+    def cancel(self, run_id: int) -> None:
+        """Ask running run ``run_id`` to save a checkpoint and stop (SIGTERM to its process group)."""
+        run = self._get(run_id)
+        if run["status"] != RUNNING or not self._alive(run):
+            raise ValueError(f"Run #{run_id} is not running.")
+        signal_run(run["pid"], signal.SIGTERM)
+
+    def _training_args(self, form: RunForm, rows_file: Path, out: Path) -> list[str]:
+        args = [*self.train_args, "--model_name_or_path", self.base_model, "--data_file", str(rows_file),
+                "--output_dir", str(out), "--max_steps", str(form.max_steps), "--learning_rate",
+                str(form.learning_rate), "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none"]  # fmt: skip
+        if form.lora_rank:
+            args += ["--use_peft", "true", "--lora_r", str(form.lora_rank), "--lora_alpha", str(2 * form.lora_rank)]
+        if form.preset != "none":
+            args += ["--deepspeed", form.preset]
+        return args
+
+    def _launch(self, run_id: int, cmd: list[str]) -> None:
+        run = self._get(run_id)
+        folder = Path(run["log_path"]).parent
+        niced = [shutil.which("nice"), "-n", str(NICENESS)] if shutil.which("nice") else []
+        env = {**os.environ, PROGRESS_ENV: str(folder / "progress.jsonl")}
+        with open(run["log_path"], "ab") as log:
+            log.write(f"{LAUNCH_MARK} #{run_id} at {utcnow():%Y-%m-%d %H:%M:%S} UTC: {' '.join(cmd)}\n".encode())
+            log.flush()
+            proc = subprocess.Popen([*niced, *cmd], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)  # fmt: skip
+        self._procs[run_id] = proc
+        started = psutil.Process(proc.pid).create_time()
+        self.store.update_run(run_id, status=RUNNING, pid=proc.pid, pid_started=started, ended_at=None,
+                              started_at=run["started_at"] or utcnow(), detail=None)  # fmt: skip
+
+    def _refuse_if_running(self) -> None:
+        running = [r for r in self.refresh() if r["status"] == RUNNING]
+        if running:
+            raise ValueError(f"Run #{running[0]['id']} is running: cancel it or wait for it to end (one at a time).")
+
+    def _get(self, run_id: int) -> dict[str, Any]:
+        run = self.store.run(run_id)
+        if run is None:
+            raise ValueError(f"There is no run #{run_id}.")
+        return run
+
+    # ---- watching --------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _alive(run: dict[str, Any]) -> bool:
+        """Whether ``run``'s process is still the one it started (same pid and start time), and not a zombie."""
+        try:
+            process = psutil.Process(run["pid"])
+            return (abs(process.create_time() - (run["pid_started"] or 0)) < 0.01
+                    and process.status() != psutil.STATUS_ZOMBIE)  # fmt: skip
+        except (psutil.NoSuchProcess, TypeError, ValueError):
+            return False
+
+    def refresh(self) -> list[dict[str, Any]]:
+        """Settle every ``running`` record whose process ended; every run, newest first."""
+        for run in self.store.runs():
+            if run["status"] != RUNNING:
+                continue
+            proc = self._procs.get(run["id"])
+            code = proc.poll() if proc is not None else None
+            if proc is not None and code is None or proc is None and self._alive(run):
+                continue
+            self._procs.pop(run["id"], None)
+            self._settle(run, code)
+        return self.store.runs()
+
+    def _settle(self, run: dict[str, Any], code: int | None) -> None:
+        """Record how ``run`` ended: ``code`` is its exit status, None when another process started it."""
+        out, log = Path(run["output_dir"]), Path(run["log_path"])
+        text = _log_text(log)
+        text = text[text.rfind(LAUNCH_MARK) :] if LAUNCH_MARK in text else text  # this launch's lines only
+        tail = "\n".join(_lines(text)[-LOG_TAIL_LINES:])
+        report = out / REPORT
+        # hf-ext's line once every rank saved the preemption checkpoint (the launcher's own exit status varies:
+        # torchrun's agent, signalled too, exits 1)
+        preempted = code == PREEMPTED or "Preempted (" in text
+        fields: dict[str, Any] = {"ended_at": utcnow()}
+        if code in (0, None) and report.is_file():
+            metrics = json.loads(report.read_text())
+            fields.update(status=DONE, metrics_before=metrics.get("before"), metrics_after=metrics.get("after"))
+        elif preempted and list(out.glob("checkpoint-*")):
+            how = f"exit status {code}" if code is not None else "its log says so"
+            fields.update(status=STOPPED, detail=f"stopped with a checkpoint ({how})\n{tail}")
+        else:
+            status = "its process is gone" if code is None else f"exit status {code}"
+            fields.update(status=FAILED, detail=f"failed: {status}\n{tail}")
+        self.store.update_run(run["id"], **fields)
+
+    def progress(self, run_id: int) -> dict[str, Any]:
+        """Run ``run_id``'s step, steps, ETA (seconds), logged series and last log lines."""
+        run = self._get(run_id)
+        records = read_progress(Path(run["log_path"]).parent / "progress.jsonl")
+        logs = [r for r in records if r.get("event") == "log" and "loss" in r]
+        steps = [r for r in records if r.get("event") in ("begin", "log")]
+        step = steps[-1]["step"] if steps else 0
+        total = steps[-1]["max_steps"] if steps else run["settings"]["form"]["max_steps"]
+        begins = [i for i, r in enumerate(records) if r.get("event") == "begin"]
+        recent = [r for r in records[begins[-1] if begins else 0 :] if r.get("event") == "log" and "loss" in r]
+        eta = None  # from this process's steps only (a resumed run's earlier ones were before a pause)
+        if len(recent) >= 2 and recent[-1]["step"] > recent[0]["step"]:
+            per_step = (recent[-1]["time"] - recent[0]["time"]) / (recent[-1]["step"] - recent[0]["step"])
+            eta = per_step * max(0, total - step)
+        series = {key: [(r["step"], r[key]) for r in logs if key in r]
+                  for key in ("loss", "rewards/margins", "rewards/accuracies")}  # fmt: skip
+        return {"run": run, "step": step, "max_steps": total, "eta_s": eta, "series": series,
+                "log_tail": _tail(Path(run["log_path"]), LOG_TAIL_LINES)}  # fmt: skip
+
+
+def run_processes(pid: int) -> list[psutil.Process]:
+    """A run's processes: its launcher ``pid`` and everything below it (torchrun starts its ranks in sessions of
+    their own, so its process group alone does not hold them)."""
+    try:
+        launcher = psutil.Process(pid)
+        return [launcher, *launcher.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def signal_run(pid: int, sig: signal.Signals) -> None:
+    """``sig`` to every process of the run whose launcher is ``pid`` (a rank signalled by its launcher too counts it
+    once: hf-ext's preemption takes a repeated signal within seconds as the same one)."""
+    for process in run_processes(pid):
+        try:
+            process.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _log_text(path: Path, size: int = 256 * 1024) -> str:
+    """The last ``size`` bytes of a log, as text (empty when there is none)."""
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - size))
+            return f.read().decode("utf-8", "replace")
+    except FileNotFoundError:
+        return ""
+
+
+def _lines(text: str) -> list[str]:
+    """Non-empty lines; a progress bar's carriage returns end lines too."""
+    return [line for line in text.replace("\r", "\n").splitlines() if line.strip()]
+
+
+def _tail(path: Path, lines: int) -> list[str]:
+    return _lines(_log_text(path, 64 * 1024))[-lines:]

@@ -1,0 +1,42 @@
+"""The training's side of :mod:`chat_e.data.progress`: :class:`ProgressFile`, added by the training modules when
+``CHAT_E_PROGRESS_FILE`` names a file."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+# absolute import: chat_e.training.dialogue, which imports this, is loaded by its path under Ray Train
+from chat_e.data.progress import ENV
+
+
+class ProgressFile(TrainerCallback):
+    """Rank 0 appends a JSON line per event (train begin, each log, train end) to ``path``."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def _append(self, state, record: dict) -> None:
+        if not state.is_world_process_zero:
+            return
+        line = json.dumps({**record, "step": state.global_step, "max_steps": state.max_steps, "time": time.time()})
+        with self.path.open("a") as f:
+            f.write(line + "\n")
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._append(state, {"event": "begin"})
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self._append(state, {"event": "log", **{k: v for k, v in (logs or {}).items() if isinstance(v, int | float)}})
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._append(state, {"event": "end"})
+
+
+def progress_callbacks() -> list[TrainerCallback]:
+    """``[ProgressFile]`` when ``CHAT_E_PROGRESS_FILE`` is set, else none."""
+    return [ProgressFile(os.environ[ENV])] if os.environ.get(ENV) else []

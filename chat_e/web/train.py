@@ -1,0 +1,169 @@
+"""The operator's Train page (``chat-e serve --admin USER:PASSWORD``, served at ``/admin`` behind its own login; it
+does not exist without ``--admin``): what the feedback database holds per format and why rows were dropped, a form
+(method, steps, LoRA rank, learning rate, launcher, ranks, DeepSpeed preset; the base is the served model), Start,
+Cancel and Resume, and while a run goes on its progress (step of steps, ETA), the loss and DPO's reward margin and
+accuracy plotted, and the log's last lines; the runs table below. A :class:`chat_e.studio.runs.RunManager` does the
+work; a refusal (a bad value, no rows, a run already running) is one line (``gr.Error``) and starts nothing.
+
+Endpoints (gradio_client, logged in as the operator): ``/start`` (the form's values, in the form's order), ``/cancel``,
+``/resume`` and ``/status`` (each takes nothing: the newest run), which give the status line, the progress bar's HTML,
+the plotted points, the log lines and the runs table.
+"""
+
+from __future__ import annotations
+
+import html
+import logging
+from typing import Any
+
+from hf_ext.deepspeed.load import PRESETS
+
+from ..feedback.export import FORMATS, Examples
+from ..studio.runs import APP_METHODS, RunForm, RunManager
+from .ui import import_gradio, theme
+
+logger = logging.getLogger(__name__)
+
+TITLE = "Chat-E · Train"
+#: the runs table's columns
+RUN_COLUMNS = ["run", "method", "status", "rows", "steps", "started", "ended", "accuracy before", "accuracy after"]
+SERIES = {"loss": "loss", "rewards/margins": "reward margin", "rewards/accuracies": "reward accuracy"}
+#: the held-out metrics shown when a run is done (the preference training's report: TRL's eval metrics)
+HELD_OUT = {"eval_rewards/accuracies": "reward accuracy", "eval_rewards/margins": "reward margin"}
+
+
+def data_summary(store) -> str:
+    """Rows per training format the database holds now, with what made no row and why (Markdown)."""
+    examples = Examples(store.feedback(), store.votes())
+    lines = ["| format | rows | not used, and why |", "|---|---|---|"]
+    for fmt in FORMATS:
+        rows = examples.rows(fmt)
+        why = examples.dropped + examples.unused(fmt)
+        reasons = ", ".join(f"{n} {reason}" for reason, n in why.most_common() if n) or "—"
+        lines.append(f"| {fmt.upper()} | {len(rows)} | {reasons} |")
+    return "\n".join(lines)
+
+
+def runs_table(runs: list[dict[str, Any]]) -> list[list[Any]]:
+    def accuracy(metrics):
+        value = (metrics or {}).get("eval_rewards/accuracies")
+        return "" if value is None else f"{value:.3f}"
+
+    return [[r["id"], r["method"], r["status"], r["rows"], r["settings"]["form"]["max_steps"],
+             f"{r['started_at']:%Y-%m-%d %H:%M:%S}" if r["started_at"] else "",
+             f"{r['ended_at']:%Y-%m-%d %H:%M:%S}" if r["ended_at"] else "",
+             accuracy(r["metrics_before"]), accuracy(r["metrics_after"])] for r in runs]  # fmt: skip
+
+
+def status_view(manager: RunManager) -> tuple[str, str, list[list[Any]], str, list[list[Any]]]:
+    """The newest run's status line, progress bar (HTML), plotted points ``[step, value, series]``, last log lines,
+    and the runs table."""
+    runs = manager.refresh()
+    if not runs:
+        return "No run yet.", "", [], "", []
+    newest = runs[0]
+    progress = manager.progress(newest["id"])
+    step, total, eta = progress["step"], progress["max_steps"], progress["eta_s"]
+    line = f"Run #{newest['id']} ({newest['method']}): **{newest['status']}**, step {step} of {total}"
+    if eta is not None and newest["status"] == "running":
+        line += f", about {eta:.0f} s left"
+    if newest["status"] == "done" and newest["metrics_after"]:
+        before, after = newest["metrics_before"] or {}, newest["metrics_after"]
+        shown = [f"{label} {before.get(key, float('nan')):.3f} → {after[key]:.3f}"
+                 for key, label in HELD_OUT.items() if key in after]  # fmt: skip
+        line += ". Held-out: " + "; ".join(shown)
+    if newest["status"] == "failed" and newest["detail"]:
+        line += f". {newest['detail'].splitlines()[0]}"
+    bar = f'<progress value="{step}" max="{max(total, 1)}" style="width:100%"></progress>'
+    points = [[s, float(v), SERIES[key]] for key, series in progress["series"].items() for s, v in series]
+    log = "\n".join(progress["log_tail"])
+    return line, bar, points, log, runs_table(runs)
+
+
+def build_train_app(manager: RunManager, store):
+    """The Train page's Blocks."""
+    gr = import_gradio()
+    import pandas as pd  # noqa: PLC0415 (optional extra: comes with gradio, like the page)
+
+    defaults = RunForm()
+
+    def points_frame(points):
+        return pd.DataFrame(points or [], columns=["step", "value", "series"])
+
+    def view():
+        line, bar, points, log, table = status_view(manager)
+        return line, bar, points_frame(points), log, table, data_summary(store)
+
+    def start(method, max_steps, lora_rank, learning_rate, launcher, nproc, preset):
+        try:
+            form = RunForm(method=method, max_steps=_int(max_steps, "steps"), lora_rank=_int(lora_rank, "LoRA rank"),
+                           learning_rate=_float(learning_rate, "learning rate"), launcher=launcher,
+                           nproc=_int(nproc, "ranks"), preset=preset)  # fmt: skip
+            run_id = manager.start(form)
+        except ValueError as err:
+            raise gr.Error(str(err), print_exception=False) from None
+        logger.info("training run #%d started: %s", run_id, form)
+        return view()
+
+    def act(action):
+        def handler():
+            runs = manager.refresh()
+            try:
+                if not runs:
+                    raise ValueError("There is no run yet.")
+                action(runs[0]["id"])
+            except ValueError as err:
+                raise gr.Error(str(err), print_exception=False) from None
+            return view()
+
+        return handler
+
+    with gr.Blocks(title=TITLE) as demo:
+        gr.Markdown(f"# {TITLE}\nBase model: the served one, `{html.escape(manager.base_model)}`.")
+        summary = gr.Markdown(data_summary(store))
+        with gr.Row():
+            method = gr.Radio(list(APP_METHODS), value=defaults.method, label="method")
+            max_steps = gr.Number(defaults.max_steps, precision=0, label="steps")
+            lora_rank = gr.Number(defaults.lora_rank, precision=0, label="LoRA rank (0: every weight)")
+            learning_rate = gr.Number(defaults.learning_rate, label="learning rate")
+        with gr.Row():
+            launcher = gr.Dropdown(["python", "torchrun", "deepspeed"], value=defaults.launcher, label="launcher")
+            nproc = gr.Number(defaults.nproc, precision=0, label="ranks")
+            preset = gr.Dropdown(["none", *PRESETS], value=defaults.preset, label="DeepSpeed preset")
+        with gr.Row():
+            start_button = gr.Button("Start", variant="primary")
+            cancel_button = gr.Button("Cancel (save a checkpoint and stop)")
+            resume_button = gr.Button("Resume")
+        status = gr.Markdown("No run yet.")
+        bar = gr.HTML("")
+        plot = gr.LinePlot(points_frame([]), x="step", y="value", color="series", label="training curves")
+        log = gr.Textbox(label="last log lines", lines=10, max_lines=20, interactive=False)
+        table = gr.Dataframe(headers=RUN_COLUMNS, value=[], label="runs", interactive=False)
+        outputs = [status, bar, plot, log, table, summary]
+        form = [method, max_steps, lora_rank, learning_rate, launcher, nproc, preset]
+        start_button.click(start, form, outputs, api_name="start")
+        cancel_button.click(act(manager.cancel), None, outputs, api_name="cancel")
+        resume_button.click(act(manager.resume), None, outputs, api_name="resume")
+        refresh = gr.Button("Refresh", visible=False)
+        refresh.click(view, None, outputs, api_name="status")
+        gr.Timer(1.0).tick(view, None, outputs, api_name=False, show_progress="hidden")
+        demo.load(view, None, outputs, api_name=False)
+    demo.theme = theme()
+    return demo
+
+
+def _int(value, name: str) -> int:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}={value!r}: give a whole number.") from None
+    if number != int(number):
+        raise ValueError(f"{name}={value!r}: give a whole number.")
+    return int(number)
+
+
+def _float(value, name: str) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}={value!r}: give a number.") from None
