@@ -73,7 +73,7 @@ def wait_for(what, timeout: float = 180):
 
 
 ADMIN = ("op", "s3cret")
-STEPS = 60
+STEPS = 30
 FORM = {"method": "dpo", "max_steps": STEPS, "lora_rank": 0, "learning_rate": 1e-3, "launcher": "torchrun", "nproc": 2,
         "preset": "none"}  # fmt: skip
 
