@@ -11,6 +11,7 @@ import json
 import sqlite3
 
 import pytest
+from sqlalchemy import inspect
 
 from chat_e.feedback.export import Examples
 from chat_e.feedback.store import Base, FeedbackStore
@@ -65,8 +66,30 @@ def test_schema_is_versioned_and_equals_the_declared_tables(store):
 
     with store.engine.connect() as connection:
         context = MigrationContext.configure(connection)
-        assert context.get_current_revision() == "0001"
+        assert context.get_current_revision() == "0002"
         assert compare_metadata(context, Base.metadata) == []
+
+
+def test_a_database_of_the_first_schema_is_upgraded_in_place_keeping_its_rows(tmp_path):
+    from chat_e.feedback.migrations import upgrade
+    from chat_e.feedback.store import Feedback, make_engine, utcnow
+
+    url = f"sqlite:///{tmp_path}/old.db"
+    engine = make_engine(url)
+    upgrade(engine, "0001")  # what a Chat-E before the training runs wrote
+    sent = exchange(kind="rating", reply_id="r1", reply="Fine.", rating=1)
+    with engine.begin() as connection:
+        assert "chat_e_runs" not in inspect(connection).get_table_names()
+        connection.execute(Feedback.__table__.insert().values(created_at=utcnow(), **sent))
+    engine.dispose()
+    store = FeedbackStore(url)  # a newer Chat-E opens it
+    try:
+        (kept,) = store.feedback()
+        assert {k: kept[k] for k in sent} == sent
+        run_id = store.add_run(method="dpo", settings={}, rows=1, rows_sha256="0" * 64, output_dir="o", log_path="l")
+        assert store.run(run_id)["status"] == "queued"
+    finally:
+        store.close()
 
 
 def test_sqlite_runs_in_wal_mode_with_synchronous_commits(store, tmp_path):
