@@ -3,8 +3,8 @@ its log on disk, its progress read back, cancelled with a checkpoint and resumed
 feedback database (:class:`chat_e.feedback.store.TrainingRun`).
 
 * **Start** exports the database's rows of the run's format (DPO pairs or KTO labels) into the run's folder, then
-  starts ``chat-e train`` (:mod:`chat_e.training.launch`) under ``nice``, in a new session (its process group holds
-  the launcher and every rank), with ``CHAT_E_PROGRESS_FILE`` set (:mod:`chat_e.data.progress`). One run at a
+  starts ``chat-e train`` (:mod:`chat_e.training.launch`) under ``nice`` (the ranks inherit it), in a new session
+  (so that it outlives a restarted server), with ``CHAT_E_PROGRESS_FILE`` set (:mod:`chat_e.data.progress`). One run at a
   time: a second Start while one runs is refused in one line.
 * **Cancel** sends SIGTERM to the run's processes (the launcher and every rank): hf-ext's preemption (``save_on_preemption``) has every rank save one
   checkpoint at the next step boundary and exit with status 75; the run is then ``stopped``. **Resume** starts the
@@ -152,7 +152,8 @@ class RunManager:
     def _launch(self, run_id: int, cmd: list[str]) -> None:
         run = self._get(run_id)
         folder = Path(run["log_path"]).parent
-        niced = [shutil.which("nice"), "-n", str(NICENESS)] if shutil.which("nice") else []
+        nice = shutil.which("nice")
+        niced = [nice, "-n", str(NICENESS)] if nice else []
         env = {**os.environ, PROGRESS_ENV: str(folder / "progress.jsonl")}
         with open(run["log_path"], "ab") as log:
             log.write(f"{LAUNCH_MARK} #{run_id} at {utcnow():%Y-%m-%d %H:%M:%S} UTC: {' '.join(cmd)}\n".encode())
