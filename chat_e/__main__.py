@@ -344,7 +344,12 @@ def main(argv: list[str] | None = None) -> int:
     from .http.openai_api import openai_router  # noqa: PLC0415 (heavy: only once the arguments and the model are checked)
     from .server import serve  # noqa: PLC0415 (heavy: only once the arguments and the model are checked)
 
-    # the one limit on each engine's replies at once, for the UI and the API
+    # the one limit on each engine's replies at once, for the UI and the API; with the Train page, the served model
+    # is swappable (its Promote and Roll back)
+    if admin:
+        from .engines.switch import SwitchableEngine  # noqa: PLC0415 (the operator's page only)
+
+        engines = {name: SwitchableEngine(engine) for name, engine in engines.items()}
     engines = {name: GatedEngine(engine, args.concurrency) for name, engine in engines.items()}
     if arena:
         from .web.arena import build_arena  # noqa: PLC0415 (heavy: scipy and choix, for the arena only)
@@ -366,11 +371,19 @@ def main(argv: list[str] | None = None) -> int:
     mounts = []
     if admin:
         from .studio.runs import RunManager  # noqa: PLC0415 (heavy: the operator's page only)
+        from .studio.serving import ServingDesk  # noqa: PLC0415 (heavy: the operator's page only)
+        from .web.arena import Arena, arena_blocks  # noqa: PLC0415 (heavy: scipy and choix)
         from .web.train import build_train_app  # noqa: PLC0415 (heavy: the operator's page only)
 
         manager = RunManager(store, args.model, args.train_dir, shlex.split(args.train_args))
-        mounts.append(("/admin", build_train_app(manager, store), admin))
-        logger.info("the Train page: /admin (its own login); runs in %s", args.train_dir)
+        # the app's own blind arena (at /arena, behind the chat's login), opened by the Train page
+        in_app = Arena({}, record_vote=lambda vote: store.add_vote(**vote), load_votes=store.vote_outcomes,
+                       limits=limits, closed=True)  # fmt: skip
+        desk = ServingDesk(engine, default, manager, load=lambda path: embedded_engine(args, path),
+                           open_arena=in_app.set_models)  # fmt: skip
+        mounts.append(("/admin", build_train_app(manager, store, desk, limits), admin))
+        mounts.append(("/arena", arena_blocks(in_app, args.concurrency), auth))
+        logger.info("the Train page: /admin (its own login), its arena: /arena; runs in %s", args.train_dir)
     logger.info("limits: %s; login %s, API key %s", limits, "on" if auth else "off", "on" if api_key else "off")
     try:
         serve(demo, host=args.host, port=args.port, auth=auth, api_key=api_key, limits=limits, routers=routers,

@@ -32,12 +32,13 @@ def create_app(
     api_key: str | None = None,
     limits: ChatLimits | None = None,
     routers: Sequence[Any] = (),
-    mounts: Sequence[tuple[str, Any, tuple[str, str]]] = (),
+    mounts: Sequence[tuple[str, Any, tuple[str, str] | None]] = (),
     host: str = "127.0.0.1",
     port: int = 7860,
 ):
     """The server's FastAPI app: ``routers`` first (a router's paths win over Gradio's catch-all mount), then each
-    ``(path, blocks, login)`` of ``mounts`` (the operator's Train page at ``/admin``, behind its own login), then
+    ``(path, blocks, login)`` of ``mounts`` (the operator's Train page at ``/admin``, behind its own login; the
+    app's arena at ``/arena``, behind the chat's), then
     ``demo`` mounted at ``/`` with Gradio's login (``auth``), and :class:`~chat_e.http.guard.RequestGuard` in front of
     all. The routers' paths take the API key alone (Gradio's login does not cover them)."""
     from fastapi import FastAPI  # noqa: PLC0415 (optional extra: comes with gradio, which only serving needs)
@@ -53,6 +54,7 @@ def create_app(
         prefixes += [route.path.rsplit("/", 1)[0] + "/" for route in router.routes]
     demo.state_session_capacity = limits.max_sessions  # what launch(state_session_capacity=...) sets
     for path, blocks, login in mounts:
+        blocks.state_session_capacity = limits.max_sessions
         gr.mount_gradio_app(app, blocks, path=path, server_name=host, server_port=port, auth=login,
                             auth_message=AUTH_MESSAGE, show_error=False, max_file_size=limits.max_body_bytes)  # fmt: skip
     gr.mount_gradio_app(
@@ -119,7 +121,7 @@ def serve(
     api_key: str | None = None,
     limits: ChatLimits | None = None,
     routers: Sequence[Any] = (),
-    mounts: Sequence[tuple[str, Any, tuple[str, str]]] = (),
+    mounts: Sequence[tuple[str, Any, tuple[str, str] | None]] = (),
 ) -> None:
     """Serve ``demo`` (and ``routers`` and ``mounts`` beside it, see :func:`create_app`) on ``host:port`` until stopped (Ctrl-C,
     SIGTERM). Port 0 picks a free port.

@@ -102,3 +102,6 @@ class Completion:
     tokens: int | None = None
     #: the prompt's tokens, where the engine counts them (None: not known)
     prompt_tokens: int | None = None
+    #: the name of the model that made the reply, where the served model can change while replies are under way
+    #: (:class:`chat_e.engines.switch.SwitchableEngine`; None: the engine's ``name``)
+    model: str | None = None

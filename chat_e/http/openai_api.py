@@ -156,13 +156,13 @@ def openai_router(
 ):
     """The ``/v1`` routes over ``engine`` (shared with the UI, see :mod:`chat_e.engines.gate`): ``settings`` are the server's
     defaults (a request's fields override them), ``limits`` bound every request as the UI's, ``model_id`` is the
-    model's name in ``/v1/models`` and the answers (``engine.name`` when None)."""
+    model's name in ``/v1/models`` and the answers (when None: the served model's name, and in an answer the name of
+    the model that made it, which a promotion can change between two requests: :mod:`chat_e.engines.switch`)."""
     if not isinstance(engine, GatedEngine):
         engine = GatedEngine(engine, concurrency=1)
     defaults = settings or engine.default_settings()
     limits = limits or ChatLimits()
     ranges = setting_ranges(engine.max_positions - 1)
-    model_id = model_id or engine.name
     created = int(time.time())
     router = APIRouter(prefix=PREFIX)
 
@@ -174,7 +174,7 @@ def openai_router(
     async def models():
         return {
             "object": "list",
-            "data": [wire(Model(id=model_id, object="model", created=created, owned_by="chat-e"))],
+            "data": [wire(Model(id=model_id or engine.name, object="model", created=created, owned_by="chat-e"))],
         }
 
     def checked_request(body: Any):
@@ -246,7 +246,7 @@ def openai_router(
                 id=completion_id,
                 object="chat.completion",
                 created=now,
-                model=model_id,
+                model=model_id or done.model or engine.name,
                 choices=[Choice(index=0, message=message, finish_reason=done.finish_reason)],
                 **({"usage": counts} if counts else {}),
             )
@@ -259,11 +259,12 @@ def openai_router(
             return error(APIError(503, str(err), kind="server_error", code="busy"))
         except Exception as err:
             return error(failed(err, checked))
+        served = model_id or done.model or engine.name  # the model that makes this reply (named once it started)
         include_usage = bool((request.stream_options or {}).get("include_usage"))
 
         def event(**fields) -> str:
             answer = ChatCompletionChunk(
-                id=completion_id, object="chat.completion.chunk", created=now, model=model_id, **fields
+                id=completion_id, object="chat.completion.chunk", created=now, model=served, **fields
             )
             return f"data: {json.dumps(wire(answer))}\n\n"
 

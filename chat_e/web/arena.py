@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING, Any
 
 from ..data.limits import ChatLimits
 from ..data.settings import GenerationSettings
-from ..feedback.leaderboard import DECISIVE, Leaderboard, leaderboard, matrix_png
+from ..feedback.leaderboard import DECISIVE, Leaderboard, as_vote, leaderboard, matrix_png
 from ..feedback.store import WINNERS, utcnow
-from .ui import APOLOGY, GENERATE_GROUP, Handlers, context_controls, import_gradio, to_display
+from .ui import APOLOGY, GENERATE_GROUP, Handlers, checked_request, context_controls, import_gradio, to_display
 
 if TYPE_CHECKING:
     from ..engines.base import ChatEngine
@@ -59,6 +59,8 @@ VOTE_KEYS = (
     "settings",
     "created_at",
 )
+#: what a battle in an arena with no models set (the Train page opens one) is told
+CLOSED = "No arena is open now: the operator opens one from the Train page, between the served model and a new one."
 DEFAULT_PLOT_DIR = Path(tempfile.gettempdir()) / "chat-e-arena"
 #: battle ids the arena remembers as voted on (the newest), against a session's racing second vote
 VOTED_MEMORY = 4096
@@ -126,6 +128,9 @@ class Arena:
         limits: what a request may carry (:class:`~chat_e.data.limits.ChatLimits`).
         seed: the pairings' random seed (None: unseeded).
         plot_dir: where the win-rate matrix's PNGs are written.
+        closed: an arena whose models are set later (:meth:`set_models`; the Train page's arena between the served
+            model and a run's): ``engines`` may be empty, a battle is refused until two are set, and the leaderboard
+            counts only the votes between the models set.
     """
 
     def __init__(
@@ -138,29 +143,47 @@ class Arena:
         limits: ChatLimits | None = None,
         seed: int | None = None,
         plot_dir: str | Path = DEFAULT_PLOT_DIR,
+        closed: bool = False,
     ):
-        if len(engines) < 2:
+        if len(engines) < 2 and not closed:
             raise ValueError(f"The arena needs at least two models; got {len(engines)}.")
-        if settings is None or isinstance(settings, GenerationSettings):
-            settings = dict.fromkeys(engines, settings)
-        self.handlers = {
-            name: Handlers(engine, settings.get(name), limits or ChatLimits()) for name, engine in engines.items()
-        }
-        self.names = list(engines)
+        self.limits = limits or ChatLimits()
         self.record_vote = record_vote
         self.load_votes = load_votes
         self.plot_dir = Path(plot_dir)
+        self.closed = closed
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
+        #: each model's generation settings as a vote records them, kept for models set aside (a battle under way)
+        self._settings: dict[str, dict] = {}
+        self.handlers: dict[str, Handlers] = {}
+        self.names: list[str] = []
+        self.set_models(engines, settings)
         # the newest battle ids with a recorded vote (one vote per battle, even when a session's two clicks race):
         # a race is over in seconds, so the memory is bounded (a battle's own state refuses a later second vote)
         self._voted: collections.OrderedDict[str, None] = collections.OrderedDict()
+
+    def set_models(
+        self,
+        engines: Mapping[str, "ChatEngine"],
+        settings: GenerationSettings | Mapping[str, GenerationSettings] | None = None,
+    ) -> None:
+        """Battle between ``engines`` (by name) from now on; a battle under way between models no longer set is
+        refused its next message (its vote is still taken)."""
+        if settings is None or isinstance(settings, GenerationSettings):
+            settings = dict.fromkeys(engines, settings)
+        handlers = {name: Handlers(engine, settings.get(name), self.limits) for name, engine in engines.items()}
+        with self._lock:
+            self.handlers, self.names = handlers, list(engines)
+            self._settings.update({name: dataclasses.asdict(h.settings) for name, h in handlers.items()})
 
     # ---- battles -------------------------------------------------------------------------------------------------
 
     def draw(self) -> Battle:
         """A new battle: a pair drawn by :func:`draw_pair` from the shared, seeded rng."""
         with self._lock:
+            if len(self.names) < 2:
+                raise import_gradio().Error(CLOSED, title="Chat-E arena", print_exception=False)
             model_a, model_b = draw_pair(self.names, self._rng)
         return Battle(uuid.uuid4().hex, model_a, model_b)
 
@@ -170,7 +193,13 @@ class Arena:
 
     def check(self, where: str, **fields):
         """The main UI's check (:meth:`chat_e.web.ui.Handlers.check`): a refusal is a ``gr.Error``."""
-        return self.handlers[self.names[0]].check(where, **fields)
+        return checked_request(self.limits, self.ranges, where, **fields)
+
+    @property
+    def ranges(self) -> dict[str, tuple[float, float]]:
+        """The settings' ranges :meth:`check` applies (a battle's messages carry no settings: any model's)."""
+        handlers = self.handlers
+        return next(iter(handlers.values())).ranges if handlers else {}
 
     def battle(self, message: Any, mode: Any, context: Any, battle: Battle | None) -> Iterator[tuple]:
         """Send ``message`` to both models of the session's battle (a new one is drawn when there is none) and stream
@@ -185,6 +214,13 @@ class Arena:
         checked = self.check("battle", message=message, mode=mode, context=context)
         battle = battle or self.draw()
         sides = (battle.model_a, battle.model_b)
+        handlers = self.handlers
+        if not all(name in handlers for name in sides):
+            raise gr.Error(
+                "The arena's models have changed since this battle began. Press New battle for another pair.",
+                title="Chat-E arena",
+                print_exception=False,
+            )
         histories = [self.check("battle", history=list(t)).history for t in (battle.turns_a, battle.turns_b)]
         chats = [[*chat, {"role": "user", "content": to_display(checked.message)}] for chat in battle.chats()]
         for chat in chats:
@@ -194,7 +230,7 @@ class Arena:
         replies, failed = ["", ""], [False, False]
         streams: dict[int, Iterator[str]] = {}
         for i, name in enumerate(sides):
-            h = self.handlers[name]
+            h = handlers[name]
             streams[i] = h.engine.stream_chat(checked.message, histories[i], checked.mode, checked.context, h.settings)
         try:
             while streams:  # one piece from each side in turn, so that both replies grow together
@@ -281,10 +317,7 @@ class Arena:
             "message": battle.message,
             "reply_a": battle.reply_a,
             "reply_b": battle.reply_b,
-            "settings": {
-                side: dataclasses.asdict(self.handlers[name].settings)
-                for side, name in zip(DECISIVE, (battle.model_a, battle.model_b))
-            },
+            "settings": {side: self._settings[name] for side, name in zip(DECISIVE, (battle.model_a, battle.model_b))},
             "created_at": utcnow(),
         }
         try:
@@ -300,8 +333,13 @@ class Arena:
     # ---- the leaderboard -----------------------------------------------------------------------------------------
 
     def board(self) -> Leaderboard:
-        """The leaderboard of the arena's models (and any other model the stored votes name)."""
-        return leaderboard(self.load_votes(), self.names)
+        """The leaderboard of the arena's models (and any other model the stored votes name; of a ``closed``
+        arena, the votes between its models set now only)."""
+        names = list(self.names)
+        votes = self.load_votes()
+        if self.closed:
+            votes = [v for v in votes if set(as_vote(v)[:2]) <= set(names)]
+        return leaderboard(votes, names)
 
     def leaderboard(self):
         """``(table, text, matrix PNG)`` for the Leaderboard tab; votes that cannot be loaded or read are a
@@ -350,7 +388,6 @@ def build_arena(
     """The arena's Blocks (tabs "Arena" and "Leaderboard") over ``engines``; the arguments are :class:`Arena`'s.
     Battles run at most ``concurrency_limit`` at a time (each generates two replies), and at most
     ``limits.max_queue`` requests wait."""
-    gr = import_gradio()
     arena = Arena(
         engines,
         record_vote=record_vote,
@@ -360,6 +397,13 @@ def build_arena(
         seed=seed,
         plot_dir=plot_dir,
     )
+    return arena_blocks(arena, concurrency_limit)
+
+
+def arena_blocks(arena: Arena, concurrency_limit: int = 2):
+    """:func:`build_arena`'s Blocks over an :class:`Arena` made by the caller (one whose models change: the Train
+    page's)."""
+    gr = import_gradio()
     generate = dict(concurrency_limit=concurrency_limit, concurrency_id=GENERATE_GROUP)
     ui = dict(api_visibility="undocumented")
     raw = dict(preprocess=False)  # the handlers check their inputs themselves (check_request)
@@ -450,5 +494,5 @@ def build_arena(
             api_name="leaderboard",
         )
 
-    demo.queue(default_concurrency_limit=concurrency_limit, max_size=arena.handlers[arena.names[0]].limits.max_queue)
+    demo.queue(default_concurrency_limit=concurrency_limit, max_size=arena.limits.max_queue)
     return demo

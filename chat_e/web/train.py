@@ -18,8 +18,10 @@ from typing import Any
 
 from hf_ext.deepspeed.load import PRESETS
 
+from ..data.limits import ChatLimits, Refused, check_request
 from ..feedback.export import FORMATS, Examples
 from ..studio.runs import APP_METHODS, RunForm, RunManager
+from ..studio.serving import ServingDesk
 from .ui import import_gradio, theme
 
 logger = logging.getLogger(__name__)
@@ -80,9 +82,27 @@ def status_view(manager: RunManager) -> tuple[str, str, list[list[Any]], str, li
     return line, bar, points, log, runs_table(runs)
 
 
-def build_train_app(manager: RunManager, store):
-    """The Train page's Blocks."""
+def serving_view(desk: ServingDesk | None) -> str:
+    """What is served, what a Roll back returns to, the arena's pair (Markdown)."""
+    if desk is None:
+        return ""
+    now = desk.status()
+    last = now["history"][-1]
+    how = {"start": "since the server started", "promote": f"promoted from run #{last['run']}",
+           "rollback": "rolled back to"}[last["action"]]  # fmt: skip
+    lines = [f"**Serving** `{now['serving']}` ({how}, {last['at']:%Y-%m-%d %H:%M:%S} UTC)."]
+    if now["previous"]:
+        lines.append(f"Roll back returns to `{now['previous']}`.")
+    if now["arena"]:
+        lines.append(f"**Arena open** at [/arena/](/arena/): `{now['arena'][0]}` against `{now['arena'][1]}`, blind.")
+    return "  \n".join(lines)
+
+
+def build_train_app(manager: RunManager, store, desk: ServingDesk | None = None, limits: ChatLimits | None = None):
+    """The Train page's Blocks; with a ``desk``, its "Served model" section (arena, Promote, Roll back, side by
+    side)."""
     gr = import_gradio()
+    limits = limits or ChatLimits()
     import pandas as pd  # noqa: PLC0415 (optional extra: comes with gradio, like the page)
 
     defaults = RunForm()
@@ -148,8 +168,82 @@ def build_train_app(manager: RunManager, store):
         refresh.click(view, None, outputs, api_name="status")
         gr.Timer(1.0).tick(view, None, outputs, api_name=False, show_progress="hidden")
         demo.load(view, None, outputs, api_name=False)
+        if desk is not None:
+            served_section(gr, desk, limits)
     demo.theme = theme()
     return demo
+
+
+def served_section(gr, desk: ServingDesk, limits: ChatLimits) -> None:
+    """The Train page's "Served model" section: a finished run's model against the served one in the app's blind
+    arena, Promote, Roll back, and both models' replies side by side (named). Endpoints: ``/open_arena``,
+    ``/promote`` (each takes the run's number), ``/rollback`` and ``/side_by_side`` (the run's number, a
+    message)."""
+
+    def refused(err: ValueError):
+        return gr.Error(str(err), print_exception=False)
+
+    def run_number(value) -> int:
+        number = _int(value, "run")
+        if number < 1:
+            raise ValueError(f"run={value!r}: give the number of a run that is done (the runs table's first column).")
+        return number
+
+    def acting(action):
+        def handler(run):
+            try:
+                action(run_number(run))
+            except ValueError as err:
+                raise refused(err) from None
+            return serving_view(desk)
+
+        return handler
+
+    def rollback():
+        try:
+            desk.rollback()
+        except ValueError as err:
+            raise refused(err) from None
+        return serving_view(desk)
+
+    def side_by_side(run, message):
+        try:
+            number = run_number(run)
+            checked = check_request(limits, message=message, ranges={})
+        except (ValueError, Refused) as err:
+            raise gr.Error(str(err), print_exception=False) from None
+        try:
+            replies = desk.side_by_side(number, checked.message)
+        except ValueError as err:
+            raise refused(err) from None
+        except Exception:
+            logger.exception("side by side: generation failed")
+            raise gr.Error(
+                "A reply could not be generated; the server's log says why.", print_exception=False
+            ) from None
+        names = list(replies)
+        return "\n\n".join(
+            f"**{'served' if i == 0 else f'run #{number}'}** `{html.escape(name)}`:\n\n{html.escape(replies[name])}"
+            for i, name in enumerate(names)
+        )
+
+    gr.Markdown("## Served model\nCompare a finished run's model with the served one, then promote it (no restart: "
+                "replies under way finish on the model they started on) or roll back.")  # fmt: skip
+    serving = gr.Markdown(serving_view(desk))
+    with gr.Row():
+        run = gr.Number(None, precision=0, label="run (a done run's number)")
+        arena_button = gr.Button("Open a blind arena: served vs this run")
+        promote_button = gr.Button("Promote this run's model", variant="primary")
+        rollback_button = gr.Button("Roll back")
+    with gr.Row():
+        message = gr.Textbox(label="message for both (side by side, named)", scale=4)
+        compare = gr.Button("Side by side", scale=1)
+    replies = gr.Markdown()
+    arena_button.click(acting(desk.open_arena), run, serving, api_name="open_arena")
+    promote_button.click(acting(desk.promote), run, serving, api_name="promote")
+    rollback_button.click(rollback, None, serving, api_name="rollback")
+    compare.click(side_by_side, [run, message], replies, api_name="side_by_side")
+    gr.Timer(2.0).tick(lambda: serving_view(desk), None, serving, api_name=False, show_progress="hidden")
 
 
 def _int(value, name: str) -> int:

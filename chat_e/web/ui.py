@@ -26,7 +26,7 @@ import pydantic
 from ..data.limits import ChatLimits, Refused, Request, check_request
 from ..data.messages import message_text
 from ..data.samples import EXAMPLES
-from ..data.settings import SETTING_NAMES, SETTINGS, GenerationSettings, setting_ranges
+from ..data.settings import SETTING_NAMES, SETTINGS, Completion, GenerationSettings, setting_ranges
 from ..engines.base import BackendError
 
 if TYPE_CHECKING:
@@ -136,6 +136,16 @@ def context_controls(elem_prefix: str = "") -> tuple:
 # ---- handlers (plain functions of their inputs: no state is shared between sessions) --------------------------------
 
 
+def checked_request(limits: ChatLimits, ranges: dict, where: str, **fields) -> Request:
+    """:func:`~chat_e.data.limits.check_request` of an event's inputs; a refusal is a ``gr.Error`` with its message
+    (and one log line, no traceback)."""
+    try:
+        return check_request(limits, ranges=ranges, **fields)
+    except Refused as err:
+        logger.info("refused (%s): %s", where, err)
+        raise import_gradio().Error(str(err), title="Chat-E cannot take this", print_exception=False) from None
+
+
 class Handlers:
     """The UI's event handlers and the ``chat`` API function, over one engine."""
 
@@ -153,13 +163,8 @@ class Handlers:
         self.store = store
 
     def check(self, where: str, **fields) -> Request:
-        """:func:`~chat_e.data.limits.check_request` under this server's limits; a refusal is a ``gr.Error`` with its
-        message (and one log line, no traceback)."""
-        try:
-            return check_request(self.limits, ranges=self.ranges, **fields)
-        except Refused as err:
-            logger.info("refused (%s): %s", where, err)
-            raise import_gradio().Error(str(err), title="Chat-E cannot take this", print_exception=False) from None
+        """:func:`checked_request` under this server's limits and the engine's ranges."""
+        return checked_request(self.limits, self.ranges, where, **fields)
 
     def add_message(self, message: Any, chat: Any):
         """Append the user's message to the chat, clear the box and lock the controls until the reply is done (so a
@@ -200,9 +205,11 @@ class Handlers:
             settings = settings.replace(do_sample=True, num_beams=1)
         chat = chat_messages(chat)
         chat.append({"role": "assistant", "content": ""})
-        reply, failed = "", False
+        reply, failed, done = "", False, Completion()
         try:
-            pieces = self.engine.stream_chat(checked.message, checked.history, checked.mode, checked.context, settings)
+            pieces = self.engine.stream_chat(
+                checked.message, checked.history, checked.mode, checked.context, settings, completion=done
+            )
             for piece in pieces:
                 reply += piece
                 chat[-1]["content"] = to_display(reply)
@@ -217,13 +224,16 @@ class Handlers:
             failed = True
         if not chat[-1]["content"]:
             chat[-1]["content"] = to_display(reply) or "…"
-        yield chat, (None if failed else self.record(checked, settings, reply))
+        yield chat, (None if failed else self.record(checked, settings, reply, done.model))
 
-    def record(self, checked: Request, settings: GenerationSettings, reply: str) -> dict[str, Any]:
-        """A reply and what it was made from, as feedback on it is stored (:class:`chat_e.feedback.store.Feedback`)."""
+    def record(
+        self, checked: Request, settings: GenerationSettings, reply: str, model: str | None = None
+    ) -> dict[str, Any]:
+        """A reply and what it was made from, as feedback on it is stored (:class:`chat_e.feedback.store.Feedback`);
+        ``model``: the model that made it (the engine's name when None)."""
         return {
             "reply_id": uuid.uuid4().hex,
-            "model": self.engine.name,
+            "model": model or self.engine.name,
             "mode": checked.mode,
             "context": checked.context or "",
             "history": list(checked.history),
@@ -403,7 +413,9 @@ def build_app(
             "A dialogue model fine-tuned with hf-ext. Give it a persona, an emotion, a domain or a topic, or chat "
             "freely.",
         )
-        gr.Markdown(f"**Model:** `{engine.describe()}`", elem_id="model-line")
+        model_line = gr.Markdown(f"**Model:** `{engine.describe()}`", elem_id="model-line")
+        # the served model can change while the server runs (the Train page's Promote): each page load says which
+        demo.load(lambda: f"**Model:** `{engine.describe()}`", None, model_line, queue=False, **ui)
         with gr.Row():
             with gr.Column(scale=1, min_width=260):
                 mode, context = context_controls()

@@ -16,6 +16,8 @@ from ..conftest import ROOT, free_port, launch_env
 
 #: short, deterministic replies: what every test server and reference engine uses
 TEST_SETTINGS = dict(num_beams=1, do_sample=False, max_new_tokens=8, min_new_tokens=1)
+#: the UI's ``respond`` settings (the declared generation settings in their order) that TEST_SETTINGS give: greedy
+UI_SETTINGS = (1, False, 1.0, 1.0, TEST_SETTINGS["max_new_tokens"], TEST_SETTINGS["min_new_tokens"])
 
 
 def make_sensitive_model(src: Path, dst: Path, std: float = 1.0, seed: int = 0) -> Path:

@@ -391,3 +391,26 @@ def test_regenerate_samples_under_greedy_settings_and_offers_a_choice_only_betwe
     *_, (_, records) = handlers.respond_event(handlers.regenerate(shown), "free", "", *sampled, records)
     assert records[1]["reply"] == third["reply"] and "previous" not in records[1]
     assert FeedbackControls.offer_choice(records)["visible"] is False
+
+
+def test_a_swap_serves_the_next_reply_and_the_one_under_way_finishes_on_its_model(sensitive, engine):
+    """The Train page's Promote (chat_e.engines.switch): a stream started before the swap ends as the model it began
+    on would have it, named by that model; the next reply is the new model's, named by it."""
+    from chat_e.data.settings import Completion
+    from chat_e.engines.gate import GatedEngine
+    from chat_e.engines.switch import SwitchableEngine
+
+    switch = SwitchableEngine(sensitive)
+    served = GatedEngine(switch, concurrency=2)
+    settings = sensitive.default_settings().replace(**GREEDY)
+    under_way, after = Completion(), Completion()
+    stream = served.stream_chat("hello, who are you?", HISTORY[:1], "none", None, settings, completion=under_way)
+    first = next(stream)
+    assert switch.swap(engine) is sensitive and served.name == engine.name
+    rest = "".join(stream)
+    assert rest  # the swap came in the middle of the reply
+    assert first + rest == sensitive.chat("hello, who are you?", HISTORY[:1], "none", None, settings)
+    assert under_way.model == sensitive.name
+    reply = served.chat("hello, who are you?", HISTORY[:1], "none", None, settings, completion=after)
+    assert reply == engine.chat("hello, who are you?", HISTORY[:1], "none", None, settings)
+    assert after.model == engine.name != sensitive.name

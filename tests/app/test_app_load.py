@@ -28,7 +28,7 @@ from chat_e.data.limits import ChatLimits
 from chat_e.data.messages import message_text
 from chat_e.web.ui import from_display, to_display
 
-from .support import TEST_SETTINGS, ChatEServer, served_engine, serving
+from .support import UI_SETTINGS, ChatEServer, served_engine, serving
 
 CLIENTS = 50
 REQUESTS_PER_CLIENT = 2
@@ -38,7 +38,6 @@ RSS_BAND = 0.10
 #: sessions whose state the server keeps (each client is one): the oldest are dropped beyond it, as in production
 SESSIONS = 10
 LIMITS = ChatLimits()
-UI_SETTINGS = (1, False, 1.0, 1.0, TEST_SETTINGS["max_new_tokens"], TEST_SETTINGS["min_new_tokens"])
 #: a reply long enough to drop the connection in the middle of: the tiny model's whole window, streamed
 LONG_STREAM = ("free", "", 1, False, 1.0, 1.0, 127, 127)
 UNICODE = [

@@ -22,6 +22,7 @@ from chat_e.web.ui import APOLOGY, Handlers, from_display, to_display
 
 from ..conftest import BIN, ROOT, free_port, launch_env, run_side_by_side
 from .support import (
+    UI_SETTINGS,
     ChatEServer,
     chat_e_cmd,
     make_broken_model,
@@ -34,8 +35,6 @@ from .support import (
 
 PERSONA = "My name is Chat-E. I'm helpful, creative, clever, sarcastic and very friendly."
 LIMITS = ChatLimits()  # the servers here run with the default limits
-#: /respond's generation settings as the UI sends them: num_beams, do_sample, temperature, top_p, max/min new tokens
-UI_SETTINGS = (1, False, 1.0, 1.0, 8, 1)
 
 
 @pytest.fixture(scope="module")

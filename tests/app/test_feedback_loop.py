@@ -26,7 +26,7 @@ from chat_e.data.dialogue import normalize_mode
 from chat_e.feedback.store import FeedbackStore
 from chat_e.web.ui import NEW_REPLY, PREVIOUS_REPLY, from_display
 
-from .support import TEST_SETTINGS, ChatEServer, gradio_client, make_sensitive_model, stop_all
+from .support import TEST_SETTINGS, UI_SETTINGS, ChatEServer, gradio_client, make_sensitive_model, stop_all
 
 CLIENTS = 20
 ROUNDS = 2
@@ -44,7 +44,6 @@ CONTEXTS = [
     ("topic", "summer holidays"),
     ("free", ""),
 ]
-GREEDY = (1, False, 1.0, 1.0, TEST_SETTINGS["max_new_tokens"], TEST_SETTINGS["min_new_tokens"])
 SAMPLED = (1, True, 1.0, 1.0, TEST_SETTINGS["max_new_tokens"], TEST_SETTINGS["min_new_tokens"])
 
 
@@ -85,7 +84,7 @@ def client_loop(i: int, load: Load, model: str) -> None:
                 client = gradio_client(url)
             message = f"client {i} round {rnd}: what do you think?"
             _, chat, *_ = client.predict(message, chat, api_name="/add_message")
-            chat = client.predict(chat, mode, context, *GREEDY, api_name="/respond")
+            chat = client.predict(chat, mode, context, *UI_SETTINGS, api_name="/respond")
             exchange = dict(
                 do_sample=False,
                 session_id=client.session_hash,

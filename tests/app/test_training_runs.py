@@ -11,6 +11,7 @@ import signal
 import time
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 
@@ -18,7 +19,7 @@ from chat_e.feedback.store import RUNNING, FeedbackStore
 from chat_e.studio.runs import RunForm, RunManager, run_processes, signal_run
 
 from ..conftest import ROOT
-from .support import ChatEServer, gradio_client, serving
+from .support import UI_SETTINGS, ChatEServer, gradio_client, serving
 
 pytestmark = pytest.mark.slow
 
@@ -94,6 +95,57 @@ def step_of(shown: dict) -> int:
     return int(found.group(1)) if found else -1
 
 
+def served_id(server: ChatEServer) -> tuple[str, str]:
+    """The model id ``/v1/models`` gives, and the one an answer names."""
+    listed = httpx.get(f"{server.url}v1/models", timeout=30).raise_for_status().json()["data"][0]["id"]
+    body = {"model": listed, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4}
+    answer = httpx.post(f"{server.url}v1/chat/completions", json=body, timeout=60).raise_for_status().json()
+    return listed, answer["model"]
+
+
+def from_run_to_served_model(server: ChatEServer, page, run: dict, store: FeedbackStore, base: Path) -> None:
+    """The Train page's "Served model" section on the finished run: the app's blind arena between the served model
+    and the run's (closed until opened, votes in the database, the two-model leaderboard), side by side, Promote
+    (the API and new feedback rows name the run's model, no restart) and Roll back."""
+    trained, base = str(Path(run["output_dir"]).resolve()), str(base.resolve())
+    assert served_id(server) == (base, base)
+    arena = gradio_client(f"{server.url}arena/")
+    with pytest.raises(Exception, match="No arena is open now"):
+        arena.predict("hello", "free", "", api_name="/battle")
+    with pytest.raises(Exception, match=r"Run #999 has no model to serve: choose a run that is done"):
+        page.predict(999, api_name="/open_arena")
+    assert "**Arena open**" in page.predict(run["id"], api_name="/open_arena")
+    winners = ["model_a", "model_b", "tie", "model_a", "bothbad"]
+    for i, winner in enumerate(winners):
+        arena.predict(api_name="/new_battle")
+        arena.predict(f"What do you like, {i}?", "free", "", api_name="/battle")
+        assert "Model A** was" in arena.predict(winner, api_name="/vote")
+    votes = store.votes()
+    assert len(votes) == 5 and {v["model_a"] for v in votes} | {v["model_b"] for v in votes} == {base, trained}
+    table, text, _ = arena.predict(api_name="/leaderboard")
+    rows = table["data"] if isinstance(table, dict) else table
+    assert {row[0] for row in rows} == {base, trained} and "95% CI" in text, text
+    sides = page.predict(run["id"], "What do you like?", api_name="/side_by_side")
+    assert f"**served** `{base}`" in sides and f"`{trained}`" in sides
+
+    promoted = page.predict(run["id"], api_name="/promote")
+    assert f"promoted from run #{run['id']}" in promoted and f"Roll back returns to `{base}`" in promoted
+    assert served_id(server) == (trained, trained)  # no restart
+    with pytest.raises(Exception, match="No arena is open now"):  # its pairing named the model served before
+        arena.predict(api_name="/new_battle")
+    chat = gradio_client(server.url)
+    _, window, *_ = chat.predict("hello, who are you?", [], api_name="/add_message")
+    window = chat.predict(window, "free", "", *UI_SETTINGS, api_name="/respond")
+    chat.predict(len(window) - 1, "like", api_name="/rate")
+    assert store.feedback()[-1]["model"] == trained
+    assert "rolled back" in page.predict(api_name="/rollback")
+    assert served_id(server) == (base, base)
+    with pytest.raises(Exception, match="Nothing to roll back to"):
+        page.predict(api_name="/rollback")
+    arena.close()
+    chat.close()
+
+
 def test_the_train_page_runs_cancels_reattaches_and_resumes_a_dpo_run(tiny_chat_model_dir, tmp_path):
     """The operator's page on a real server: Start, the progress and plot, Cancel (a checkpoint), the server
     restarted mid-run (the training goes on in its own process group; the new server reattaches), Resume to the end
@@ -146,6 +198,7 @@ def test_the_train_page_runs_cancels_reattaches_and_resumes_a_dpo_run(tiny_chat_
         )
         assert (Path(record["output_dir"]) / "model.safetensors").is_file()
         assert step_of(done) == STEPS and done["plot"]
+        from_run_to_served_model(second, client, record, store, tiny_chat_model_dir)
 
         # a run whose process dies (SIGKILL, as the OOM killer would) is shown failed with its exit status
         client.predict(*{**FORM, "method": "kto", "launcher": "python", "nproc": 1}.values(), api_name="/start")
