@@ -97,6 +97,8 @@ class RunManager:
     def __init__(self, store: FeedbackStore, base_model: str, run_dir: str | Path, train_args: list[str] = ()):
         self.store, self.base_model, self.run_dir = store, str(base_model), Path(run_dir)
         self.train_args = list(train_args)
+        #: how nice the runs are (NICENESS; 0 leaves their priority as the server's)
+        self.niceness = NICENESS
         self._procs: dict[int, subprocess.Popen] = {}
 
     # ---- starting --------------------------------------------------------------------------------------------
@@ -153,7 +155,7 @@ class RunManager:
         run = self._get(run_id)
         folder = Path(run["log_path"]).parent
         nice = shutil.which("nice")
-        niced = [nice, "-n", str(NICENESS)] if nice else []
+        niced = [nice, "-n", str(self.niceness)] if nice and self.niceness else []
         env = {**os.environ, PROGRESS_ENV: str(folder / "progress.jsonl")}
         with open(run["log_path"], "ab") as log:
             log.write(f"{LAUNCH_MARK} #{run_id} at {utcnow():%Y-%m-%d %H:%M:%S} UTC: {' '.join(cmd)}\n".encode())

@@ -140,25 +140,32 @@ def build_train_app(manager: RunManager, store, desk: ServingDesk | None = None,
 
     with gr.Blocks(title=TITLE) as demo:
         gr.Markdown(f"# {TITLE}\nBase model: the served one, `{html.escape(manager.base_model)}`.")
-        summary = gr.Markdown(data_summary(store))
+        summary = gr.Markdown(data_summary(store), elem_id="train-data")
         with gr.Row():
-            method = gr.Radio(list(APP_METHODS), value=defaults.method, label="method")
-            max_steps = gr.Number(defaults.max_steps, precision=0, label="steps")
+            method = gr.Radio(list(APP_METHODS), value=defaults.method, label="method", elem_id="train-method")
+            max_steps = gr.Number(defaults.max_steps, precision=0, label="steps", elem_id="train-steps")
             lora_rank = gr.Number(defaults.lora_rank, precision=0, label="LoRA rank (0: every weight)")
             learning_rate = gr.Number(defaults.learning_rate, label="learning rate")
         with gr.Row():
-            launcher = gr.Dropdown(["python", "torchrun", "deepspeed"], value=defaults.launcher, label="launcher")
-            nproc = gr.Number(defaults.nproc, precision=0, label="ranks")
+            launcher = gr.Dropdown(
+                ["python", "torchrun", "deepspeed"],
+                value=defaults.launcher,
+                label="launcher",
+                elem_id="train-launcher",
+            )
+            nproc = gr.Number(defaults.nproc, precision=0, label="ranks", elem_id="train-ranks")
             preset = gr.Dropdown(["none", *PRESETS], value=defaults.preset, label="DeepSpeed preset")
         with gr.Row():
-            start_button = gr.Button("Start", variant="primary")
-            cancel_button = gr.Button("Cancel (save a checkpoint and stop)")
-            resume_button = gr.Button("Resume")
-        status = gr.Markdown("No run yet.")
-        bar = gr.HTML("")
-        plot = gr.LinePlot(points_frame([]), x="step", y="value", color="series", label="training curves")
-        log = gr.Textbox(label="last log lines", lines=10, max_lines=20, interactive=False)
-        table = gr.Dataframe(headers=RUN_COLUMNS, value=[], label="runs", interactive=False)
+            start_button = gr.Button("Start", variant="primary", elem_id="train-start")
+            cancel_button = gr.Button("Cancel (save a checkpoint and stop)", elem_id="train-cancel")
+            resume_button = gr.Button("Resume", elem_id="train-resume")
+        status = gr.Markdown("No run yet.", elem_id="train-status")
+        bar = gr.HTML("", elem_id="train-progress")
+        plot = gr.LinePlot(
+            points_frame([]), x="step", y="value", color="series", label="training curves", elem_id="train-plot"
+        )
+        log = gr.Textbox(label="last log lines", lines=10, max_lines=20, interactive=False, elem_id="train-log")
+        table = gr.Dataframe(headers=RUN_COLUMNS, value=[], label="runs", interactive=False, elem_id="train-runs")
         outputs = [status, bar, plot, log, table, summary]
         form = [method, max_steps, lora_rank, learning_rate, launcher, nproc, preset]
         start_button.click(start, form, outputs, api_name="start")
@@ -229,16 +236,16 @@ def served_section(gr, desk: ServingDesk, limits: ChatLimits) -> None:
 
     gr.Markdown("## Served model\nCompare a finished run's model with the served one, then promote it (no restart: "
                 "replies under way finish on the model they started on) or roll back.")  # fmt: skip
-    serving = gr.Markdown(serving_view(desk))
+    serving = gr.Markdown(serving_view(desk), elem_id="serving")
     with gr.Row():
-        run = gr.Number(None, precision=0, label="run (a done run's number)")
-        arena_button = gr.Button("Open a blind arena: served vs this run")
-        promote_button = gr.Button("Promote this run's model", variant="primary")
-        rollback_button = gr.Button("Roll back")
+        run = gr.Number(None, precision=0, label="run (a done run's number)", elem_id="served-run")
+        arena_button = gr.Button("Open a blind arena: served vs this run", elem_id="open-arena")
+        promote_button = gr.Button("Promote this run's model", variant="primary", elem_id="promote")
+        rollback_button = gr.Button("Roll back", elem_id="rollback")
     with gr.Row():
-        message = gr.Textbox(label="message for both (side by side, named)", scale=4)
-        compare = gr.Button("Side by side", scale=1)
-    replies = gr.Markdown()
+        message = gr.Textbox(label="message for both (side by side, named)", scale=4, elem_id="side-message")
+        compare = gr.Button("Side by side", scale=1, elem_id="side-by-side")
+    replies = gr.Markdown(elem_id="side-replies")
     arena_button.click(acting(desk.open_arena), run, serving, api_name="open_arena")
     promote_button.click(acting(desk.promote), run, serving, api_name="promote")
     rollback_button.click(rollback, None, serving, api_name="rollback")

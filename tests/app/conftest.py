@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from .browser import CHROMIUM, CHROMIUM_ARGS
 from .postgres import PostgresServer, binaries
 
 
@@ -15,3 +16,22 @@ def postgres():
     server = PostgresServer()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def page(tmp_path):
+    """A page of a fresh headless Chromium (tests/app/browser.py)."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch_persistent_context(
+            str(tmp_path / "profile"),
+            executable_path=str(CHROMIUM),
+            args=CHROMIUM_ARGS,
+            headless=True,
+            viewport={"width": 1280, "height": 860},
+        )
+        try:
+            yield browser.new_page()
+        finally:
+            browser.close()

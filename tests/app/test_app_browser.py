@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -13,25 +12,10 @@ from chat_e.data.samples import EXAMPLES
 from chat_e.feedback.store import FeedbackStore
 from chat_e.web.ui import APOLOGY
 
+from .browser import BOT, USER, keep_screenshot, needs_chromium, texts, wait_for_bot
 from .support import ChatEServer, served_engine, serving
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-BOT = "#chatbot [data-testid='bot']"
-USER = "#chatbot [data-testid='user']"
-
-pytestmark = pytest.mark.skipif(
-    not os.access(CHROMIUM, os.X_OK), reason="needs Debian's chromium at /usr/bin/chromium: run `make browser`"
-)
+pytestmark = needs_chromium
 
 
 @pytest.fixture(scope="module")
@@ -44,40 +28,6 @@ def server(tiny_model_dir, tmp_path_factory):
 def expected_reply(tiny_model_dir):
     with served_engine(tiny_model_dir) as chat:
         yield lambda message, mode, context: " ".join(chat(message, [], mode, context).split())
-
-
-@pytest.fixture
-def page(tmp_path):
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch_persistent_context(
-            str(tmp_path / "profile"),
-            executable_path=str(CHROMIUM),
-            args=CHROMIUM_ARGS,
-            headless=True,
-            viewport={"width": 1280, "height": 860},
-        )
-        try:
-            yield browser.new_page()
-        finally:
-            browser.close()
-
-
-def texts(page, selector: str) -> list[str]:
-    return [" ".join(t.split()) for t in page.locator(selector).all_inner_texts()]
-
-
-def wait_for_bot(page, count: int, reply: str) -> None:
-    """Until the chat shows ``count`` bot messages, the last one reading ``reply`` (the stream has finished)."""
-    page.wait_for_function(
-        """([sel, n, want]) => {
-            const bots = document.querySelectorAll(sel);
-            return bots.length === n && bots[n - 1].innerText.split(/\\s+/).join(" ").trim() === want;
-        }""",
-        arg=[BOT, count, reply],
-        timeout=120_000,
-    )
 
 
 def test_pick_a_persona_chat_and_see_replies(server, page, expected_reply, tmp_path, tiny_model_dir):
@@ -136,12 +86,6 @@ def test_pick_a_persona_chat_and_see_replies(server, page, expected_reply, tmp_p
 
 
 # ---- feedback and the arena, clicked in the browser ------------------------------------------------------------
-
-
-def keep_screenshot(shot: Path, name: str) -> None:
-    """``CHAT_E_SCREENSHOTS=DIR`` keeps the test's screenshot as ``DIR/name`` (how README's were made)."""
-    if os.environ.get("CHAT_E_SCREENSHOTS"):
-        shutil.copy(shot, Path(os.environ["CHAT_E_SCREENSHOTS"]) / name)
 
 
 def stored(url: str, what: str, count: int, timeout: float = 60) -> list[dict]:

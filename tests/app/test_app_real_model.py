@@ -17,8 +17,8 @@ import pytest
 
 from chat_e.data.samples import EXAMPLES, SAMPLE_CHATS
 
+from .browser import BOT, USER, needs_chromium, texts
 from .support import ChatEServer, gradio_client, serving
-from .test_app_browser import BOT, CHROMIUM, USER, page, texts  # noqa: F401 (page is a fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -80,7 +80,7 @@ def test_every_mode_answers_in_english_without_loops(server, tokenizer, mode, co
     assert "Traceback" not in reply and "Sorry, something went wrong" not in reply
 
 
-@pytest.mark.skipif(not os.access(CHROMIUM, os.X_OK), reason="needs Debian's chromium: run `make browser`")
+@needs_chromium
 def test_persona_conversation_in_a_browser(server, page, tokenizer, tmp_path):  # noqa: F811
     page.goto(server.url)
     page.wait_for_selector("#chatbot")

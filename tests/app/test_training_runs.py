@@ -19,7 +19,8 @@ from chat_e.feedback.store import RUNNING, FeedbackStore
 from chat_e.studio.runs import RunForm, RunManager, run_processes, signal_run
 
 from ..conftest import ROOT
-from .support import UI_SETTINGS, ChatEServer, gradio_client, serving
+from .browser import BOT, keep_screenshot, needs_chromium, wait_for_bot
+from .support import ChatEServer, gradio_client, make_sensitive_model, serving
 
 pytestmark = pytest.mark.slow
 
@@ -90,11 +91,6 @@ def newest(client) -> dict:
     return {"line": line, "bar": bar, "plot": plot, "log": log, "row": rows[0] if rows else None, "summary": summary}
 
 
-def step_of(shown: dict) -> int:
-    found = re.search(rf"step (\d+) of {STEPS}", shown["line"])
-    return int(found.group(1)) if found else -1
-
-
 def served_id(server: ChatEServer) -> tuple[str, str]:
     """The model id ``/v1/models`` gives, and the one an answer names."""
     listed = httpx.get(f"{server.url}v1/models", timeout=30).raise_for_status().json()["data"][0]["id"]
@@ -103,102 +99,189 @@ def served_id(server: ChatEServer) -> tuple[str, str]:
     return listed, answer["model"]
 
 
-def from_run_to_served_model(server: ChatEServer, page, run: dict, store: FeedbackStore, base: Path) -> None:
-    """The Train page's "Served model" section on the finished run: the app's blind arena between the served model
-    and the run's (closed until opened, votes in the database, the two-model leaderboard), side by side, Promote
-    (the API and new feedback rows name the run's model, no restart) and Roll back."""
-    trained, base = str(Path(run["output_dir"]).resolve()), str(base.resolve())
-    assert served_id(server) == (base, base)
-    arena = gradio_client(f"{server.url}arena/")
-    with pytest.raises(Exception, match="No arena is open now"):
-        arena.predict("hello", "free", "", api_name="/battle")
-    with pytest.raises(Exception, match=r"Run #999 has no model to serve: choose a run that is done"):
-        page.predict(999, api_name="/open_arena")
-    assert "**Arena open**" in page.predict(run["id"], api_name="/open_arena")
-    winners = ["model_a", "model_b", "tie", "model_a", "bothbad"]
-    for i, winner in enumerate(winners):
-        arena.predict(api_name="/new_battle")
-        arena.predict(f"What do you like, {i}?", "free", "", api_name="/battle")
-        assert "Model A** was" in arena.predict(winner, api_name="/vote")
-    votes = store.votes()
-    assert len(votes) == 5 and {v["model_a"] for v in votes} | {v["model_b"] for v in votes} == {base, trained}
-    table, text, _ = arena.predict(api_name="/leaderboard")
-    rows = table["data"] if isinstance(table, dict) else table
-    assert {row[0] for row in rows} == {base, trained} and "95% CI" in text, text
-    sides = page.predict(run["id"], "What do you like?", api_name="/side_by_side")
-    assert f"**served** `{base}`" in sides and f"`{trained}`" in sides
-
-    promoted = page.predict(run["id"], api_name="/promote")
-    assert f"promoted from run #{run['id']}" in promoted and f"Roll back returns to `{base}`" in promoted
-    assert served_id(server) == (trained, trained)  # no restart
-    with pytest.raises(Exception, match="No arena is open now"):  # its pairing named the model served before
-        arena.predict(api_name="/new_battle")
-    chat = gradio_client(server.url)
-    _, window, *_ = chat.predict("hello, who are you?", [], api_name="/add_message")
-    window = chat.predict(window, "free", "", *UI_SETTINGS, api_name="/respond")
-    chat.predict(len(window) - 1, "like", api_name="/rate")
-    assert store.feedback()[-1]["model"] == trained
-    assert "rolled back" in page.predict(api_name="/rollback")
-    assert served_id(server) == (base, base)
-    with pytest.raises(Exception, match="Nothing to roll back to"):
-        page.predict(api_name="/rollback")
-    arena.close()
-    chat.close()
+def log_in(page, url: str) -> None:
+    """The Train page at ``url``, through Gradio's login form as the operator (once per server: its cookie stays)."""
+    page.goto(url)
+    page.wait_for_selector("#train-status, input[type=password]", timeout=60_000)
+    if page.locator("input[type=password]").count():
+        page.get_by_label("username").fill(ADMIN[0])
+        page.get_by_label("password").fill(ADMIN[1])
+        page.get_by_role("button", name="Login").click()
+    page.wait_for_selector("#train-status", timeout=60_000)
 
 
-def test_the_train_page_runs_cancels_reattaches_and_resumes_a_dpo_run(tiny_chat_model_dir, tmp_path):
-    """The operator's page on a real server: Start, the progress and plot, Cancel (a checkpoint), the server
-    restarted mid-run (the training goes on in its own process group; the new server reattaches), Resume to the end
-    with before/after metrics, and a run whose process dies shown failed with its exit status."""
+def shown(page, selector: str) -> str:
+    return " ".join(page.locator(selector).inner_text().split())
+
+
+def wait_shown(page, selector: str, text: str, timeout: float = 180_000) -> str:
+    """Until the element shows ``text`` (the page refreshes itself: a gr.Timer); what it shows then."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        page.wait_for_function(
+            "([sel, want]) => document.querySelector(sel)?.innerText.includes(want)",
+            arg=[selector, text],
+            timeout=timeout,
+        )
+    except PlaywrightTimeout:
+        toasts = page.locator(".toast-body").all_inner_texts()
+        raise AssertionError(
+            f"{selector} never showed {text!r}: it shows {shown(page, selector)!r}; toasts {toasts}"
+        ) from None
+    return shown(page, selector)
+
+
+def progress_value(page) -> int:
+    bar = page.locator("#train-progress progress")
+    return int(float(bar.get_attribute("value"))) if bar.count() else -1
+
+
+def screenshot(page, tmp_path: Path, name: str) -> None:
+    shot = tmp_path / name
+    page.screenshot(path=str(shot), full_page=True)
+    assert shot.stat().st_size > 10_000
+    keep_screenshot(shot, name)
+
+
+@needs_chromium
+def test_the_operator_turns_feedback_into_a_served_model_in_the_browser(tiny_chat_model_dir, tmp_path, page):
+    """The loop, as the operator clicks it in headless Chromium on a real server: rate and correct 10 replies;
+    log in to the Train page and see the 10 DPO rows; start a DPO run (2 ranks under torchrun), watch its progress
+    and plot; the server restarted mid-run and the page reattached; Cancel (a checkpoint), Resume to the end with the
+    held-out metrics before and after; open the app's blind arena between the served model and the run's and vote 5
+    battles; Promote and chat with the new model; Roll back. The database, the API and the run's files are the
+    oracle; gradio_client checks the refusals (bad values, a second Start, unknown runs) and a run whose process dies
+    shown failed with its exit status."""
     url = f"sqlite:///{tmp_path}/feedback.db"
     store = FeedbackStore(url)
-    for i in range(24):
-        store.add_feedback(**choice(i))
+    model = make_sensitive_model(tiny_chat_model_dir, tmp_path / "model", std=0.5)  # replies that are not empty
+    base = str(Path(model).resolve())
     args = ("--admin", ":".join(ADMIN), "--train_args", " ".join(TRAIN_ARGS), "--train_dir", str(tmp_path / "train"))
-    first = ChatEServer(tiny_chat_model_dir, tmp_path / "first.log", *args, feedback_db=url)
+    first = ChatEServer(model, tmp_path / "first.log", *args, feedback_db=url)
     with serving(first):
+        # a chat user's feedback: 10 replies, each liked and corrected
+        page.goto(first.url)
+        page.wait_for_selector("#chatbot")
+        for i in range(10):
+            page.locator("#message textarea").fill(f"What do you like, number {i}?")
+            page.locator("#send").click()
+            wait_for_bot(page, i + 1)
+            page.wait_for_function("() => !document.querySelector('#message textarea').disabled")
+            page.locator(BOT).last.hover()
+            page.locator("#chatbot").get_by_label("Like", exact=True).last.click()
+            wait_for(lambda n=2 * i + 1: len(store.feedback()) == n)
+            page.locator("#correction textarea").fill(f"I like apples, number {i}.")
+            page.locator("#save-correction").click()
+            wait_for(lambda n=2 * i + 2: len(store.feedback()) == n)
+        kinds = [row["kind"] for row in store.feedback()]
+        assert kinds.count("rating") == 10 and kinds.count("edit") == 10
+        screenshot(page, tmp_path, "chat-e-feedback-10.png")
+
+        # the Train page: the rows, a refused value, Start
+        log_in(page, f"{first.url}admin/")
+        wait_for(lambda: re.search(r"DPO\s+10\s", page.locator("#train-data").inner_text()))
         client = train_page(first)
-        assert "| DPO | 24 |" in newest(client)["summary"]
         for bad, says in (({"max_steps": 0}, "steps=0"), ({"learning_rate": 0}, "learning rate=0")):
             with pytest.raises(Exception, match=says):
                 client.predict(*{**FORM, **bad}.values(), api_name="/start")
-        client.predict(*FORM.values(), api_name="/start")
+        page.locator("#train-steps input").fill(str(STEPS))
+        page.locator("#train-launcher input").fill("torchrun")
+        page.locator("#train-launcher input").press("Enter")
+        page.locator("#train-ranks input").fill("2")
+        page.locator("#train-start").click()
+        wait_shown(page, "#train-status", "running")
         run = store.runs()[0]
+        assert run["settings"]["form"] == FORM  # the form as filled in the browser
         # the training runs in its own process group, niced: the launcher and, once started, its 2 ranks
         assert os.getpgid(run["pid"]) == run["pid"]
         wait_for(lambda: len(run_processes(run["pid"])) >= 3)
         assert all(os.getpriority(os.PRIO_PROCESS, p.pid) >= 10 for p in run_processes(run["pid"]))
         with pytest.raises(Exception, match=f"Run #{run['id']} is running: cancel it or wait"):
             client.predict(*FORM.values(), api_name="/start")
-        shown = wait_for(lambda: step_of(s := newest(client)) >= 2 and s)
-        assert "<progress" in shown["bar"] and f'max="{STEPS}"' in shown["bar"] and shown["plot"]
+        page.wait_for_function("() => Number(document.querySelector('#train-progress progress')?.value) >= 2",
+                               timeout=180_000)  # fmt: skip
+        assert page.locator("#train-progress progress").get_attribute("max") == str(STEPS)
+        page.wait_for_selector("#train-plot canvas, #train-plot svg", timeout=60_000)
+        screenshot(page, tmp_path, "chat-e-train-running.png")
         # the training is paused (SIGSTOP, a real signal) while the server restarts, so that it is still mid-run
         # when the next server comes up, however fast the steps and however slow the restart
         signal_run(run["pid"], signal.SIGSTOP)
         client.close()
     # the server went away mid-run; the training did not
     assert store.run(run["id"])["status"] == RUNNING and psutil.pid_exists(run["pid"])
-    second = ChatEServer(tiny_chat_model_dir, tmp_path / "second.log", *args, feedback_db=url)
+    second = ChatEServer(model, tmp_path / "second.log", *args, feedback_db=url)
     with serving(second):
-        client = train_page(second)
-        assert "**running**" in newest(client)["line"]  # reattached
+        log_in(page, f"{second.url}admin/")
+        wait_shown(page, "#train-status", "running")  # reattached
         signal_run(run["pid"], signal.SIGCONT)
-        client.predict(api_name="/cancel")
-        stopped = wait_for(lambda: "**stopped**" in (s := newest(client))["line"] and s)
+        page.locator("#train-cancel").click()
+        wait_shown(page, "#train-status", "stopped")
         assert "stopped with a checkpoint (its log says so)" in store.run(run["id"])["detail"]
         assert re.search(r"Preempted \(SIGTERM\): checkpoint-\d+ is saved", Path(run["log_path"]).read_text())
-        assert stopped["log"]  # the page shows the log's last lines (here torchrun's own report of the signal)
+        assert page.locator("#train-log textarea").input_value()  # the log's last lines (torchrun's report)
         assert len(list(Path(store.run(run["id"])["output_dir"]).glob("checkpoint-*"))) == 1
-        client.predict(api_name="/resume")
-        done = wait_for(lambda: "**done**" in (s := newest(client))["line"] and s)
-        assert re.search(r"Held-out: reward accuracy [\d.]+ → [\d.]+; reward margin", done["line"]), done["line"]
+        page.locator("#train-resume").click()
+        done = wait_shown(page, "#train-status", "done")
+        assert re.search(r"Held-out: reward accuracy [\d.]+ → [\d.]+; reward margin", done), done
         record = store.run(run["id"])
         assert {"eval_rewards/accuracies", "eval_rewards/margins"} <= set(record["metrics_before"]) & set(
             record["metrics_after"]
         )
         assert (Path(record["output_dir"]) / "model.safetensors").is_file()
-        assert step_of(done) == STEPS and done["plot"]
-        from_run_to_served_model(second, client, record, store, tiny_chat_model_dir)
+        assert f"step {STEPS} of {STEPS}" in done
+        screenshot(page, tmp_path, "chat-e-train-done.png")
+        trained = str(Path(record["output_dir"]).resolve())
+
+        # the app's blind arena between the served model and the run's
+        client = train_page(second)
+        with pytest.raises(Exception, match=r"Run #999 has no model to serve: choose a run that is done"):
+            client.predict(999, api_name="/open_arena")
+        page.locator("#served-run input").fill(str(run["id"]))
+        page.locator("#open-arena").click()
+        wait_shown(page, "#serving", "Arena open")
+        sides = client.predict(run["id"], "What do you like?", api_name="/side_by_side")
+        assert f"**served** `{base}`" in sides and f"`{trained}`" in sides
+        page.goto(f"{second.url}arena/")
+        page.wait_for_selector("#arena-message")
+        for i, winner in enumerate(["model_a", "model_b", "tie", "model_a", "bothbad"]):
+            page.locator("#arena-message textarea").fill(f"What do you like, {i}?")
+            page.locator("#arena-send").click()
+            page.wait_for_function("() => !document.querySelector('#vote-model_a').disabled", timeout=120_000)
+            page.locator(f"#vote-{winner}").click()
+            page.wait_for_function("() => document.querySelector('#reveal').innerText.includes('Model A')")
+            assert len(store.votes()) == i + 1
+            page.locator("#new-battle").click()
+            page.wait_for_function("() => document.querySelector('#reveal').innerText.trim() === ''")
+        votes = store.votes()
+        assert {v["model_a"] for v in votes} | {v["model_b"] for v in votes} == {base, trained}
+        assert [v["winner"] for v in votes] == ["model_a", "model_b", "tie", "model_a", "bothbad"]
+        page.get_by_role("tab", name="Leaderboard").click()
+        wait_shown(page, "#board-text", "95% CI")
+        screenshot(page, tmp_path, "chat-e-arena-leaderboard.png")
+
+        # Promote, and chat with the new model: no restart
+        assert served_id(second) == (base, base)
+        log_in(page, f"{second.url}admin/")
+        page.locator("#served-run input").fill(str(run["id"]))
+        page.locator("#promote").click()
+        assert "Roll back returns to" in wait_shown(page, "#serving", f"promoted from run #{run['id']}")
+        assert served_id(second) == (trained, trained)
+        page.goto(second.url)
+        wait_shown(page, "#model-line", trained)
+        page.locator("#message textarea").fill("hello, who are you now?")
+        page.locator("#send").click()
+        wait_for_bot(page, 1)
+        page.locator(BOT).last.hover()
+        page.locator("#chatbot").get_by_label("Like", exact=True).last.click()
+        wait_for(lambda: len(store.feedback()) == 21)
+        assert store.feedback()[-1]["model"] == trained
+        log_in(page, f"{second.url}admin/")
+        page.locator("#rollback").click()
+        wait_shown(page, "#serving", "rolled back")
+        assert served_id(second) == (base, base)
+        with pytest.raises(Exception, match="Nothing to roll back to"):
+            client.predict(api_name="/rollback")
 
         # a run whose process dies (SIGKILL, as the OOM killer would) is shown failed with its exit status
         client.predict(*{**FORM, "method": "kto", "launcher": "python", "nproc": 1}.values(), api_name="/start")
