@@ -12,7 +12,7 @@ NPROC ?= 2
 # the environment's executables first: DeepSpeed's launcher and ninja (scripts/build_deepspeed_ops.py says why)
 ENV_PATH := PATH="$(CURDIR)/$(BIN):$$PATH"
 
-.PHONY: setup demo demo-preference demo-blenderbot serve space test test-fast test-peer test-gpu test-gpu-dryrun test-kernels lint clean browser postgres
+.PHONY: setup demo demo-preference demo-blenderbot serve space test test-fast test-peer test-gpu test-gpu-dryrun test-kernels check-wheel lint clean browser postgres
 
 setup: $(STAMP)
 
@@ -103,6 +103,11 @@ test-peer: setup
 # the unit tier: no training, no subprocess (well under a minute)
 test-fast: setup
 	$(BIN)/python -m pytest tests/unit
+
+# the built wheel with the app extra in a fresh venv outside the clone: chat-e train --help and a tiny DPO run
+# (downloads every dependency into the temp venv: a few minutes)
+check-wheel:
+	TORCH="$(TORCH)" scripts/check_wheel.sh $(PYTHON)
 
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
