@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks import harness
@@ -58,7 +59,9 @@ class Server:
     """``python -m chat_e --model DIR`` on a free loopback port with greedy fixed-length replies, its output in
     ``log_path``, its feedback in a SQLite file beside the log."""
 
-    def __init__(self, model: str | Path, log_path: Path, threads: int = 1, new_tokens: int = 32):
+    def __init__(
+        self, model: str | Path, log_path: Path, threads: int = 1, new_tokens: int = 32, extra: Sequence[str] = ()
+    ):
         self.port = harness.free_port()
         self.url = f"http://127.0.0.1:{self.port}/"
         self.log_path = log_path
@@ -67,7 +70,7 @@ class Server:
             sys.executable, "-m", "chat_e", "--model", str(model), "--port", str(self.port),
             "--threads", str(threads), "--feedback_db", feedback_db,
             "--num_beams", "1", "--no-do_sample",
-            "--max_new_tokens", str(new_tokens), "--min_new_tokens", str(new_tokens),
+            "--max_new_tokens", str(new_tokens), "--min_new_tokens", str(new_tokens), *extra,
         ]  # fmt: skip
         env = harness.launch_env({"GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1"})
         self._log = log_path.open("w")

@@ -1,19 +1,23 @@
-"""Chat while the app trains: a user's reply latency from a ``chat-e`` server while a training run from the Train
-page uses the same machine, against the same server idle.
+"""Chat-E's fine-tune loop on the demo model: 48 pieces of feedback, a Train-page DPO run on them, and chat latency
+while that run uses the machine.
 
-One ``chat-e`` server (SmolLM2-135M-Instruct by default, greedy replies of exactly ``--new_tokens`` tokens, its
-default thread count for this machine) answers one user at a time through the OpenAI API (``POST
-/v1/chat/completions``), ``--requests`` requests per phase after ``--warmup``:
+One ``chat-e serve --admin`` server (``runs/demo`` by default, the model ``make demo`` writes; greedy replies of
+exactly ``--new_tokens`` tokens; the server's default threads for this machine):
 
-* ``idle``: nothing else runs;
-* ``training (as the app runs it)``: a DPO run of the served model started by :class:`chat_e.studio.runs.RunManager`,
-  exactly as the Train page's Start does (torchrun, ``--nproc`` ranks, each rank as many threads as torch gives
-  it), on DPO rows exported from a feedback database of ``--rows`` choices;
-* ``training, not niced`` (the control): the same run with the app's lowering of its priority turned off.
+1. **Feedback**: ``--rows`` chats through the chat UI's endpoints (``gradio_client``: ``/add_message``,
+   ``/respond``), each reply corrected (``/correct``) with the reply a person gave in the chit-chat corpus (its
+   validation dialogues). Each correction is a DPO pair: the person's reply over the model's.
+2. **Idle**: one user's reply latency (``POST /v1/chat/completions``, ``--requests`` replies one after another).
+3. **The Train page's run** (``/admin/``, ``/start``: DPO, LoRA rank ``--lora_rank``, ``--steps`` steps, torchrun
+   with ``--nproc`` ranks, as the operator starts it, niced by the app): the same latency measured once the run has
+   logged its first step. Then the run is left to finish: its wall time, and its held-out reward accuracy and margin
+   before and after training (the run's record).
+4. **The control**: the same run started without the app's lowering of its priority (``RunManager.niceness = 0``),
+   the same latency, then the run is stopped.
 
-A training phase measures once the run logged its first step (its model loaded and its first batch done), and the
-run is stopped after it. Reported per phase: median (p50) and p95 latency, and the ratio of each to idle's.
+Reported: p50 and p95 latency of each phase and their ratio to idle's, and the run's numbers.
 
+    make demo
     python -m benchmarks.bench_chat_training --out runs/bench/chat_training.json --doc docs/benchmarks.md
 """
 
@@ -30,21 +34,32 @@ import httpx
 
 from benchmarks import harness
 from benchmarks.bench_api import Server
-from chat_e.data.progress import read_progress
-from chat_e.feedback.store import FeedbackStore
-from chat_e.studio import runs as studio_runs
+from chat_e.data.corpora import DataArguments, load_dialogue_dataset
+from chat_e.data.dialogue import parse_texts
+from chat_e.feedback.store import DONE, RUNNING, FeedbackStore
 from chat_e.studio.runs import RunForm, RunManager, run_processes, signal_run
 from hf_ext.runtime import usable_cores
 
 MESSAGE = "I finally got the job! What should I do to celebrate?"
-PHASES = ("idle", "training (as the app runs it)", "training, not niced")
+ADMIN = ("operator", "bench-only-password")
+#: what every run's training gets first (the Train page's --train_args)
+TRAIN_ARGS = ["--per_device_train_batch_size", "4", "--max_length", "160", "--n_eval", "8"]
 
 
-def choice(i: int) -> dict:
-    """A stored choice of a reply over its regeneration, as a chat user makes one (a DPO pair)."""
-    return dict(kind="choice", reply_id=f"r{i}", model="served", reply=f"Congratulations! Let us go for dinner, {i}.",
-                other_reply_id=f"o{i}", other_reply=f"ok {i}", session_id=f"s{i}", mode="none", context="",
-                history=["hello", "hi there, how are you?"], message=f"I got the job, number {i}!", settings={})  # fmt: skip
+def feedback_rows(url: str, n: int) -> float:
+    """``n`` chats through the UI's endpoints, each reply corrected with the corpus's human reply; the seconds."""
+    from gradio_client import Client
+
+    data = load_dialogue_dataset(DataArguments(dataset_name="chitchat", n_val=n, n_train=1))["validation"]
+    client = Client(url, verbose=False, analytics_enabled=False, ssl_verify=False)
+    started = time.perf_counter()
+    for row in data:
+        _, turns = parse_texts(row["texts"])
+        _, chat, *_ = client.predict(turns[-1], [], api_name="/add_message")
+        client.predict(chat, "free", "", 1, False, 1.0, 1.0, 32, 1, api_name="/respond")
+        client.predict(row["labels"], api_name="/correct")
+    client.close()
+    return time.perf_counter() - started
 
 
 def latencies(url: str, model: str, n: int) -> list[float]:
@@ -59,101 +74,144 @@ def latencies(url: str, model: str, n: int) -> list[float]:
     return seconds
 
 
-def training_running(manager: RunManager, run_id: int, timeout: float) -> float:
-    """Wait until run ``run_id`` logged a step; the seconds that took. An error with the log's tail if it ended."""
-    run = manager.store.run(run_id)
+def wait_for_step(store: FeedbackStore, run_id: int, timeout: float = 1200) -> None:
+    """Until run ``run_id`` logged a training step (its progress file); an error with its log if it ended first."""
+    run = store.run(run_id)
     progress = Path(run["log_path"]).parent / "progress.jsonl"
-    started = time.monotonic()
-    while time.monotonic() - started < timeout:
-        if any(r.get("event") == "log" for r in read_progress(progress)):
-            return time.monotonic() - started
-        if manager.refresh()[0]["status"] != "running":
-            raise RuntimeError(f"the training ended early:\n{Path(run['log_path']).read_text()[-3000:]}")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if progress.is_file() and '"event": "log"' in progress.read_text():
+            return
+        if store.run(run_id)["status"] != RUNNING:
+            raise RuntimeError(f"run #{run_id} ended early:\n{Path(run['log_path']).read_text()[-3000:]}")
         time.sleep(1)
-    raise TimeoutError(f"the training logged no step in {timeout:.0f}s")
+    raise TimeoutError(f"run #{run_id} logged no step in {timeout:.0f}s")
 
 
-def stop(manager: RunManager, run_id: int) -> None:
-    """Stop the run at once (SIGKILL to every process of it): the measurement is over."""
-    pid = manager.store.run(run_id)["pid"]
-    processes = run_processes(pid)
-    signal_run(pid, signal.SIGKILL)
-    for process in processes:
-        try:
-            process.wait(timeout=60)
-        except Exception:  # gone already
-            pass
-    manager.refresh()
+def wait_until_over(store: FeedbackStore, page, run_id: int, timeout: float = 3600) -> dict:
+    """Until run ``run_id`` is no longer running (the page settles it); its record."""
+    deadline = time.monotonic() + timeout
+    while store.run(run_id)["status"] == RUNNING and time.monotonic() < deadline:
+        page.predict(api_name="/status")
+        time.sleep(2)
+    return store.run(run_id)
 
 
-def summary(values: list[float], idle: list[float] | None) -> dict:
+def summary(values: list[float], idle: list[float] | None, overlapped: bool | None = None) -> dict:
     row = {"p50_s": round(statistics.median(values), 3), "p95_s": round(harness.percentile(values, 0.95), 3),
            "requests": len(values)}  # fmt: skip
     if idle:
         row["p50_ratio"] = round(row["p50_s"] / statistics.median(idle), 2)
         row["p95_ratio"] = round(row["p95_s"] / harness.percentile(idle, 0.95), 2)
+    if overlapped is not None:
+        row["training_ran_throughout"] = overlapped
     return row
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="The served model; default SmolLM2-135M-Instruct (runs/models/smollm2).")
+    parser.add_argument("--model", default="runs/demo", help="The served model (default runs/demo: make demo).")
+    parser.add_argument("--rows", type=int, default=48, help="Corrected replies, each a DPO pair (default 48).")
     parser.add_argument("--requests", type=int, default=20, help="Measured replies per phase (default 20).")
     parser.add_argument("--warmup", type=int, default=2, help="Replies before each phase's, not counted.")
     parser.add_argument("--new_tokens", type=int, default=32, help="Every reply is exactly this long (default 32).")
-    parser.add_argument("--rows", type=int, default=48, help="Choices in the feedback database (default 48).")
-    parser.add_argument("--nproc", type=int, default=2, help="The training's ranks (default 2, torchrun).")
-    parser.add_argument("--lora_rank", type=int, default=8, help="The run's LoRA rank (default 8; 0: every weight).")
+    parser.add_argument("--steps", type=int, default=40, help="The DPO run's steps (default 40).")
+    parser.add_argument("--lora_rank", type=int, default=16, help="The run's LoRA rank (default 16).")
+    parser.add_argument("--nproc", type=int, default=2, help="The run's ranks under torchrun (default 2).")
     parser.add_argument("--out", default="runs/bench/chat_training.json", help="Where to write the JSON results.")
-    parser.add_argument("--doc", default=None, help="Write the table into this Markdown file's section.")
+    parser.add_argument("--doc", default=None, help="Write the tables into this Markdown file's section.")
     parser.add_argument("--section", default="chat-training", help="The section's marker name in --doc.")
     args = parser.parse_args(argv)
-    model = Path(args.model) if args.model else harness.ensure_model("smollm2")
-    threads = max(1, usable_cores() // 2)  # chat-e's default: the cores over --concurrency 2
+    model = Path(args.model)
+    if not (model / "config.json").is_file() and not (model / "adapter_config.json").is_file():
+        parser.error(f"{model} holds no model: run `make demo` first (or give --model DIR).")
+    from gradio_client import Client
 
-    results, waits = {}, {}
+    threads = max(1, usable_cores() // 2)  # chat-e's default: the cores over --concurrency 2
+    form = RunForm(method="dpo", max_steps=args.steps, lora_rank=args.lora_rank, learning_rate=1e-3,
+                   launcher="torchrun", nproc=args.nproc)  # fmt: skip
+    phases, run_report = {}, {}
     with tempfile.TemporaryDirectory(prefix="bench-chat-training-") as tmp:
         tmp = Path(tmp)
-        store = FeedbackStore(f"sqlite:///{tmp}/feedback.db")
-        for i in range(args.rows):
-            store.add_feedback(**choice(i))
-        train_args = ["--per_device_train_batch_size", "2", "--max_length", "128", "--n_eval", "4"]
-        server = Server(model, tmp / "chat-e.log", threads=threads, new_tokens=args.new_tokens)
+        extra = ["--admin", ":".join(ADMIN), "--train_dir", str(tmp / "train"), "--train_args", " ".join(TRAIN_ARGS)]
+        server = Server(model, tmp / "chat-e.log", threads=threads, new_tokens=args.new_tokens, extra=extra)
+        store = FeedbackStore(f"sqlite:///{(tmp / 'chat-e.log').with_suffix('.feedback.db')}")
         try:
             server.wait_ready()
             served = httpx.get(f"{server.url}v1/models", timeout=30).json()["data"][0]["id"]
-            for phase in PHASES:
-                run_id = None
-                if phase != "idle":
-                    manager = RunManager(store, str(model), tmp / "train", train_args)
-                    manager.niceness = 0 if phase == "training, not niced" else studio_runs.NICENESS
-                    form = RunForm(method="dpo", max_steps=100_000, lora_rank=args.lora_rank, launcher="torchrun",
-                                   nproc=args.nproc)  # fmt: skip
-                    run_id = manager.start(form)
-                    waits[phase] = round(training_running(manager, run_id, timeout=900), 1)
-                try:
-                    latencies(server.url, served, args.warmup)
-                    results[phase] = latencies(server.url, served, args.requests)
-                finally:
-                    if run_id is not None:
-                        stop(manager, run_id)
+            run_report["feedback_seconds"] = round(feedback_rows(server.url, args.rows), 1)
+            run_report["feedback_rows"] = len(store.feedback())
+
+            latencies(server.url, served, args.warmup)
+            phases["idle"] = (latencies(server.url, served, args.requests), None)
+
+            page = Client(f"{server.url}admin/", auth=ADMIN, verbose=False, analytics_enabled=False, ssl_verify=False)
+            form_values = (form.method, form.max_steps, form.lora_rank, form.learning_rate, form.launcher,
+                           form.nproc, form.preset)  # fmt: skip
+            page.predict(*form_values, api_name="/start")
+            run_id = store.runs()[0]["id"]
+            wait_for_step(store, run_id)
+            latencies(server.url, served, args.warmup)
+            measured = latencies(server.url, served, args.requests)
+            phases["training, as the Train page runs it"] = (measured, store.run(run_id)["status"] == RUNNING)
+            record = wait_until_over(store, page, run_id)
+            page.close()
+            if record["status"] != DONE:
+                raise RuntimeError(f"the Train page's run ended {record['status']}: {record['detail']}")
+            before, after = record["metrics_before"], record["metrics_after"]
+            run_report.update(
+                run_id=run_id, rows=record["rows"], steps=args.steps, lora_rank=args.lora_rank, nproc=args.nproc,
+                wall_s=round((record["ended_at"] - record["started_at"]).total_seconds(), 1),
+                reward_accuracy=[before["eval_rewards/accuracies"], after["eval_rewards/accuracies"]],
+                reward_margin=[before["eval_rewards/margins"], after["eval_rewards/margins"]],
+            )  # fmt: skip
+
+            control = RunManager(store, str(model), tmp / "control", TRAIN_ARGS)
+            control.niceness = 0
+            control_id = control.start(form)
+            try:
+                wait_for_step(store, control_id)
+                latencies(server.url, served, args.warmup)
+                measured = latencies(server.url, served, args.requests)
+                phases["training, not niced (control)"] = (measured, store.run(control_id)["status"] == RUNNING)
+            finally:
+                pid = store.run(control_id)["pid"]
+                processes = run_processes(pid)
+                signal_run(pid, signal.SIGKILL)
+                psutil_wait(processes)
         finally:
             server.stop()
             store.close()
 
-    idle = results["idle"]
-    rows = {phase: summary(values, None if phase == "idle" else idle) for phase, values in results.items()}
-    table = harness.markdown_table(
+    idle = phases["idle"][0]
+    rows = {name: summary(values, None if name == "idle" else idle, overlapped)
+            for name, (values, overlapped) in phases.items()}  # fmt: skip
+    latency_table = harness.markdown_table(
         ["phase", "p50 (s)", "p95 (s)", "p50 / idle", "p95 / idle"],
-        [[phase, r["p50_s"], r["p95_s"], r.get("p50_ratio", 1.0), r.get("p95_ratio", 1.0)] for phase, r in rows.items()],
+        [[name, r["p50_s"], r["p95_s"], r.get("p50_ratio", 1.0), r.get("p95_ratio", 1.0)] for name, r in rows.items()],
     )
-    note = (f"One user's reply latency ({args.new_tokens} new tokens, greedy, {args.requests} replies per phase) from "
-            f"`chat-e` serving {model.name} with {threads} torch thread(s), while the Train page's DPO run "
-            f"({args.nproc} ranks under torchrun, LoRA rank {args.lora_rank}, {args.rows} feedback rows) trains the "
-            f"served model on the same {usable_cores()} cores.")  # fmt: skip
-    report = {"model": str(model), "threads": threads, "phases": rows, "latencies_s": results,
-              "seconds_to_first_step": waits, "args": vars(args)}  # fmt: skip
-    return harness.publish("benchmarks.bench_chat_training", argv, [note, table], report, args)
+    acc, margin = run_report["reward_accuracy"], run_report["reward_margin"]
+    run_table = harness.markdown_table(
+        ["feedback rows", "DPO rows", "run wall time (s)", "held-out reward accuracy", "held-out reward margin"],
+        [[run_report["feedback_rows"], run_report["rows"], run_report["wall_s"],
+          f"{acc[0]:.3f} → {acc[1]:.3f}", f"{margin[0]:.3f} → {margin[1]:.3f}"]],
+    )  # fmt: skip
+    note = (f"`{model}` served by `chat-e` ({threads} torch thread(s) per reply) on {usable_cores()} cores. "
+            f"{args.rows} replies corrected through the chat UI with the chit-chat corpus's human replies, then the "
+            f"Train page's DPO run on them ({args.steps} steps, LoRA rank {args.lora_rank}, {args.nproc} ranks under "
+            f"torchrun; {TRAIN_ARGS[-1]} rows held out). Latency: one user, {args.requests} replies of "
+            f"{args.new_tokens} tokens per phase, measured once the run has logged its first step.")  # fmt: skip
+    report = {"model": str(model), "threads": threads, "phases": rows, "run": run_report,
+              "latencies_s": {name: values for name, (values, _) in phases.items()}, "args": vars(args)}  # fmt: skip
+    return harness.publish("benchmarks.bench_chat_training", argv, [note, run_table, latency_table], report, args)
+
+
+def psutil_wait(processes) -> None:
+    for process in processes:
+        try:
+            process.wait(timeout=60)
+        except Exception:  # gone already, or not our child
+            pass
 
 
 if __name__ == "__main__":

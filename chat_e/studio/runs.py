@@ -33,7 +33,7 @@ import psutil
 from hf_ext.deepspeed.load import PRESETS
 
 from ..data.progress import ENV as PROGRESS_ENV
-from ..data.progress import read_progress
+from ..data.progress import NICENESS_ENV, read_progress
 from ..feedback.export import export
 from ..feedback.store import DONE, FAILED, QUEUED, RUNNING, STOPPED, FeedbackStore, utcnow
 from ..training.launch import LAUNCHERS, command
@@ -156,7 +156,8 @@ class RunManager:
         folder = Path(run["log_path"]).parent
         nice = shutil.which("nice")
         niced = [nice, "-n", str(self.niceness)] if nice and self.niceness else []
-        env = {**os.environ, PROGRESS_ENV: str(folder / "progress.jsonl")}
+        # each rank gives its own session the same niceness (chat_e.data.progress says why)
+        env = {**os.environ, PROGRESS_ENV: str(folder / "progress.jsonl"), NICENESS_ENV: str(self.niceness)}
         with open(run["log_path"], "ab") as log:
             log.write(f"{LAUNCH_MARK} #{run_id} at {utcnow():%Y-%m-%d %H:%M:%S} UTC: {' '.join(cmd)}\n".encode())
             log.flush()

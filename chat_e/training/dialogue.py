@@ -44,7 +44,7 @@ from chat_e.data.lora import LoraArguments
 from chat_e.data.models import BUILDERS, build_model
 from chat_e.data.plotting import plot_training_curves
 from chat_e.data.samples import SAMPLE_CHATS
-from chat_e.training.progress import progress_callbacks
+from chat_e.training.progress import join_run_niceness, progress_callbacks
 from hf_ext import Seq2SeqTrainer, Seq2SeqTrainingArguments
 from hf_ext.atomic import write_text_atomically
 from hf_ext.config_args import parse_args_with_config, split_launcher_args
@@ -167,6 +167,7 @@ def bleu_before_after(log_history: list[dict]) -> tuple[dict, dict] | None:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    join_run_niceness()  # a run the app started: this rank's session niced as the run is
     # 1. arguments: dataclass defaults < --config YAML < CLI flags
     model_args, data_args, training_args = parse_args_with_config(
         (ModelArguments, DataArguments, DialogueTrainingArguments), argv

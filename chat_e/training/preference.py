@@ -57,7 +57,7 @@ from ..data.corpora import OFFLINE_DATASETS, load_offline, sample
 from ..data.dialogue import chat_reply_ids, encode_chat_prompt, family_of, parse_texts
 from ..data.lora import LoraArguments
 from ..data.models import BUILDERS, build_model
-from .progress import progress_callbacks
+from .progress import join_run_niceness, progress_callbacks
 
 logger = logging.getLogger(__name__)
 
@@ -461,6 +461,7 @@ def main(argv: list[str] | None = None) -> dict:
     from hf_ext.saving.export import export  # noqa: PLC0415 (see above)
     from hf_ext.trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer  # noqa: PLC0415 (see above)
 
+    join_run_niceness()  # a run the app started: this rank's session niced as the run is
     # 1. arguments: dataclass defaults < --config YAML < CLI flags; the loss picks TRL's config class
     loss = loss_of(argv)
     config_class, trainer_class = (DPOConfig, DPOTrainer) if loss == "dpo" else (KTOConfig, KTOTrainer)

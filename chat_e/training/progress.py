@@ -1,5 +1,5 @@
 """The training's side of :mod:`chat_e.data.progress`: :class:`ProgressFile`, added by the training modules when
-``CHAT_E_PROGRESS_FILE`` names a file."""
+``CHAT_E_PROGRESS_FILE`` names a file, and :func:`join_run_niceness`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 # absolute import: chat_e.training.dialogue, which imports this, is loaded by its path under Ray Train
-from chat_e.data.progress import ENV
+from chat_e.data.progress import ENV, NICENESS_ENV, set_session_niceness
 
 
 class ProgressFile(TrainerCallback):
@@ -40,3 +40,11 @@ class ProgressFile(TrainerCallback):
 def progress_callbacks() -> list[TrainerCallback]:
     """``[ProgressFile]`` when ``CHAT_E_PROGRESS_FILE`` is set, else none."""
     return [ProgressFile(os.environ[ENV])] if os.environ.get(ENV) else []
+
+
+def join_run_niceness() -> None:
+    """A rank of a run the app started (``CHAT_E_RUN_NICENESS`` set): its session's scheduling group gets the run's
+    niceness (:mod:`chat_e.data.progress`), before the model loads."""
+    value = os.environ.get(NICENESS_ENV, "")
+    if value.strip().lstrip("-").isdigit():
+        set_session_niceness(int(value))

@@ -15,6 +15,7 @@ import httpx
 import psutil
 import pytest
 
+from chat_e.data.progress import AUTOGROUP
 from chat_e.feedback.store import RUNNING, FeedbackStore
 from chat_e.studio.runs import RunForm, RunManager, run_processes, signal_run
 
@@ -155,7 +156,10 @@ def test_the_operator_turns_feedback_into_a_served_model_in_the_browser(tiny_cha
     shown failed with its exit status."""
     url = f"sqlite:///{tmp_path}/feedback.db"
     store = FeedbackStore(url)
-    model = make_sensitive_model(tiny_chat_model_dir, tmp_path / "model", std=0.5)  # replies that are not empty
+    # the tiny chat model with weights that give replies that are not empty; CHAT_E_TEST_MODEL=runs/demo
+    # CHAT_E_SCREENSHOTS=docs: the demo model, and the screenshots of docs/feedback.md
+    chosen = os.environ.get("CHAT_E_TEST_MODEL")
+    model = Path(chosen) if chosen else make_sensitive_model(tiny_chat_model_dir, tmp_path / "model", std=0.5)
     base = str(Path(model).resolve())
     args = ("--admin", ":".join(ADMIN), "--train_args", " ".join(TRAIN_ARGS), "--train_dir", str(tmp_path / "train"))
     first = ChatEServer(model, tmp_path / "first.log", *args, feedback_db=url)
@@ -197,6 +201,10 @@ def test_the_operator_turns_feedback_into_a_served_model_in_the_browser(tiny_cha
         assert os.getpgid(run["pid"]) == run["pid"]
         wait_for(lambda: len(run_processes(run["pid"])) >= 3)
         assert all(os.getpriority(os.PRIO_PROCESS, p.pid) >= 10 for p in run_processes(run["pid"]))
+        ranks = [p for p in run_processes(run["pid"])[1:] if "chat_e.training" in " ".join(p.cmdline())]
+        assert len(ranks) == 2
+        if AUTOGROUP.exists():  # the kernel shares the CPU between sessions first: each rank's session is niced too
+            wait_for(lambda: all(Path(f"/proc/{p.pid}/autogroup").read_text().split()[-1] == "10" for p in ranks))
         with pytest.raises(Exception, match=f"Run #{run['id']} is running: cancel it or wait"):
             client.predict(*FORM.values(), api_name="/start")
         page.wait_for_function("() => Number(document.querySelector('#train-progress progress')?.value) >= 2",
@@ -238,6 +246,9 @@ def test_the_operator_turns_feedback_into_a_served_model_in_the_browser(tiny_cha
         with pytest.raises(Exception, match=r"Run #999 has no model to serve: choose a run that is done"):
             client.predict(999, api_name="/open_arena")
         page.locator("#served-run input").fill(str(run["id"]))
+        arena = gradio_client(f"{second.url}arena/")
+        with pytest.raises(Exception, match="No arena is open now"):  # until the operator opens one
+            arena.predict(api_name="/new_battle")
         page.locator("#open-arena").click()
         wait_shown(page, "#serving", "Arena open")
         sides = client.predict(run["id"], "What do you like?", api_name="/side_by_side")
@@ -267,6 +278,9 @@ def test_the_operator_turns_feedback_into_a_served_model_in_the_browser(tiny_cha
         page.locator("#promote").click()
         assert "Roll back returns to" in wait_shown(page, "#serving", f"promoted from run #{run['id']}")
         assert served_id(second) == (trained, trained)
+        with pytest.raises(Exception, match="No arena is open now"):  # its pairing named the model served before
+            arena.predict(api_name="/new_battle")
+        arena.close()
         page.goto(second.url)
         wait_shown(page, "#model-line", trained)
         page.locator("#message textarea").fill("hello, who are you now?")

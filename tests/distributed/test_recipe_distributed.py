@@ -131,9 +131,8 @@ def test_fsdp_under_torchrun_and_accelerate_gives_the_same_loss(recipe_runs):
 # tests/launched/signal_at.py sends the signal from rank 1 at the end of step 8: to itself ("self") or to its parent,
 # the launcher ("launcher"), which passes it on to every rank (torchrun at once; DeepSpeed's launcher one rank at a time)
 PREEMPTIONS = {
-    "zero2-sigterm-to-torchrun": ("torchrun-zero2", "torchrun", ["--deepspeed", "zero2"], "8:SIGTERM:launcher", 2),
-    "zero2-sigterm-to-one-rank-resumed-on-one": ("torchrun-zero2", "torchrun", ["--deepspeed", "zero2"],
-                                                 "8:SIGTERM:self", 1),
+    "zero2-sigterm-to-torchrun-resumed-on-one": ("torchrun-zero2", "torchrun", ["--deepspeed", "zero2"],
+                                                 "8:SIGTERM:launcher", 1),
     "zero3-sigterm-to-deepspeed-launcher": ("deepspeed-zero3", "deepspeed", ["--deepspeed", "zero3"],
                                             "8:SIGTERM:launcher", 2),  # resumed under torchrun, as every resume
     "fsdp2-sigusr1-to-one-rank": ("torchrun-fsdp", "torchrun", ["--fsdp", "full_shard"], "8:SIGUSR1:self", 2),
