@@ -44,8 +44,8 @@ APP_METHODS = ("dpo", "kto")
 PREEMPTED = 75
 #: the report the preference training writes when it finished (chat_e.training.preference)
 REPORT = "preference_metrics.json"
-#: how nice the training runs, so that chat stays responsive on a small machine (docs/benchmarks.md, "Chat while
-#: training")
+#: how nice the training runs (its launcher, and each rank's session), so that chat stays responsive on a small
+#: machine (docs/benchmarks.md, "Chat-E's fine-tune loop")
 NICENESS = 10
 LOG_TAIL_LINES = 20
 #: the line the manager writes into a run's log before each launch (start, resume)
