@@ -6,7 +6,7 @@ feedback database (:class:`chat_e.feedback.store.TrainingRun`).
   starts ``chat-e train`` (:mod:`chat_e.training.launch`) under ``nice`` (the ranks inherit it), in a new session
   (so that it outlives a restarted server), with ``CHAT_E_PROGRESS_FILE`` set (:mod:`chat_e.data.progress`). One run at a
   time: a second Start while one runs is refused in one line.
-* **Cancel** sends SIGTERM to the run's processes (the launcher and every rank): hf-ext's preemption (``save_on_preemption``) has every rank save one
+* **Cancel** sends SIGTERM to the run's ranks (not to its launcher, which would kill them 30 s later): hf-ext's preemption (``save_on_preemption``) has every rank save one
   checkpoint at the next step boundary and exit with status 75; the run is then ``stopped``. **Resume** starts the
   same command with ``--resume_from_checkpoint True``.
 * **Refresh** decides what a ``running`` record is now: its process still running (the pid *and* the process's start
@@ -135,11 +135,11 @@ class RunManager:
         self._launch(run_id, [*run["settings"]["command"], "--resume_from_checkpoint", "True"])
 
     def cancel(self, run_id: int) -> None:
-        """Ask running run ``run_id`` to save a checkpoint and stop (SIGTERM to its process group)."""
+        """Ask running run ``run_id`` to save a checkpoint and stop: SIGTERM to its ranks (:func:`signal_ranks`)."""
         run = self._get(run_id)
         if run["status"] != RUNNING or not self._alive(run):
             raise ValueError(f"Run #{run_id} is not running.")
-        signal_run(run["pid"], signal.SIGTERM)
+        signal_ranks(run["pid"], signal.SIGTERM)
 
     def _training_args(self, form: RunForm, rows_file: Path, out: Path) -> list[str]:
         args = [*self.train_args, "--model_name_or_path", self.base_model, "--data_file", str(rows_file),
@@ -254,6 +254,26 @@ def run_processes(pid: int) -> list[psutil.Process]:
         return [launcher, *launcher.children(recursive=True)]
     except psutil.NoSuchProcess:
         return []
+
+
+def signal_ranks(pid: int, sig: signal.Signals) -> None:
+    """``sig`` to the ranks of the run whose launcher is ``pid`` (the processes with ``LOCAL_RANK`` in their
+    environment; the launcher itself when it is the one rank). Not to the launcher: torchrun and DeepSpeed's launcher
+    pass a signal on and kill the ranks 30 s later, which a step and a checkpoint of a larger model can outlast. The
+    ranks save, exit with status 75, and the launcher ends with them."""
+    processes = run_processes(pid)
+    ranks = []
+    for process in processes[1:]:
+        try:
+            if "LOCAL_RANK" in process.environ():
+                ranks.append(process)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    for process in ranks or processes[:1]:
+        try:
+            process.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
 
 
 def signal_run(pid: int, sig: signal.Signals) -> None:

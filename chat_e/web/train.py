@@ -144,7 +144,9 @@ def build_train_app(manager: RunManager, store, desk: ServingDesk | None = None,
         with gr.Row():
             method = gr.Radio(list(APP_METHODS), value=defaults.method, label="method", elem_id="train-method")
             max_steps = gr.Number(defaults.max_steps, precision=0, label="steps", elem_id="train-steps")
-            lora_rank = gr.Number(defaults.lora_rank, precision=0, label="LoRA rank (0: every weight)")
+            lora_rank = gr.Number(
+                defaults.lora_rank, precision=0, label="LoRA rank (0: every weight)", elem_id="train-lora"
+            )
             learning_rate = gr.Number(defaults.learning_rate, label="learning rate")
         with gr.Row():
             launcher = gr.Dropdown(

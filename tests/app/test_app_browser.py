@@ -85,7 +85,7 @@ def test_pick_a_persona_chat_and_see_replies(server, page, expected_reply, tmp_p
     page.wait_for_function("sel => document.querySelectorAll(sel).length === 0", arg=USER)
 
 
-# ---- feedback and the arena, clicked in the browser ------------------------------------------------------------
+# ---- feedback, clicked in the browser (the arena: tests/app/test_training_runs.py, the operator's loop) ------------------------------------------------------------
 
 
 def stored(url: str, what: str, count: int, timeout: float = 60) -> list[dict]:
@@ -135,37 +135,3 @@ def test_a_thumb_clicked_on_a_reply_is_stored_with_its_exchange(rated, page, tmp
     shot = tmp_path / "feedback.png"
     page.screenshot(path=str(shot), full_page=True)
     keep_screenshot(shot, "chat-e-feedback.png")
-
-
-@pytest.fixture(scope="module")
-def arena(tiny_model_dir, tiny_chat_model_dir, tmp_path_factory):
-    """``chat-e arena`` on the tiny BlenderBot and the tiny chat model (``CHAT_E_ARENA_MODELS="A B"``: those, with
-    their own generation defaults)."""
-    models = os.environ.get("CHAT_E_ARENA_MODELS", "").split() or [tiny_model_dir, tiny_chat_model_dir]
-    log = tmp_path_factory.mktemp("chat-e-arena") / "arena.log"
-    with serving(
-        ChatEServer(models[0], log, arena=models[1:], model_defaults=bool(os.environ.get("CHAT_E_ARENA_MODELS")))
-    ) as (srv,):
-        yield srv
-
-
-def test_an_arena_vote_clicked_is_stored_and_reveals_the_models(arena, page, tmp_path):
-    page.goto(arena.url)
-    page.wait_for_selector("#arena-message")
-    assert page.locator("#vote-model_a").is_disabled()  # nothing to vote on yet
-    page.locator("#arena-message textarea").fill("Hi! What do you like to do on weekends?")
-    page.locator("#arena-send").click()
-    page.wait_for_function("() => !document.querySelector('#vote-model_a').disabled", timeout=120_000)
-    assert page.locator("#reveal").inner_text().strip() == ""  # the names stay hidden until the vote
-    page.locator("#vote-model_a").click()
-    page.wait_for_function("() => document.querySelector('#reveal').innerText.includes('Model A')", timeout=60_000)
-    (vote,) = stored(arena.feedback_db, "votes", 1)
-    revealed = page.locator("#reveal").inner_text()
-    assert vote["winner"] == "model_a" and vote["turn"] == 1
-    assert vote["model_a"] in revealed and vote["model_b"] in revealed
-    assert revealed.index(vote["model_a"]) < revealed.index(vote["model_b"])  # A is named first
-    # one vote per battle: the buttons go dead, and the windows' labels name the models
-    page.wait_for_function("() => document.querySelector('#vote-model_b').disabled", timeout=60_000)
-    shot = tmp_path / "arena.png"
-    page.screenshot(path=str(shot), full_page=True)
-    keep_screenshot(shot, "chat-e-arena.png")

@@ -115,7 +115,11 @@ def shown(page, selector: str) -> str:
     return " ".join(page.locator(selector).inner_text().split())
 
 
-def wait_shown(page, selector: str, text: str, timeout: float = 180_000) -> str:
+#: how long the page may take to show a run's next state (ms); a real model (CHAT_E_TEST_MODEL) trains for minutes
+WAIT_MS = 1_800_000 if os.environ.get("CHAT_E_TEST_MODEL") else 180_000
+
+
+def wait_shown(page, selector: str, text: str, timeout: float = WAIT_MS) -> str:
     """Until the element shows ``text`` (the page refreshes itself: a gr.Timer); what it shows then."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
@@ -145,8 +149,22 @@ def screenshot(page, tmp_path: Path, name: str) -> None:
     keep_screenshot(shot, name)
 
 
+@pytest.fixture
+def reaped_store(tmp_path):
+    """The test's feedback database (URL, store). A run outlives the server that started it, so at the end every run
+    it recorded that is still running is killed (SIGKILL), whether the test passed or not."""
+    url = f"sqlite:///{tmp_path}/feedback.db"
+    store = FeedbackStore(url)
+    yield url, store
+    for run in store.runs():
+        if RunManager._alive(run):
+            signal_run(run["pid"], signal.SIGKILL)
+    store.close()
+
+
 @needs_chromium
-def test_the_operator_turns_feedback_into_a_served_model_in_the_browser(tiny_chat_model_dir, tmp_path, page):
+def test_the_operator_turns_feedback_into_a_served_model_in_the_browser(tiny_chat_model_dir, tmp_path, page,
+                                                                         reaped_store):  # fmt: skip
     """The loop, as the operator clicks it in headless Chromium on a real server: rate and correct 10 replies;
     log in to the Train page and see the 10 DPO rows; start a DPO run (2 ranks under torchrun), watch its progress
     and plot; the server restarted mid-run and the page reattached; Cancel (a checkpoint), Resume to the end with the
@@ -154,12 +172,13 @@ def test_the_operator_turns_feedback_into_a_served_model_in_the_browser(tiny_cha
     battles; Promote and chat with the new model; Roll back. The database, the API and the run's files are the
     oracle; gradio_client checks the refusals (bad values, a second Start, unknown runs) and a run whose process dies
     shown failed with its exit status."""
-    url = f"sqlite:///{tmp_path}/feedback.db"
-    store = FeedbackStore(url)
+    url, store = reaped_store
     # the tiny chat model with weights that give replies that are not empty; CHAT_E_TEST_MODEL=runs/demo
     # CHAT_E_SCREENSHOTS=docs: the demo model, and the screenshots of docs/feedback.md
     chosen = os.environ.get("CHAT_E_TEST_MODEL")
-    model = Path(chosen) if chosen else make_sensitive_model(tiny_chat_model_dir, tmp_path / "model", std=0.5)
+    model = (
+        Path(chosen).resolve() if chosen else make_sensitive_model(tiny_chat_model_dir, tmp_path / "model", std=0.5)
+    )
     base = str(Path(model).resolve())
     args = ("--admin", ":".join(ADMIN), "--train_args", " ".join(TRAIN_ARGS), "--train_dir", str(tmp_path / "train"))
     first = ChatEServer(model, tmp_path / "first.log", *args, feedback_db=url)
@@ -189,14 +208,16 @@ def test_the_operator_turns_feedback_into_a_served_model_in_the_browser(tiny_cha
         for bad, says in (({"max_steps": 0}, "steps=0"), ({"learning_rate": 0}, "learning rate=0")):
             with pytest.raises(Exception, match=says):
                 client.predict(*{**FORM, **bad}.values(), api_name="/start")
+        lora = 16 if chosen else 0  # a real model trains its LoRA adapter, in minutes
         page.locator("#train-steps input").fill(str(STEPS))
+        page.locator("#train-lora input").fill(str(lora))
         page.locator("#train-launcher input").fill("torchrun")
         page.locator("#train-launcher input").press("Enter")
         page.locator("#train-ranks input").fill("2")
         page.locator("#train-start").click()
         wait_shown(page, "#train-status", "running")
         run = store.runs()[0]
-        assert run["settings"]["form"] == FORM  # the form as filled in the browser
+        assert run["settings"]["form"] == {**FORM, "lora_rank": lora}  # the form as filled in the browser
         # the training runs in its own process group, niced: the launcher and, once started, its 2 ranks
         assert os.getpgid(run["pid"]) == run["pid"]
         wait_for(lambda: len(run_processes(run["pid"])) >= 3)
@@ -236,7 +257,7 @@ def test_the_operator_turns_feedback_into_a_served_model_in_the_browser(tiny_cha
         assert {"eval_rewards/accuracies", "eval_rewards/margins"} <= set(record["metrics_before"]) & set(
             record["metrics_after"]
         )
-        assert (Path(record["output_dir"]) / "model.safetensors").is_file()
+        assert {"config.json", "adapter_config.json"} & {p.name for p in Path(record["output_dir"]).iterdir()}
         assert f"step {STEPS} of {STEPS}" in done
         screenshot(page, tmp_path, "chat-e-train-done.png")
         trained = str(Path(record["output_dir"]).resolve())
@@ -256,12 +277,20 @@ def test_the_operator_turns_feedback_into_a_served_model_in_the_browser(tiny_cha
         page.goto(f"{second.url}arena/")
         page.wait_for_selector("#arena-message")
         for i, winner in enumerate(["model_a", "model_b", "tie", "model_a", "bothbad"]):
+            assert page.locator("#vote-model_a").is_disabled()  # nothing to vote on yet
             page.locator("#arena-message textarea").fill(f"What do you like, {i}?")
             page.locator("#arena-send").click()
             page.wait_for_function("() => !document.querySelector('#vote-model_a').disabled", timeout=120_000)
+            assert page.locator("#reveal").inner_text().strip() == ""  # the names stay hidden until the vote
             page.locator(f"#vote-{winner}").click()
             page.wait_for_function("() => document.querySelector('#reveal').innerText.includes('Model A')")
-            assert len(store.votes()) == i + 1
+            vote, revealed = store.votes()[-1], page.locator("#reveal").inner_text()
+            assert len(store.votes()) == i + 1 and vote["winner"] == winner and vote["turn"] == 1
+            assert revealed.index(vote["model_a"]) < revealed.index(vote["model_b"])  # A is named first
+            # one vote per battle: the buttons go dead
+            page.wait_for_function("() => document.querySelector('#vote-model_b').disabled", timeout=60_000)
+            if i == 0:
+                screenshot(page, tmp_path, "chat-e-arena.png")
             page.locator("#new-battle").click()
             page.wait_for_function("() => document.querySelector('#reveal').innerText.trim() === ''")
         votes = store.votes()
@@ -303,4 +332,3 @@ def test_the_operator_turns_feedback_into_a_served_model_in_the_browser(tiny_cha
         failed = wait_for(lambda: "**failed**" in (s := newest(client))["line"] and s)
         assert f"failed: exit status -{signal.SIGKILL.value}" in failed["line"]
         client.close()
-    store.close()
