@@ -51,3 +51,10 @@ def keep_screenshot(shot: Path, name: str) -> None:
     """``CHAT_E_SCREENSHOTS=DIR`` keeps the test's screenshot as ``DIR/name`` (how the docs' were made)."""
     if os.environ.get("CHAT_E_SCREENSHOTS"):
         shutil.copy(shot, Path(os.environ["CHAT_E_SCREENSHOTS"]) / name)
+
+
+def wait_for_reply(page, count: int) -> None:
+    """Until the chat's ``count``-th reply is complete: shown, and the message box given back (the UI locks it while
+    a reply streams, and a reply can be rated only once it is complete)."""
+    wait_for_bot(page, count)
+    page.wait_for_function("() => !document.querySelector('#message textarea').disabled", timeout=120_000)

@@ -20,7 +20,7 @@ from chat_e.feedback.store import RUNNING, FeedbackStore
 from chat_e.studio.runs import RunForm, RunManager, run_processes, signal_run
 
 from ..conftest import ROOT
-from .browser import BOT, keep_screenshot, needs_chromium, wait_for_bot
+from .browser import BOT, keep_screenshot, needs_chromium, wait_for_reply
 from .support import ChatEServer, gradio_client, make_sensitive_model, serving
 
 pytestmark = pytest.mark.slow
@@ -189,8 +189,7 @@ def test_the_operator_turns_feedback_into_a_served_model_in_the_browser(tiny_cha
         for i in range(10):
             page.locator("#message textarea").fill(f"What do you like, number {i}?")
             page.locator("#send").click()
-            wait_for_bot(page, i + 1)
-            page.wait_for_function("() => !document.querySelector('#message textarea').disabled")
+            wait_for_reply(page, i + 1)
             page.locator(BOT).last.hover()
             page.locator("#chatbot").get_by_label("Like", exact=True).last.click()
             wait_for(lambda n=2 * i + 1: len(store.feedback()) == n)
@@ -209,13 +208,20 @@ def test_the_operator_turns_feedback_into_a_served_model_in_the_browser(tiny_cha
             with pytest.raises(Exception, match=says):
                 client.predict(*{**FORM, **bad}.values(), api_name="/start")
         lora = 16 if chosen else 0  # a real model trains its LoRA adapter, in minutes
-        page.locator("#train-steps input").fill(str(STEPS))
-        page.locator("#train-lora input").fill(str(lora))
-        page.locator("#train-launcher input").fill("torchrun")
-        page.locator("#train-launcher input").press("Enter")
-        page.locator("#train-ranks input").fill("2")
+        for field, value in (("#train-steps", STEPS), ("#train-lora", lora), ("#train-ranks", 2)):
+            page.locator(f"{field} input").fill(str(value))
+            page.locator(f"{field} input").press("Tab")  # committed, as a user leaving the field
+        page.locator("#train-launcher input").click()
+        page.get_by_role("option", name="torchrun").click()
+        assert page.locator("#train-launcher input").input_value() == "torchrun"
         page.locator("#train-start").click()
-        wait_shown(page, "#train-status", "running")
+        # the run starts, or the page says why not (a toast, which fades: read at once)
+        page.wait_for_function(
+            "() => document.querySelector('#train-status')?.innerText.includes('running')"
+            " || document.querySelector('.toast-body')",
+            timeout=WAIT_MS,
+        )
+        assert not page.locator(".toast-body").count(), page.locator(".toast-body").all_inner_texts()
         run = store.runs()[0]
         assert run["settings"]["form"] == {**FORM, "lora_rank": lora}  # the form as filled in the browser
         # the training runs in its own process group, niced: the launcher and, once started, its 2 ranks
@@ -314,7 +320,7 @@ def test_the_operator_turns_feedback_into_a_served_model_in_the_browser(tiny_cha
         wait_shown(page, "#model-line", trained)
         page.locator("#message textarea").fill("hello, who are you now?")
         page.locator("#send").click()
-        wait_for_bot(page, 1)
+        wait_for_reply(page, 1)
         page.locator(BOT).last.hover()
         page.locator("#chatbot").get_by_label("Like", exact=True).last.click()
         wait_for(lambda: len(store.feedback()) == 21)
