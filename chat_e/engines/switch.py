@@ -37,6 +37,13 @@ class SwitchableEngine(ChatEngine):
             previous, self._engine = self._engine, engine
         return previous
 
+    def _take(self, completion: Completion | None) -> tuple[ChatEngine, Completion]:
+        """The engine a reply starts on, and its ``completion`` (a new one when None) naming that engine."""
+        engine = self.current
+        completion = completion if completion is not None else Completion()
+        completion.model = engine.name
+        return engine, completion
+
     @property
     def name(self) -> str:
         return self.current.name
@@ -66,9 +73,7 @@ class SwitchableEngine(ChatEngine):
         **overrides: Any,
     ) -> str:
         """The current engine's ``chat``; ``completion.model`` names it."""
-        engine = self.current
-        completion = completion if completion is not None else Completion()
-        completion.model = engine.name
+        engine, completion = self._take(completion)
         return engine.chat(message, history, mode, context, settings, completion, **overrides)
 
     def stream_chat(
@@ -83,7 +88,5 @@ class SwitchableEngine(ChatEngine):
     ) -> Iterator[str]:
         """The current engine's ``stream_chat``, the engine taken when the call is made (before the first piece is
         asked for); ``completion.model`` names it at once."""
-        engine = self.current
-        completion = completion if completion is not None else Completion()
-        completion.model = engine.name
+        engine, completion = self._take(completion)
         return engine.stream_chat(message, history, mode, context, settings, completion, **overrides)
