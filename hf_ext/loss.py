@@ -74,6 +74,14 @@ def decoder_inputs_from_labels(model):
     return lambda labels: shift(labels, config.pad_token_id, config.decoder_start_token_id)
 
 
+def adds_router_loss(model) -> bool:
+    """True when the model's own loss adds mixture-of-experts router terms to the cross-entropy: a decoder-only MoE
+    (Mixtral, Qwen2-MoE, OLMoE...) with ``output_router_logits`` on, or a model type of
+    :data:`ROUTER_LOSS_MODEL_TYPES`. A loss hf-ext computes from the logits alone would drop those terms."""
+    config = getattr(base_model_of(model), "config", None) if model is not None else None
+    return bool(getattr(config, "output_router_logits", False)) or _model_type(model) in ROUTER_LOSS_MODEL_TYPES
+
+
 def takes_global_token_mean(model) -> bool:
     """True when hf-ext replaces the model's own per-micro-batch mean by :func:`global_token_mean_loss`: an
     encoder-decoder of :data:`OWN_MEAN_LOSS_MODEL_TYPES` (labels aligned with its logits) without router losses, whose
@@ -82,7 +90,7 @@ def takes_global_token_mean(model) -> bool:
     return (
         loss_ignores_num_items(model)
         and bool(getattr(config, "is_encoder_decoder", False))
-        and _model_type(model) not in ROUTER_LOSS_MODEL_TYPES
+        and not adds_router_loss(model)
         and decoder_inputs_from_labels(model) is not None
     )
 

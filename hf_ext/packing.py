@@ -21,7 +21,9 @@ What hf-ext adds:
   collator (:class:`LabelledLogitsCollator`) passes transformers' own ``logits_to_keep`` as a boolean mask, the
   model projects those positions alone, and :func:`labelled_logits_loss` (the Trainer's public ``compute_loss_func``)
   takes the cross-entropy there, normalized as the model's own loss is. Only where nothing else reads the logits (no
-  ``compute_metrics``, ``compute_loss_func`` or label smoothing) and the model's ``forward`` takes ``logits_to_keep``;
+  ``compute_metrics``, ``compute_loss_func`` or label smoothing), the model's ``forward`` takes ``logits_to_keep``
+  and its loss is the cross-entropy alone: a mixture-of-experts model with ``output_router_logits`` adds its router's
+  auxiliary loss, and keeps its own loss (:func:`hf_ext.loss.adds_router_loss`);
 * the cost :class:`PackedRebalanceSampler` balances: stock's ``BatchRebalanceSampler`` prices a micro-batch by its
   padded size (rows × longest row), a packed one costs its tokens (plus attention's quadratic term per row), so with
   ``padding_free`` each rank and accumulation step gets about the same number of real tokens;
@@ -44,6 +46,7 @@ from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening, Dat
 from transformers.data.data_collator import DefaultDataCollator, default_data_collator
 from transformers.trainer_pt_utils import BatchRebalanceSampler
 
+from .loss import adds_router_loss
 from .model_info import base_model_of
 
 logger = logging.getLogger(__name__)
@@ -191,6 +194,7 @@ def enable_on_trainer(trainer) -> None:
             and trainer.compute_metrics is None
             and trainer.label_smoother is None
             and takes_logits_to_keep(trainer.model)
+            and not adds_router_loss(trainer.model)
         )
         if labelled_only:
             trainer.data_collator = LabelledLogitsCollator()

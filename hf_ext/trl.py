@@ -29,6 +29,8 @@ try:
 except ImportError as err:  # an optional extra
     raise ImportError("hf_ext.trl needs TRL: pip install 'hf-ext[trl]'") from err
 
+from transformers import AutoConfig
+
 from .evaluation.settings import GenerationEvalArguments
 from .trainer import TrainerMixin
 from .training_args import TrainingArgumentsMixin, args_doc
@@ -48,15 +50,28 @@ class _TrlConfig(TrainingArgumentsMixin):
         super().__post_init__()
 
 
+def _model_config(model):
+    """The config of ``model``: a model's own, or, for a path or hub id (TRL loads those itself), its config file;
+    ``None`` where none can be read (TRL then reports it)."""
+    if not isinstance(model, (str, Path)):
+        return getattr(model, "config", None)
+    try:
+        return AutoConfig.from_pretrained(str(model))
+    except (OSError, ValueError):
+        return None
+
+
 class _TrlTrainer(TrainerMixin):
     collates_padding_free = False  # TRL's configs have padding_free, and TRL's collators implement it
 
     def __init__(self, model, *args, **kwargs):
-        if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        config = _model_config(model)
+        if getattr(config, "is_encoder_decoder", False):
+            name = model if isinstance(model, str) else type(model).__name__
             raise ValueError(
-                f"{type(self).__name__} trains decoder-only models only (TRL {trl.__version__}), and "
-                f"{type(model).__name__} is an encoder-decoder. Fine-tune it with hf_ext.Seq2SeqTrainer on the chosen "
-                "(or edited) replies: recipes/blenderbot.py does (docs/trl.md)."
+                f"{type(self).__name__} trains decoder-only models only (TRL {trl.__version__}), and {name} is an "
+                "encoder-decoder. Fine-tune it with hf_ext.Seq2SeqTrainer on the chosen (or edited) replies: "
+                "recipes/blenderbot.py does (docs/trl.md)."
             )
         super().__init__(model, *args, **kwargs)
 

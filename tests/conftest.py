@@ -198,8 +198,8 @@ def launcher_cmd(launcher: str, script: str | Path, nproc: int = 2) -> list[str]
 def run_side_by_side(
     cmds: list[list[str]], timeout: int = 300, cwd: Path | list[Path] = ROOT
 ) -> list[subprocess.CompletedProcess]:
-    """Independent single-process commands (a CLI, an export), as many at once as there are cores: each spends its
-    seconds importing on one core. Their results in order, output captured; nothing is checked here. ``cwd``: one
+    """Independent commands (a CLI, an export, a launch that kills itself), as many at once as there are cores: each
+    spends most of its seconds importing, on one core per process. Their results in order, output captured; nothing is checked here. ``cwd``: one
     folder for all, or one per command."""
     env = launch_env()
     cwds = cwd if isinstance(cwd, list) else [cwd] * len(cmds)

@@ -16,6 +16,7 @@ import sys
 
 from transformers import HfArgumentParser
 
+from ..deepspeed import versions
 from ..deepspeed.resolve import explain_deepspeed_config
 from ..errors import DeepSpeedConfigError
 from ..training_args import TrainingArguments
@@ -130,4 +131,9 @@ def doctor_command(args) -> int:
         print(f"warning: {warning}")
     if not resolution.problems and not resolution.warnings:
         print(f"ok: {resolution.origin} resolves cleanly ({len(resolution.changes)} keys filled or normalized)")
+    if resolution.version_rules or not (resolution.problems or resolution.warnings):
+        # the releases it was checked against, where they decided something (or all is well): one line per other error
+        print(f"versions: {versions.describe(versions.installed())}")
+        for rule in resolution.version_rules:
+            print(f"version rule: {rule}")
     return 1 if resolution.problems else 0

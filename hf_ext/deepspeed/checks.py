@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import Report, short
-from . import schema
+from . import schema, versions
 from .fill import BATCH_KEYS, HIDDEN_SIZE_KEYS
 from .normalize import GATHER_KEY
 
@@ -30,28 +30,32 @@ def validate_named_sections(config: dict, report: Report):
     _validate_named(config, "scheduler", ("type", "params"), _scheduler_names(), report)
 
 
-def validate(config: dict, report: Report):
+def validate(config: dict, report: Report) -> list[str]:
+    """Every check below; returns the version-dependent rules that applied (:mod:`hf_ext.deepspeed.versions`)."""
+    removed = versions.check_removed(config, report)  # each said once, with its release
+    applied = [*removed.values(), *versions.check_rules(config, report).values()]
     known = schema.suggestable_top_level_keys()
     for key in config:
-        if key not in schema.known_top_level_keys():
+        if key not in schema.known_top_level_keys() and key not in removed:
             report.problem(key, f"unknown top-level key{schema.did_you_mean(key, known)}; DeepSpeed would silently "
                            "ignore it", schema.unknown_key_fix(key, known))  # fmt: skip
-    for key, message in schema.removed_keys(config):
-        report.problem(key, f"removed from DeepSpeed: {message}", "remove it")
     for section in schema.section_models():
         if isinstance(config.get(section), dict):
             for key, message, fix in schema.section_problems(section, config[section]):
+                if key in removed:
+                    continue
                 if key in HIDDEN_SIZE_KEYS:
                     fix = 'set it to "auto" (from the model\'s hidden size) or a positive integer'
                 report.problem(key, message, fix)
     _nvme_paths(config, report)
-    reported = {p.key.split(".")[0] for p in report.problems}
+    reported = {p.key.split(".")[0] for p in report.problems} | set(removed)
     others = [k for k in config if k in schema.known_top_level_keys() and k not in reported and k not in OWN_CHECKS]
     for key, message, fix in schema.key_problems(config, others):
         report.problem(key, message, fix)
-    if not report.problems:
-        for key, message, fix in schema.validate_with_deepspeed(config):
+    if not report.problems:  # only warnings about removed keys (an older DeepSpeed): the rest checked without them
+        for key, message, fix in schema.validate_with_deepspeed(versions.without(config, removed)):
             report.problem(key, message, fix)
+    return applied
 
 
 #: Top-level keys checked above (by DeepSpeed's section models or hf-ext's own rules), not one by one again.
@@ -103,10 +107,8 @@ def _validate_named(config: dict, section: str, allowed: tuple, names: tuple[set
                            schema.unknown_key_fix(key, allowed))  # fmt: skip
     kind = value.get("type")
     any_case, exact = names
-    if isinstance(kind, str) and kind.lower() in schema.REMOVED_OPTIMIZERS and section == "optimizer":
-        report.problem(f"{section}.type", f"{kind!r}: the 1-bit optimizers were removed from DeepSpeed (0.19)",
-                       'use "AdamW" (or "Lamb")')  # fmt: skip
-        return
+    if isinstance(kind, str) and kind.lower() in versions.REMOVED_OPTIMIZERS and section == "optimizer":
+        return  # reported with its release by validate()
     if not isinstance(kind, str) or (kind.lower() not in any_case and kind not in exact):
         choices = sorted(any_case | exact)
         close = schema.closest(str(kind), choices) or schema.closest(str(kind).lower(), choices)

@@ -59,6 +59,7 @@ class Resolution:
     args_updates: dict = field(default_factory=dict)  # TrainingArguments values the config implies
     memory_plan: Plan | None = None  # the memory planner's plan, when it planned the run
     given: object = None  # what was resolved, as given (a preset name, a path, a dict)
+    version_rules: list[str] = field(default_factory=list)  # the version-dependent rules that applied
 
     def table(self) -> str:
         """Every filled/normalized key, its value and where the value came from, as an aligned text table."""
@@ -155,7 +156,7 @@ def explain_deepspeed_config(
     if steps is not None:
         fill_steps(resolved, args, steps, report)
     _leftover_autos(resolved, report, defer)
-    validate(resolved, report)
+    resolution.version_rules = validate(resolved, report)
     resolution.changes, resolution.warnings, resolution.problems = report.changes, report.warnings, report.problems
     for message in report.warnings:
         logger.warning(message)

@@ -326,9 +326,6 @@ def validate_with_deepspeed(config: dict) -> list[tuple[str, str, str]]:
 
 # --- optimizer and scheduler parameters: the constructors DeepSpeed's engine calls ---------------------------------
 
-#: The 1-bit optimizers, removed in DeepSpeed 0.19 (their config names, lower-cased as DeepSpeed matched them).
-REMOVED_OPTIMIZERS = frozenset({"onebitadam", "zerooneadam", "onebitlamb"})
-
 #: Keys the engine pops from optimizer.params before calling the constructor (engine._configure_basic_optimizer,
 #: get_optimizer_configuration), for the Adam family.
 _ADAM_POPPED = {"adam_w_mode", "torch_adam", "fp32_optimizer_states"}
@@ -408,17 +405,7 @@ def suggestable_top_level_keys() -> frozenset[str]:
     """Known top-level keys minus those of removed features: what a "did you mean" may propose."""
     from deepspeed.runtime import config as ds_config  # noqa: PLC0415 (slow, probes the accelerator: only where its config models are used)
 
-    return known_top_level_keys() - frozenset(ds_config._REMOVED_TOP_LEVEL_CONFIG_KEYS)
+    from .versions import REMOVED  # noqa: PLC0415 (versions imports this module's neighbours; kept one-way)
 
-
-def removed_keys(config: dict) -> list[tuple[str, str]]:
-    """``(dotted key, DeepSpeed's message)`` for every key of a feature DeepSpeed has removed, from DeepSpeed's own
-    tables (it raises on the first one only)."""
-    from deepspeed.runtime import config as ds_config  # noqa: PLC0415 (slow, probes the accelerator: only where its config models are used)
-
-    found = [(k, m.strip().rstrip(".")) for k, m in ds_config._REMOVED_TOP_LEVEL_CONFIG_KEYS.items() if k in config]
-    zero = config.get("zero_optimization")
-    if isinstance(zero, dict):
-        found += [(f"zero_optimization.{k}", m.strip().rstrip(".")) for k, m in ds_config._REMOVED_ZERO_CONFIG_KEYS.items()
-                  if k in zero]  # fmt: skip
-    return found
+    removed = set(ds_config._REMOVED_TOP_LEVEL_CONFIG_KEYS) | {key for key in REMOVED if "." not in key}
+    return known_top_level_keys() - frozenset(removed)

@@ -1,7 +1,8 @@
 """Faults during saves and resumes, with real 2-rank ZeRO-3 runs:
 
-* rank 0 is SIGKILLed at two write events of the final save (between shards, between the last shard and the index): ``output_dir`` then loads with ``from_pretrained`` and equals the old or the new
-  weights bit for bit, and the next run removes what the killed one left;
+* rank 0 is SIGKILLed at three write events of the final save (between shards and between the last shard and the
+  index: the old weights; right after the swap: the new ones): ``output_dir`` then loads with ``from_pretrained`` and
+  equals the weights expected there bit for bit, and the next run removes what the killed one left;
 * rank 1 alone raises inside a checkpoint save, the final save and a resume, with the two ranks started as plain
   processes (no launcher to kill the survivor): both exit non-zero within 60 s of the error, each with its process
   groups destroyed before the interpreter finalizes.
@@ -22,7 +23,7 @@ import torch
 
 from hf_ext import atomic
 
-from ..conftest import ROOT, free_port, launch_env
+from ..conftest import ROOT, TRAIN_LAUNCHER, free_port, launch_env, launcher_cmd, run_side_by_side
 from .test_saving_distributed import SCRIPT, assert_equal_weights, train
 
 pytestmark = pytest.mark.distributed
@@ -70,41 +71,35 @@ def test_a_save_over_an_old_run_keeps_its_checkpoints(old_run, new_save):
     assert sum(name.startswith("open model-") for name in events) > 2
 
 
-def kill_points(events: list[str]) -> list[int]:
-    """1-based event numbers: before the second shard (a part of the new weights written) and before the index (every
-    shard written, nothing says so yet). The swap into place and a seeded draw of the other events, with the same
-    staged writer: tests/integration/test_atomic_writes.py."""
+def kill_points(events: list[str]) -> dict[int, str]:
+    """1-based event numbers, each with the content a kill there leaves: before the second shard (a part of the new
+    weights written) and before the index (every shard written, nothing says so yet) the old weights; right after the
+    swap into place the new ones. The other events, with the same staged writer: tests/integration/test_atomic_writes.py."""
     second_shard = next(i for i, e in enumerate(events) if re.fullmatch(r"open model-00002-of-\d+\.safetensors", e))
     index = events.index("write model.safetensors.index.json")
-    return [second_shard + 1, index + 1]
+    return {second_shard + 1: "old", index + 1: "old", events.index("swapped") + 1: "new"}
 
 
 def test_a_kill_during_the_final_save_leaves_the_old_or_the_new_weights(old_run, new_save, tiny_model_dir, tmp_path):
     _, events = new_save
-    old, new = torch.load(old_run / "old.pt"), torch.load(old_run / "new.pt")
-    outcomes = {}
-    for k in kill_points(events):
-        out = tmp_path / f"kill{k}"
+    weights = {"old": torch.load(old_run / "old.pt"), "new": torch.load(old_run / "new.pt")}
+    points = kill_points(events)
+    outs = {k: tmp_path / f"kill{k}" for k in points}
+    for out in outs.values():
         shutil.copytree(old_run / "old", out)
-        proc = train(tiny_model_dir, out, *SMALL, "--batch", "4", "--dump", str(tmp_path / "dump.pt"),
-                     "--kill_final_save_at", str(k), check=False)  # fmt: skip
+    # each run kills its rank 0 at its own event: they run side by side
+    killed = run_side_by_side([[*launcher_cmd(TRAIN_LAUNCHER, SCRIPT), "--model", str(tiny_model_dir), "--out",
+                                str(outs[k]), *SMALL, "--batch", "4", "--kill_final_save_at", str(k)]
+                               for k in points], timeout=600)  # fmt: skip
+    for (k, expected), proc in zip(points.items(), killed):
         assert proc.returncode != 0 and f"SIGKILL at save event {k}" in proc.stdout, proc.stdout[-2000:]
-        for expected, name in ((old, "old"), (new, "new")):
-            try:
-                assert_equal_weights(expected, out)
-                outcomes[f"{k} ({events[k - 1]})"] = name
-                break
-            except AssertionError:
-                continue
-        else:
-            pytest.fail(f"killed at save event {k} ({events[k - 1]}): {out} holds neither the old nor the new weights")
-    assert set(outcomes.values()) == {"old"} or "new" in outcomes.values(), outcomes
-    print(json.dumps(outcomes, indent=1))
+        print(f"killed at save event {k} ({events[k - 1]}): expecting the {expected} weights")
+        assert_equal_weights(weights[expected], outs[k])
     # the next run into a killed directory removes the leftovers and saves
-    out = tmp_path / f"kill{kill_points(events)[0]}"
+    out = outs[min(points)]
     assert atomic.staged_path(out).exists()
     train(tiny_model_dir, out, *SMALL, "--batch", "4")
-    assert_equal_weights(new, out)
+    assert_equal_weights(weights["new"], out)
     assert not atomic.staged_path(out).exists() and not list(out.glob("tmp-*"))
 
 

@@ -269,11 +269,6 @@ def test_precision_refusal_reads_plainly(tmp_path):
     assert problem.key == "fp16.enabled" and "((" not in str(problem) and "said nothing" not in str(problem)
 
 
-def test_removed_optimizer_is_called_removed(tmp_path):
-    problem = the_one_problem(variant(optimizer={"type": "OneBitAdam", "params": {"lr": "auto"}}), tmp_path)
-    assert problem.key == "optimizer.type" and "removed from DeepSpeed" in problem.message
-
-
 def test_another_tools_config_is_one_line(tmp_path):
     # the shape of a GPT-NeoX training config: model, data and schedule keys around a few DeepSpeed sections
     neox = {"pipe_parallel_size": 1, "model_parallel_size": 1, "num_layers": 12, "hidden_size": 768,

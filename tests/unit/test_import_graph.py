@@ -211,6 +211,7 @@ FEATURE_EDGES = {
     ("evaluation", "memory"): "a gathered ZeRO-3 eval needs the plan's headroom for its copy",
     ("saving", "peft"): "a final save of a PEFT model writes the adapter (and checkpoints its trainable state)",
     ("saving", "fsdp"): "an FSDP2 save writes in the dtype the FSDP mixed-precision policy computes in",
+    ("packing", "loss"): "padding-free leaves the loss to a model whose loss adds router terms to the cross-entropy",
     ("ray", "saving"): "a Ray checkpoint is hf-ext's checkpoint directory, reported rank by rank and restored by name",
 }
 #: the settings (every hf-ext setting a field; YAML + flags), and what composes everything

@@ -169,6 +169,37 @@ def test_the_trainers_loss_and_gradients_match_the_stock_padded_trainers(model_a
     assert int(kept.sum()) == labelled  # one logit per labelled token, no more
 
 
+def test_a_mixture_of_experts_keeps_its_router_loss(tmp_path):
+    """A Mixtral with ``output_router_logits`` adds ``router_aux_loss_coef`` times its load-balancing loss to the
+    cross-entropy. The padding-free trainer's loss must be the model's own: stock ``Trainer`` on the same packed batch,
+    and the cross-entropy of the same model with the router term off plus that term (the model's ``aux_loss``)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                           output_router_logits=True, router_aux_loss_coef=0.5, use_cache=False)  # fmt: skip
+    model = MixtralForCausalLM(config)
+    examples = rows(config.vocab_size)
+    args = dict(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    stock = transformers.Trainer(model=model, args=transformers.TrainingArguments(**args),
+                                 data_collator=DataCollatorWithFlattening())  # fmt: skip
+    ours = hf_ext.Trainer(model=model, args=hf_ext.TrainingArguments(**args, padding_free=True))
+    assert isinstance(ours.data_collator, DataCollatorWithFlattening) and ours.compute_loss_func is None
+    batch = DataCollatorWithFlattening()(examples)
+    num_items = torch.tensor(int((batch["labels"] != -100).sum()))
+    with torch.no_grad():
+        loss = ours.compute_loss(model, ours.data_collator(examples), num_items_in_batch=num_items)
+        expected = stock.compute_loss(model, batch, num_items_in_batch=num_items)
+        outputs = model(**batch, num_items_in_batch=num_items)
+        cross_entropy = model(**batch, num_items_in_batch=num_items, output_router_logits=False).loss
+    router_term = config.router_aux_loss_coef * outputs.aux_loss
+    assert router_term > 0.1  # about coef x top-k = 1 for a balanced router: a term the test would see go missing
+    torch.testing.assert_close(loss, expected, rtol=0, atol=0)  # the same forward on the same batch
+    # the same sums, added in another grouping: float32 rounding of values near 5
+    torch.testing.assert_close(loss, cross_entropy + router_term, rtol=1e-6, atol=1e-6)
+
+
 def test_trainer_flattens_and_counts_every_token(tiny_chat_model_dir, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_chat_model_dir)
     tokenizer = AutoTokenizer.from_pretrained(tiny_chat_model_dir)

@@ -457,7 +457,7 @@ PINS = [
         source_hash(f"{ENGINE}._configure_basic_optimizer",
                     "fdd125c71f9b392924d7e6757ed5406e9c52126c4c5d2491bc454f0bf8c9c8d4")),
     Pin("deepspeed", "_REMOVED_TOP_LEVEL_CONFIG_KEYS / _REMOVED_ZERO_CONFIG_KEYS", "read: {key: message} dicts",
-        "hf_ext/deepspeed/schema.py removed_keys, suggestable_top_level_keys", removed_key_tables),
+        "hf_ext/deepspeed/versions.py _deepspeed_tables, schema.py suggestable_top_level_keys", removed_key_tables),
     Pin("deepspeed", "DeepSpeedConfig's key look-ups", "a config parsed through a recording dict",
         "hf_ext/deepspeed/schema.py known_top_level_keys", config_parse_looks_keys_up),
     Pin("deepspeed", "DeepSpeedEngine._config.load_universal_checkpoint / latest_universal",

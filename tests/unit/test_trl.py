@@ -60,11 +60,12 @@ def test_stock_config_passed_in_the_position_of_args_becomes_hf_exts(chat, tmp_p
 def test_an_encoder_decoder_model_is_refused_in_one_line(tiny_model_dir, tmp_path):
     from transformers import AutoModelForSeq2SeqLM
 
-    model = AutoModelForSeq2SeqLM.from_pretrained(tiny_model_dir)
-    with pytest.raises(ValueError, match=r"decoder-only models only .* hf_ext\.Seq2SeqTrainer") as err:
-        hf_ext.trl.SFTTrainer(model, args=hf_ext.trl.SFTConfig(output_dir=str(tmp_path), report_to=[]),
-                              train_dataset=Dataset.from_list([{"text": "hi"}]))  # fmt: skip
-    assert "\n" not in str(err.value)
+    # the model itself, and its path, as docs/trl.md passes it (TRL then loads it)
+    for model in (AutoModelForSeq2SeqLM.from_pretrained(tiny_model_dir), str(tiny_model_dir)):
+        with pytest.raises(ValueError, match=r"decoder-only models only .* hf_ext\.Seq2SeqTrainer") as err:
+            hf_ext.trl.SFTTrainer(model, args=hf_ext.trl.SFTConfig(output_dir=str(tmp_path), report_to=[]),
+                                  train_dataset=Dataset.from_list([{"text": "hi"}]))  # fmt: skip
+        assert "\n" not in str(err.value)
 
 
 def test_a_subclass_whose_base_adds_to_a_replaced_method_is_refused():
