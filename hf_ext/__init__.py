@@ -8,7 +8,7 @@ same to any Trainer subclass (``hf_ext.trl``: TRL's trainers). Names below are i
 
 from __future__ import annotations
 
-import importlib
+from .lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -37,14 +37,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'hf_ext' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

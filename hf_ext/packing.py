@@ -154,6 +154,22 @@ def run_sampler(args, sampler):
     )
 
 
+def refuse_split_sequences(padding_free: bool, layout) -> None:
+    """``padding_free`` with sequence or context parallelism (a :class:`hf_ext.batching.Layout`), refused: the packed
+    row would be split across ranks, and there the row boundaries do not hold (Ulysses attends over the gathered
+    sequence with SDPA's mask, not the rows' positions; context parallelism drops the attention mask altogether)."""
+    if padding_free and (layout.sp > 1 or layout.cp > 1):
+        kind = (
+            f"sequence parallelism (sp_size {layout.sp})"
+            if layout.sp > 1
+            else f"context parallelism (cp_size {layout.cp})"
+        )
+        raise ValueError(
+            f"padding_free=True with {kind}: the packed rows would attend to each other once the sequence is split "
+            "across ranks. Fix: padding_free=False (train_sampling_strategy='batch_rebalance' cuts the padding)."
+        )
+
+
 def padding_free_collator(model, collator):
     """``DataCollatorWithFlattening`` standing in for ``collator``, or a ``ValueError`` saying why it cannot."""
     if isinstance(collator, DataCollatorWithFlattening):

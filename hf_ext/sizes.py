@@ -9,6 +9,11 @@ from pathlib import Path
 GiB = 1024**3
 MiB = 1024**2
 
+#: the largest safetensors shard a save writes unless told otherwise (transformers' default)
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+#: the dtypes weights can be exported in, by their short names: torch's names for them
+SAVE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
 # Hugging Face's convention (``max_shard_size="5GB"``): decimal units, and binary ones spelled with an "i".
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12}
 _UNITS.update({"tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})

@@ -21,12 +21,13 @@ from dataclasses import dataclass, field
 from transformers import Seq2SeqTrainingArguments as _Seq2SeqTrainingArguments
 from transformers import TrainingArguments as _TrainingArguments
 
+from .batching import args_layout, layout_of
 from .deepspeed.load import accelerate_launch_config
 from .deepspeed.resolve import Resolution, explain_deepspeed_config
 from .errors import DeepSpeedConfigError, Problem
 from .evaluation.settings import GenerationEvalArguments
 from .fsdp.config import FsdpResolution, resolve_fsdp
-from .packing import PaddingFreeArguments
+from .packing import PaddingFreeArguments, refuse_split_sequences
 from .preemption import PreemptionArguments
 from .runtime import (
     has_accelerator,
@@ -36,8 +37,7 @@ from .runtime import (
     start_deepspeed_comm,
 )
 from .saving.resume import RESUME_GLOBAL_BATCH_POLICIES
-from .saving.writer import DEFAULT_MAX_SHARD_SIZE
-from .sizes import parse_bytes
+from .sizes import DEFAULT_MAX_SHARD_SIZE, parse_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +132,8 @@ class TrainingArgumentsMixin(PreemptionArguments):
 
     def _validate_hf_ext(self) -> None:
         self._validate_preemption()
+        deepspeed = self.deepspeed if isinstance(self.deepspeed, dict) else None
+        refuse_split_sequences(getattr(self, "padding_free", False), layout_of(1, deepspeed, self.parallelism_config))
         if self.resume_global_batch not in RESUME_GLOBAL_BATCH_POLICIES:
             raise ValueError(f"`resume_global_batch`={self.resume_global_batch!r}: use one of "
                              f"{', '.join(RESUME_GLOBAL_BATCH_POLICIES)}.")  # fmt: skip
@@ -166,6 +168,11 @@ class TrainingArgumentsMixin(PreemptionArguments):
         with _accelerate_inline_fields_consumed(inline_consumed):
             super().__post_init__()
         stock_mismatches = getattr(getattr(self, "hf_deepspeed_config", None), "mismatches", None)
+        if stock_mismatches and args_layout(self).model_parallel > 1:
+            # stock's DeepSpeed glue computes train_batch_size over every rank, while DeepSpeed (and stock's own
+            # Trainer.get_total_train_batch_size) split it over the data-parallel ranks only, as hf-ext filled it;
+            # removed from stock's own list, which deepspeed_init raises on again
+            stock_mismatches[:] = [m for m in stock_mismatches if "train_batch_size (calculated)" not in m]
         if stock_mismatches:  # e.g. the launcher's world size differs from the one the distributed state reports
             raise DeepSpeedConfigError([Problem("", m.lstrip("- ")) for m in stock_mismatches], "TrainingArguments")
         if self.deepspeed:

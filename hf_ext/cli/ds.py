@@ -14,12 +14,8 @@ import argparse
 import json
 import sys
 
-from transformers import HfArgumentParser
-
-from ..deepspeed import versions
-from ..deepspeed.resolve import explain_deepspeed_config
-from ..errors import DeepSpeedConfigError
-from ..training_args import TrainingArguments
+from ..deepspeed.load import load
+from ..errors import DeepSpeedConfigError, Report
 from .common import quiet_logging
 from .plan import plan_command_parser
 
@@ -74,6 +70,10 @@ def _usage(parser) -> int:
 
 def _training_args(extra: list[str]):
     """hf-ext TrainingArguments from the remaining command-line flags; ``None`` and a message on a bad flag."""
+    from transformers import HfArgumentParser  # noqa: PLC0415 (torch and transformers: once the config was read)
+
+    from ..training_args import TrainingArguments  # noqa: PLC0415 (as above)
+
     parser = HfArgumentParser(TrainingArguments)
     try:
         (args, rest) = parser.parse_args_into_dataclasses(args=extra, return_remaining_strings=True)
@@ -87,6 +87,11 @@ def _training_args(extra: list[str]):
 
 
 def _explain(args, command: str, **kwargs):
+    # a file that cannot be read as a DeepSpeed config is said at once, before torch and transformers are imported
+    # (DeepSpeedConfigError); reading it again below keeps one path for everything else
+    load(args.config, Report())
+    from ..deepspeed.resolve import explain_deepspeed_config  # noqa: PLC0415 (torch, transformers, DeepSpeed)
+
     quiet_logging()
     training_args, error = _training_args(args.extra)
     if training_args is None:
@@ -118,8 +123,14 @@ def resolve_command(args) -> int:
 
 
 def doctor_command(args) -> int:
+    from ..deepspeed import versions  # noqa: PLC0415 (once the config was read)
+
     try:
         resolution = _explain(args, "doctor", defer=True, raise_errors=False)
+    except DeepSpeedConfigError as err:  # the file itself: one line per problem
+        for problem in err.problems:
+            print(f"error: {problem}")
+        return 1
     except OSError as err:
         print(f"error: {err}")
         return 1

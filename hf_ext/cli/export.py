@@ -8,8 +8,7 @@ import logging
 import sys
 
 from ..atomic import write_failure
-from ..saving.export import DTYPES, export
-from ..saving.writer import DEFAULT_MAX_SHARD_SIZE
+from ..sizes import DEFAULT_MAX_SHARD_SIZE, SAVE_DTYPES
 
 EXPORT_HELP = "Write a serving-ready model (weights, config, generation config, tokenizer) from a run or checkpoint."
 
@@ -19,7 +18,9 @@ def export_command_parser(subparsers):
     parser.add_argument("src", help="a run's output_dir or a checkpoint directory")
     parser.add_argument("--out", required=True, help="directory to write the exported model to")
     parser.add_argument("--merge", action="store_true", help="merge a PEFT adapter into its base model")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="weights dtype (default: as stored)")
+    parser.add_argument(
+        "--dtype", choices=sorted(SAVE_DTYPES), default=None, help="weights dtype (default: as stored)"
+    )
     parser.add_argument("--base_model", default=None, help="base model of an adapter (default: from adapter_config)")
     parser.add_argument(
         "--max_shard_size",
@@ -31,6 +32,8 @@ def export_command_parser(subparsers):
 
 
 def export_command(args: argparse.Namespace) -> int:
+    from ..saving.export import export  # noqa: PLC0415 (torch and transformers: only once a command runs)
+
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         out = export(

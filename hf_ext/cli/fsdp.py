@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 
 from ..errors import FsdpConfigError
-from ..fsdp.config import resolve_accelerate_config, resolve_fsdp
-from ..runtime import has_accelerator
 
 DOCTOR_HELP = (
     "Check FSDP settings (an fsdp value and fsdp_config, or an accelerate config file): one line per problem; "
@@ -33,6 +31,9 @@ def fsdp_command_parser(subparsers):
 
 
 def doctor_command(args) -> int:
+    from ..fsdp.config import resolve_accelerate_config, resolve_fsdp  # noqa: PLC0415 (accelerate: only once a command runs)
+    from ..runtime import has_accelerator  # noqa: PLC0415 (torch: only once a command runs)
+
     if (args.fsdp is None) == (args.accelerate_config is None):
         print("error: pass an fsdp value (e.g. full_shard) or --accelerate_config FILE, one of them")
         return 1

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import sys
 
-from ..memory.report import format_table, jsonable, run_plan
 from .common import quiet_logging
 
 PLAN_HELP = "Predict per-rank memory for each ZeRO stage / offload / micro-batch and recommend one."
@@ -45,6 +44,8 @@ def plan_command_parser(subparsers):
 
 
 def plan_command(args) -> int:
+    from ..memory.report import format_table, jsonable, run_plan  # noqa: PLC0415 (torch: only once a command runs)
+
     quiet_logging()
     try:
         result = run_plan(args.model, args.world_size, args.memory_per_device, args.seq_len, args.micro_batch,

@@ -1,41 +1,34 @@
 """DeepSpeed configs that just work: load (JSON, accelerate YAML, dict, preset), normalize old spellings, fill every
 ``"auto"`` against TrainingArguments and the model, validate with DeepSpeed's own config models, report every problem
-at once with its fix."""
+at once with its fix.
 
-from ..errors import Change, DeepSpeedConfigError, Problem
-from .callbacks import (
-    ResolvedDeepSpeedConfigCallback,
-    add_resolved_config_callback,
-    fill_model_keys_on_trainer,
-    reopen_step_keys,
-    write_resolved_config,
-)
-from .load import PRESET_DIR, PRESETS, preset_path
-from .resolve import (
-    RESOLVED_CONFIG_NAME,
-    Resolution,
-    explain_deepspeed_config,
-    fill_model_keys,
-    load_deepspeed_config,
-    resolve_deepspeed_config,
-)
+Names below are imported on first use: reading a config (:mod:`.load`) stays light, so that ``hf-ext ds doctor`` of a
+file it cannot read says so at once, before torch and transformers are imported for the rest."""
 
-__all__ = [
-    "PRESETS",
-    "PRESET_DIR",
-    "RESOLVED_CONFIG_NAME",
-    "Change",
-    "DeepSpeedConfigError",
-    "Problem",
-    "Resolution",
-    "ResolvedDeepSpeedConfigCallback",
-    "add_resolved_config_callback",
-    "fill_model_keys_on_trainer",
-    "explain_deepspeed_config",
-    "fill_model_keys",
-    "load_deepspeed_config",
-    "preset_path",
-    "reopen_step_keys",
-    "resolve_deepspeed_config",
-    "write_resolved_config",
-]
+from __future__ import annotations
+
+from ..lazy import lazy_exports
+
+_EXPORTS = {
+    "Change": "..errors",
+    "DeepSpeedConfigError": "..errors",
+    "Problem": "..errors",
+    "ResolvedDeepSpeedConfigCallback": ".callbacks",
+    "add_resolved_config_callback": ".callbacks",
+    "fill_model_keys_on_trainer": ".callbacks",
+    "reopen_step_keys": ".callbacks",
+    "write_resolved_config": ".callbacks",
+    "PRESET_DIR": ".load",
+    "PRESETS": ".load",
+    "preset_path": ".load",
+    "RESOLVED_CONFIG_NAME": ".resolve",
+    "Resolution": ".resolve",
+    "explain_deepspeed_config": ".resolve",
+    "fill_model_keys": ".resolve",
+    "load_deepspeed_config": ".resolve",
+    "resolve_deepspeed_config": ".resolve",
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

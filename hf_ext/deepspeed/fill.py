@@ -9,7 +9,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..batching import split_batch
+from ..batching import Layout, split_batch
 from ..errors import Report, short
 from ..model_info import hidden_size_buckets
 
@@ -152,9 +152,11 @@ def _fill(config: dict, report: Report, rule: FillRule, value, source: str, matc
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
-def _batch_arithmetic(config: dict, args, world: int, report: Report) -> bool:
-    """An explicit ``train_batch_size`` that world x micro-batch x accumulation cannot give, as one problem stating
-    the arithmetic and the settings that satisfy it (one fix, not one mismatch after another). True if reported."""
+def _batch_arithmetic(config: dict, args, layout: Layout, report: Report) -> bool:
+    """An explicit ``train_batch_size`` that ranks x micro-batch x accumulation cannot give (the ranks DeepSpeed
+    counts: :attr:`Layout.deepspeed_ranks`), as one problem stating the arithmetic and the settings that satisfy it
+    (one fix, not one mismatch after another). True if reported."""
+    world = layout.deepspeed_ranks
     values = {key: config.get(key, "auto") for key in BATCH_KEYS}
     if not all(_is_valid(config, key) for key in BATCH_KEYS) or values["train_batch_size"] == "auto":
         return False
@@ -166,9 +168,10 @@ def _batch_arithmetic(config: dict, args, world: int, report: Report) -> bool:
     if not all(_positive_int(v) for v in (micro, accum)) or world * micro * accum == total:
         return False
     explicit = [key for key in BATCH_KEYS[1:] if values[key] != "auto"]
-    arithmetic = f"{world} ranks x micro-batch {micro} x accumulation {accum} = {world * micro * accum}"
+    ranks = layout.ranks(deepspeed=True)
+    arithmetic = f"{ranks} x micro-batch {micro} x accumulation {accum} = {world * micro * accum}"
     if total % world:
-        report.problem("train_batch_size", f"{total} cannot be split over {world} ranks ({arithmetic})",
+        report.problem("train_batch_size", f"{total} cannot be split over {ranks} ({arithmetic})",
                        f'set train_batch_size to "auto" or a multiple of {world}')  # fmt: skip
         return True
     new_micro, new_accum = split_batch(total, world, micro)
@@ -195,8 +198,9 @@ ARG_RULES = (
              "TrainingArguments.gradient_accumulation_steps", ("gradient_accumulation_steps",), add=True),
     FillRule("train_batch_size",
              lambda args, world: world * args.per_device_train_batch_size * args.gradient_accumulation_steps,
-             lambda args, world: f"world size {world} x per_device_train_batch_size {args.per_device_train_batch_size}"
-                                 f" x gradient_accumulation_steps {args.gradient_accumulation_steps}", add=True,
+             lambda args, world: f"world size {world} x per_device_train_batch_size "
+                                 f"{args.per_device_train_batch_size} x gradient_accumulation_steps "
+                                 f"{args.gradient_accumulation_steps}", add=True,
              called="world_size x per_device_train_batch_size x gradient_accumulation_steps"),
     FillRule("gradient_clipping", _from_args("max_grad_norm"), "TrainingArguments.max_grad_norm",
              ("max_grad_norm",), add=True),
@@ -229,10 +233,12 @@ def _apply_rules(config: dict, args, world: int, report: Report, rules, match: b
             _fill(config, report, rule, rule.value(args, world), rule.source_of(args, world), match)
 
 
-def fill_from_args(config: dict, args, world: int, report: Report):
-    matched = not _batch_arithmetic(config, args, world, report)  # else said once, with the arithmetic
-    _apply_rules(config, args, world, report, ARG_RULES[:3], match=matched)
-    _apply_rules(config, args, world, report, ARG_RULES[3:])
+def fill_from_args(config: dict, args, layout: Layout, report: Report):
+    """The keys of :data:`ARG_RULES`; the batch keys count the ranks DeepSpeed counts (:attr:`Layout.deepspeed_ranks`:
+    all but the sequence-parallel ones)."""
+    matched = not _batch_arithmetic(config, args, layout, report)  # else said once, with the arithmetic
+    _apply_rules(config, args, layout.deepspeed_ranks, report, ARG_RULES[:3], match=matched)
+    _apply_rules(config, args, layout.deepspeed_ranks, report, ARG_RULES[3:])
     if "zero_optimization" not in config:
         config["zero_optimization"] = {"stage": 0}
         report.change("zero_optimization.stage", 0, "DeepSpeed's default (accelerate refuses a config without it)", "added")  # fmt: skip

@@ -25,6 +25,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..batching import layout_of
 from ..errors import Change, DeepSpeedConfigError, Problem, Report, short
 from ..memory import auto
 from ..memory.formulas import CPU_ZERO3_GRANULARITY, CPU_ZERO3_KEYS, Plan
@@ -130,15 +131,19 @@ def explain_deepspeed_config(
     resolution = Resolution(resolved, origin)
     args = _Updated(training_args, resolution.args_updates)  # training_args themselves are never written
     world = world_size if world_size is not None else args.world_size
+    # the ranks a batch is split over: all of them unless tensor/sequence/context parallelism groups them
+    layout = layout_of(world, resolved, getattr(args, "parallelism_config", None), model)
+    if layout.problem():  # a warning: a config is often resolved where it will not run (1 rank, by default)
+        report.warn(f"{layout.problem()}: launch it on a multiple of {layout.model_parallel} ranks")
     _gradient_checkpointing(resolved, report, resolution)
     hardware = hardware or Hardware.detect(getattr(args, "use_cpu", False))
     precision = _precision(resolved, args, hardware, report, resolution)
     cpu_preset = hardware.device == "cpu" and preset_name(config) is not None
     if cpu_preset and _stage(resolved) == 3:  # before planning: the plan is of the sizes the run will use
         _cpu_zero3_preset(resolved, report)
-    _memory_autos(resolved, args, model, world, hardware, precision, report, resolution)
+    _memory_autos(resolved, args, model, layout.dp, hardware, precision, report, resolution)
     validate_named_sections(resolved, report)  # before filling: a misspelt or foreign param is reported as such
-    fill_from_args(resolved, args, world, report)
+    fill_from_args(resolved, args, layout, report)
     stage = _stage(resolved)
     stage3_only(resolved, stage, report)
     if stage == 3:
@@ -216,7 +221,9 @@ def _gradient_checkpointing(config: dict, report: Report, resolution: Resolution
 
 def _memory_autos(config: dict, args, model, world: int, hardware: Hardware, precision: str | None, report: Report,
                   resolution: Resolution):  # fmt: skip
-    """ZeRO stage / offload devices / micro-batch ``"auto"``: chosen by the memory planner (hf_ext.memory.auto)."""
+    """ZeRO stage / offload devices / micro-batch ``"auto"``: chosen by the memory planner (hf_ext.memory.auto).
+    ``world``: the data-parallel ranks, over which ZeRO shards (a tensor-parallel split of each parameter on top is
+    not counted: the plan is an upper bound there)."""
     micro = args.per_device_train_batch_size
     keys = auto.auto_keys(config, micro)
     plan_model = getattr(args, "plan_model", None)

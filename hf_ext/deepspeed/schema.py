@@ -16,7 +16,6 @@ import io
 import re
 import typing
 
-import torch
 from pydantic import BaseModel, ValidationError
 
 from ..errors import short
@@ -347,6 +346,8 @@ def optimizer_parameters(name: str, config: dict) -> tuple[str, set[str] | None]
     ``torch_adam``, ``DeepSpeedCPUAdam`` when the optimizer is offloaded, else ``FusedAdam``; Adagrad and Lion have a
     CPU variant for offload; other names are looked up in ``torch.optim``.
     """
+    import torch  # noqa: PLC0415 (reading a config needs no torch: only checking an optimizer does)
+
     optimizer = config.get("optimizer")
     params = optimizer.get("params") if isinstance(optimizer, dict) else None
     params = params if isinstance(params, dict) else {}
@@ -389,6 +390,7 @@ def optimizer_parameters(name: str, config: dict) -> tuple[str, set[str] | None]
 
 def scheduler_parameters(name: str) -> set[str] | None:
     """The ``scheduler.params`` keys the LR scheduler DeepSpeed builds for ``name`` accepts (``None``: unknown)."""
+    import torch  # noqa: PLC0415 (reading a config needs no torch: only checking a scheduler does)
     from deepspeed.runtime import lr_schedules  # noqa: PLC0415 (slow, probes the accelerator: only where its config models are used)
 
     cls = getattr(lr_schedules, name, None) or getattr(torch.optim.lr_scheduler, name, None)

@@ -1,8 +1,20 @@
 """FSDP2 as hf-ext's second engine: presets and checks of the ``fsdp`` settings (:mod:`.config`), and FSDP made real
-on every host, CPU ranks included (:mod:`.engine`)."""
+on every host, CPU ranks included (:mod:`.engine`). Names below are imported on first use: checking settings
+(``hf-ext fsdp doctor``) needs no engine."""
 
-from ..gather import reshard
-from .config import PRESETS, FsdpResolution, resolve_fsdp
-from .engine import enable_on_trainer, shard_for_evaluation
+from __future__ import annotations
 
-__all__ = ["PRESETS", "FsdpResolution", "enable_on_trainer", "reshard", "resolve_fsdp", "shard_for_evaluation"]
+from ..lazy import lazy_exports
+
+_EXPORTS = {
+    "reshard": "..gather",
+    "PRESETS": ".config",
+    "FsdpResolution": ".config",
+    "resolve_fsdp": ".config",
+    "enable_on_trainer": ".engine",
+    "shard_for_evaluation": ".engine",
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -23,14 +23,13 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from ..atomic import atomic_directory, work_path
 from ..model_info import base_model_of, model_class, save_beside_weights
+from ..sizes import DEFAULT_MAX_SHARD_SIZE, SAVE_DTYPES
 from .checkpoints import last_complete_checkpoint
 from .model_dir import model_dir_kind
-from .writer import DEFAULT_MAX_SHARD_SIZE, is_weight_file, verify_saved_weights
+from .writer import is_weight_file, verify_saved_weights
 from .zero import save_fp32_from_zero_checkpoint
 
 logger = logging.getLogger(__name__)
-
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def resolve_source(src: str | Path) -> tuple[Path, str]:
@@ -50,7 +49,7 @@ def resolve_source(src: str | Path) -> tuple[Path, str]:
 
 
 def _dtype(name: str | None):
-    return getattr(torch, DTYPES[name]) if name else None
+    return getattr(torch, SAVE_DTYPES[name]) if name else None
 
 
 def _load_tokenizer(*candidates):

@@ -24,13 +24,12 @@ from .. import atomic
 from ..gather import full_values, is_sharded
 from ..ranks import agree, shared_outcome
 from ..runtime import trim_heap
-from ..sizes import parse_bytes
+from ..sizes import DEFAULT_MAX_SHARD_SIZE, parse_bytes
 
 logger = logging.getLogger(__name__)
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
-DEFAULT_MAX_SHARD_SIZE = "5GB"
 DEFAULT_GATHER_BYTES = 256 * 2**20
 
 _DTYPES = {

@@ -15,8 +15,8 @@ from ..fsdp.engine import save_dtype as fsdp_save_dtype
 from ..model_info import save_beside_weights, unwrapped_class
 from ..peft import is_peft_model, save_adapter
 from ..ranks import shared_outcome
+from ..sizes import DEFAULT_MAX_SHARD_SIZE
 from .writer import (
-    DEFAULT_MAX_SHARD_SIZE,
     TensorEntry,
     is_weight_file,
     model_entries,

@@ -89,7 +89,8 @@ def test_a_kill_during_the_final_save_leaves_the_old_or_the_new_weights(old_run,
         shutil.copytree(old_run / "old", out)
     # each run kills its rank 0 at its own event: they run side by side
     killed = run_side_by_side([[*launcher_cmd(TRAIN_LAUNCHER, SCRIPT), "--model", str(tiny_model_dir), "--out",
-                                str(outs[k]), *SMALL, "--batch", "4", "--kill_final_save_at", str(k)]
+                                str(outs[k]), *SMALL, "--batch", "4", "--dump", str(tmp_path / f"dump{k}.pt"),
+                                "--kill_final_save_at", str(k)]
                                for k in points], timeout=600)  # fmt: skip
     for (k, expected), proc in zip(points.items(), killed):
         assert proc.returncode != 0 and f"SIGKILL at save event {k}" in proc.stdout, proc.stdout[-2000:]

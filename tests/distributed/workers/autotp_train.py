@@ -1,0 +1,83 @@
+"""Train a tiny Llama for a few steps with ``hf_ext.Trainer``, under DeepSpeed AutoTP or on one plain rank.
+
+    torchrun --nproc_per_node 2 tests/distributed/workers/autotp_train.py --model DIR --out FILE --autotp 2
+    python tests/distributed/workers/autotp_train.py --model DIR --out FILE
+
+The same 32 seeded rows, micro-batch 2, accumulation 2, 6 steps, torch's AdamW (the Trainer's, not DeepSpeed's),
+dropout off. Writes ``FILE`` (JSON, rank 0): the per-step losses and grad norms, the ``train_batch_size`` DeepSpeed was
+started with, the rows per optimizer step the Trainer counts, the world size and, per step, the rows each rank trained.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, TrainerCallback
+
+import hf_ext
+
+
+class RowsSeen(TrainerCallback):
+    """The ``row`` ids of every micro-batch this rank trained, by optimizer step."""
+
+    def __init__(self):
+        self.rows, self.current = {}, []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.rows[state.global_step], self.current = self.current, []
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--autotp", type=int, default=0)
+    opts = parser.parse_args()
+    deepspeed = None
+    if opts.autotp:
+        deepspeed = {"tensor_parallel": {"autotp_size": opts.autotp}, "zero_optimization": {"stage": 1},
+                     "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+                     "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}  # fmt: skip
+    args = hf_ext.TrainingArguments(output_dir=opts.out + ".run", per_device_train_batch_size=2,
+                                    gradient_accumulation_steps=2, max_steps=6, learning_rate=1e-3, logging_steps=1,
+                                    report_to=[], save_strategy="no", deepspeed=deepspeed, seed=0,
+                                    remove_unused_columns=False)  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(opts.model, attention_dropout=0.0)
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(32):
+        ids = torch.randint(5, model.config.vocab_size, (12,), generator=g).tolist()
+        rows.append({"input_ids": ids, "labels": ids, "row": i})
+    seen = RowsSeen()
+
+    def collate(batch):
+        seen.current += [r["row"] for r in batch]
+        return {k: torch.tensor([r[k] for r in batch]) for k in ("input_ids", "labels")}
+
+    trainer = hf_ext.Trainer(model=model, args=args, train_dataset=Dataset.from_list(rows), data_collator=collate,
+                             callbacks=[seen])  # fmt: skip
+    trainer.train()
+    gathered = [None] * args.world_size
+    if args.world_size > 1:
+        torch.distributed.all_gather_object(gathered, seen.rows)
+    else:
+        gathered = [seen.rows]
+    if args.process_index == 0:
+        history = [r for r in trainer.state.log_history if "loss" in r]
+        result = {
+            "world_size": args.world_size,
+            "losses": [r["loss"] for r in history],
+            "grad_norms": [r["grad_norm"] for r in history],
+            "deepspeed_train_batch_size": args.hf_deepspeed_config.config["train_batch_size"] if deepspeed else None,
+            "rows_per_step": trainer.get_total_train_batch_size(args),
+            "rows": gathered,
+        }
+        with open(opts.out, "w") as f:
+            json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
