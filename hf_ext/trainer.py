@@ -21,7 +21,7 @@ from . import loss as losses
 from .deepspeed import callbacks as deepspeed_callbacks
 from .evaluation.bleu import BleuEvalCallback, BleuEvalConfig
 from .evaluation.zero_eval import plain_eval_without_engine
-from .memory.measure import MemoryPlanCallback
+from .memory.measure import MemoryPlanCallback, loaded_whole_under_zero3
 from .saving import checkpoints, resume
 from .saving import zero as saving
 from .schedule import ResumedScheduleCallback
@@ -116,6 +116,9 @@ class TrainerMixin:
         self._normalize_own_mean_loss()
         self.bleu_eval_callback = self._attach_generation_eval()
         packing.enable_on_trainer(self)  # padding_free: DataCollatorWithFlattening
+        loaded_whole = loaded_whole_under_zero3(self.model, self.args.world_size, runtime.local_world_size())
+        if loaded_whole and self.args.should_log:
+            logger.warning(loaded_whole)
 
     def _normalize_own_mean_loss(self) -> None:
         """A model that averages its own micro-batch (BlenderBot) gets its loss over the whole global batch instead

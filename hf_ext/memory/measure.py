@@ -18,8 +18,11 @@ from pathlib import Path
 import psutil
 import torch
 from transformers import TrainerCallback
+from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
+from ..gather import is_sharded
 from ..sizes import GiB, gb
+from .formulas import model_state_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -126,3 +129,26 @@ class MemoryPlanCallback(TrainerCallback):
                 summary.update(entry)
             else:
                 state.log_history.append({**entry, "step": state.global_step})
+
+
+def loaded_whole_under_zero3(model, world_size: int, local_ranks: int) -> str | None:
+    """Under ZeRO-3, the line that says ``model`` was loaded whole on every rank, or ``None``.
+
+    ZeRO-3 partitions the parameters as ``from_pretrained`` creates them (``zero.Init``) only when the DeepSpeed config
+    exists by then: ``TrainingArguments(deepspeed=...)`` created first. Created after, every rank of a node holds the
+    whole model in host RAM until the engine partitions it. The figures are the planner's ZeRO-3 parameter bytes
+    (:func:`hf_ext.memory.formulas.model_state_bytes`) for one whole copy and for one partition, times the ranks of the
+    node."""
+    params = list(model.parameters()) if model is not None else []
+    if not is_deepspeed_zero3_enabled() or not params or any(is_sharded(p) for p in params):
+        return None
+    precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(params[0].dtype, "fp32")
+    count = sum(p.numel() for p in params)
+    whole = model_state_bytes(count, 0, world_size, precision).params
+    part = model_state_bytes(count, 3, world_size, precision).params
+    return (
+        f"ZeRO-3: {type(model).__name__} was loaded whole on every rank ({local_ranks} x {gb(whole)} = "
+        f"{gb(local_ranks * whole)} of host RAM on this node), because the TrainingArguments were created after "
+        f"from_pretrained; created first, zero.Init partitions it as it loads ({local_ranks} x {gb(part)} = "
+        f"{gb(local_ranks * part)}). Fix: create the TrainingArguments (deepspeed=...) before from_pretrained."
+    )

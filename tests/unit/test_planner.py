@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -315,3 +316,23 @@ def test_probe_drops_kineto_lines_and_keeps_the_rest_of_stderr(capfd):
     err = capfd.readouterr().err
     assert "from python" in err and "from fd 2" in err
     assert "USDT:" not in err and "STAGE:" not in err
+
+
+def test_a_model_loaded_before_the_zero3_arguments_is_said_loaded_whole(tiny_model_dir, no_global_deepspeed_config):
+    """The line Trainer start logs when ZeRO-3 is on but the model's parameters were not partitioned as they loaded
+    (the arguments came after from_pretrained), with the host RAM of both orders; nothing without ZeRO-3. Its absence
+    for a model zero.Init partitioned: tests/distributed/test_comm_layer.py."""
+    from transformers import AutoModelForSeq2SeqLM
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig
+
+    from hf_ext.memory.measure import loaded_whole_under_zero3
+    from hf_ext.sizes import gb
+
+    model = AutoModelForSeq2SeqLM.from_pretrained(tiny_model_dir)
+    assert loaded_whole_under_zero3(model, 4, 2) is None  # no DeepSpeed config: nothing to say
+    keep = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})  # noqa: F841 (registered while it lives)
+    line = loaded_whole_under_zero3(model, 4, 2)
+    count = sum(p.numel() for p in model.parameters())
+    assert f"2 x {gb(4 * count)} = {gb(8 * count)}" in line  # fp32: 4 bytes a parameter, on each of 2 ranks
+    assert f"2 x {gb(4 * math.ceil(count / 4))} = {gb(8 * math.ceil(count / 4))}" in line  # a quarter each
+    assert line.endswith("Fix: create the TrainingArguments (deepspeed=...) before from_pretrained.")

@@ -17,6 +17,7 @@ from deepspeed.comm import comm as ds_comm_state
 from transformers import AutoConfig, AutoModelForSeq2SeqLM
 
 import hf_ext
+import hf_ext.memory.measure
 
 model_dir, out_dir = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
 args = hf_ext.Seq2SeqTrainingArguments(
@@ -34,8 +35,10 @@ for name, build in (
     ("from_pretrained", lambda: AutoModelForSeq2SeqLM.from_pretrained(model_dir)),
     ("from_config", lambda: AutoModelForSeq2SeqLM.from_config(config)),
 ):
-    weight = build().get_input_embeddings().weight
+    model = build()
+    weight = model.get_input_embeddings().weight
     result[name] = {
+        "loaded_whole_line": hf_ext.memory.measure.loaded_whole_under_zero3(model, 2, 2),
         "ds_numel": getattr(weight, "ds_numel", None),
         "local_numel": weight.numel(),
         "partition_numel": weight.ds_tensor.numel() if hasattr(weight, "ds_tensor") else None,
