@@ -212,6 +212,17 @@ def run_side_by_side(
         return list(pool.map(one, zip(cmds, cwds)))
 
 
+def run_together(cmds: list[list[str]], timeout: int = 900) -> list[subprocess.CompletedProcess]:
+    """Independent launches side by side (:func:`run_side_by_side`); fail with the tail of the first that exited
+    non-zero, as :func:`run` does."""
+    procs = run_side_by_side(cmds, timeout=timeout)
+    for cmd, proc in zip(cmds, procs):
+        if proc.returncode != 0:
+            tail = (proc.stdout[-4000:] + "\n---stderr---\n" + proc.stderr[-8000:]).strip()
+            pytest.fail(f"{' '.join(map(str, cmd))} exited {proc.returncode}:\n{tail}")
+    return procs
+
+
 def run(cmd: list[str], timeout: int = 900, **env) -> subprocess.CompletedProcess:
     """Run ``cmd`` from the repo root; fail with the tail of its output when it exits non-zero."""
     proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(**env), capture_output=True, text=True, timeout=timeout)

@@ -15,6 +15,7 @@ import json
 import socket
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -121,9 +122,14 @@ def elastic_run_losing_a_node(model_dir, out: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, tmp_path_factory):
+    """The two-node run and the elastic one, side by side: independent launches (their own rendezvous ports and
+    directories) that spend much of their time waiting on each other's ranks and on the elastic agents' timeouts."""
     root = tmp_path_factory.mktemp("two_nodes")
-    two_nodes(tiny_model_dir, root / "full", "--samples", str(root / "full" / "samples"))
-    (root / "elastic.json").write_text(json.dumps(elastic_run_losing_a_node(tiny_model_dir, root / "elastic")))
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        full = pool.submit(two_nodes, tiny_model_dir, root / "full", "--samples", str(root / "full" / "samples"))
+        elastic = pool.submit(elastic_run_losing_a_node, tiny_model_dir, root / "elastic")
+        full.result()
+        (root / "elastic.json").write_text(json.dumps(elastic.result()))
     return root
 
 

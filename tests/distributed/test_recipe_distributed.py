@@ -31,7 +31,7 @@ STEPS = 20
 RUNS = {
     # name: (launcher, extra flags, expected world size, expected ZeRO stage or "fsdp")
     "deepspeed-zero2": ("deepspeed", [], 2, 2),  # no --deepspeed: the launcher implies hf-ext's zero2 preset
-    "deepspeed-zero3": ("deepspeed", ["--deepspeed", "zero3"], 2, 3),
+    "torchrun-zero3": ("torchrun", ["--deepspeed", "zero3"], 2, 3),  # DeepSpeed's launcher: the ZeRO-3 preemption
     "torchrun-zero2": ("torchrun", ["--deepspeed", "zero2"], 2, 2),
     # accelerate's DeepSpeed YAML (recipes/accelerate/zero2.yaml): the classification recipe's launch
     # (tests/distributed/test_classification_recipe.py), and under ZeRO-3 on two nodes the same weights as torchrun's
@@ -133,7 +133,7 @@ def test_fsdp_under_torchrun_and_accelerate_gives_the_same_loss(recipe_runs):
 PREEMPTIONS = {
     "zero2-sigterm-to-torchrun-resumed-on-one": ("torchrun-zero2", "torchrun", ["--deepspeed", "zero2"],
                                                  "8:SIGTERM:launcher", 1),
-    "zero3-sigterm-to-deepspeed-launcher": ("deepspeed-zero3", "deepspeed", ["--deepspeed", "zero3"],
+    "zero3-sigterm-to-deepspeed-launcher": ("torchrun-zero3", "deepspeed", ["--deepspeed", "zero3"],
                                             "8:SIGTERM:launcher", 2),  # resumed under torchrun, as every resume
     "fsdp2-sigusr1-to-one-rank": ("torchrun-fsdp", "torchrun", ["--fsdp", "full_shard"], "8:SIGUSR1:self", 2),
 }  # fmt: skip

@@ -1,0 +1,140 @@
+"""One oracle across engines: a tiny Llama trained on the same rows from the same seed under every layout, in one
+2-rank launch, one segment after another in the same processes.
+
+    torchrun --nproc_per_node 2 tests/distributed/workers/engine_oracle.py --model DIR --out FILE
+
+Segments: hf-ext under DDP, ZeRO-0/1/2/3, ZeRO-3 with CPU offload (the ``zero3_offload`` preset) and FSDP2, each
+with gradient accumulation 1 and 4 at the same global batch of 8 (micro-batch 4 and 1); stock transformers under the
+layouts it runs the same way on CPU ranks (DDP, ZeRO-2, ZeRO-3; stock's ``fsdp`` runs DDP on CPU). The schedule is
+the same on every engine: the presets' ``WarmupDecayLR`` against the Trainer's ``linear`` with one warm-up step.
+Writes ``FILE`` (JSON, rank 0): per segment the per-step losses, grad norms and learning rates, the final weights'
+largest difference from the first segment's (hf-ext DDP, accumulation 1) and what ran (engine, ZeRO stage, optimizer,
+offload devices, whether a resolved config was left with an ``"auto"``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import transformers
+from datasets import Dataset
+from transformers import AutoModelForCausalLM
+
+import hf_ext
+from benchmarks.worker import drop_trainer  # the benchmarks' segments drop their engines the same way
+from hf_ext.deepspeed.resolve import load_deepspeed_config
+from hf_ext.runtime import start_deepspeed_comm
+from tests.saving_support import gathered_state_dict  # the repository root is on PYTHONPATH under the launchers
+
+GLOBAL_BATCH, STEPS, ROWS, LENGTH = 8, 4, 64, 16
+LAUNCH_ENV = dict(os.environ)
+
+
+def preset(name: str, stage: int | None = None) -> dict:
+    """hf-ext's preset ``name`` without its scheduler section, so that every engine runs the Trainer's schedule
+    (DeepSpeed's ``WarmupDecayLR`` is another schedule than transformers' ``linear`` with the same warm-up: docs/testing.md)."""
+    config = load_deepspeed_config(name)
+    config.pop("scheduler")
+    if stage is not None:
+        config["zero_optimization"] = {"stage": stage}
+    return config
+
+
+#: layout -> (the deepspeed config, the fsdp argument)
+LAYOUTS = {
+    "ddp": (lambda: None, ""),
+    "zero0": (lambda: preset("zero2", stage=0), ""),
+    "zero1": (lambda: preset("zero1"), ""),
+    "zero2": (lambda: preset("zero2"), ""),
+    "zero3": (lambda: preset("zero3"), ""),
+    "zero3_offload": (lambda: preset("zero3_offload"), ""),
+    "fsdp2": (lambda: None, "full_shard"),
+}
+#: the segments, in order: (path, layout, accumulation)
+SEGMENTS = [("hf-ext", layout, accum) for layout in LAYOUTS for accum in (1, 4)]
+SEGMENTS += [("stock", layout, 1) for layout in ("ddp", "zero2", "zero3")]
+
+
+def rows(vocab: int) -> Dataset:
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(5, vocab, (LENGTH,), generator=g).tolist() for _ in range(ROWS)]
+    return Dataset.from_list([{"input_ids": x, "labels": x} for x in ids])
+
+
+def collate(batch: list[dict]) -> dict:
+    return {k: torch.tensor([r[k] for r in batch]) for k in ("input_ids", "labels")}
+
+
+def probe(trainer) -> dict:
+    engine = getattr(trainer, "deepspeed", None)
+    config = getattr(getattr(trainer.args, "hf_deepspeed_config", None), "config", None) or {}
+    zero = config.get("zero_optimization", {})
+    return {
+        "engine": type(engine).__name__ if engine is not None else type(trainer.model_wrapped).__name__,
+        "fsdp2": any(isinstance(p, torch.distributed.tensor.DTensor) for p in trainer.model.parameters()),
+        "zero_stage": zero.get("stage"),
+        "offload": [zero.get(k, {}).get("device", "none") for k in ("offload_optimizer", "offload_param")],
+        "optimizer": type(getattr(engine, "optimizer", None) or trainer.optimizer).__name__,
+        "auto_left": "auto" in json.dumps(config),
+    }
+
+
+def segment(path: str, layout: str, accumulation: int, model_dir: str, out_dir: str) -> tuple[dict, dict]:
+    config, fsdp = LAYOUTS[layout]
+    deepspeed = config()
+    print(f"segment {path} {layout} accumulation {accumulation}", flush=True)
+    common = dict(output_dir=os.path.join(out_dir, f"{path}-{layout}-{accumulation}"), max_steps=STEPS, seed=0,
+                  per_device_train_batch_size=GLOBAL_BATCH // (2 * accumulation),
+                  gradient_accumulation_steps=accumulation, learning_rate=1e-3, lr_scheduler_type="linear",
+                  warmup_steps=1, max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[],
+                  disable_tqdm=True, fsdp=fsdp)  # fmt: skip
+    if path == "stock":  # the same JSON, its "auto"s left to transformers
+        args = transformers.TrainingArguments(use_cpu=not torch.cuda.is_available(), deepspeed=deepspeed, **common)
+        trainer_class = transformers.Trainer
+    else:
+        args = hf_ext.TrainingArguments(deepspeed=deepspeed, **common)
+        trainer_class = hf_ext.Trainer
+    if deepspeed is not None:
+        start_deepspeed_comm()  # on CPU stock's arguments start torch.distributed but not DeepSpeed's comm
+    model = AutoModelForCausalLM.from_pretrained(model_dir)  # after the arguments: zero.Init partitions it
+    trainer = trainer_class(model=model, args=args, train_dataset=rows(model.config.vocab_size), data_collator=collate)
+    trainer.train()
+    weights = gathered_state_dict(trainer.model)  # every rank takes part
+    history = [e for e in trainer.state.log_history if "loss" in e]
+    result = {
+        "path": path, "layout": layout, "accumulation": accumulation, **probe(trainer),
+        "losses": [e["loss"] for e in history], "grad_norms": [e.get("grad_norm") for e in history],
+        "learning_rates": [e["learning_rate"] for e in history],
+    }  # fmt: skip
+    drop_trainer([trainer])
+    leftover = sorted(set(os.environ) - set(LAUNCH_ENV))
+    os.environ.clear()  # what the arguments set for their engine (accelerate's DeepSpeed variables) goes with them
+    os.environ.update(LAUNCH_ENV)
+    return result | {"env_set": leftover}, weights
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    opts = parser.parse_args()
+    initial = dict(AutoModelForCausalLM.from_pretrained(opts.model).named_parameters(remove_duplicate=False))
+    results, reference = [], None
+    for path, layout, accumulation in SEGMENTS:
+        result, weights = segment(path, layout, accumulation, opts.model, os.path.dirname(opts.out))
+        if weights:  # rank 0 (FSDP2 gathers there only)
+            reference = reference or weights
+            result["max_weight_difference"] = max((weights[k] - reference[k]).abs().max().item() for k in reference)
+            result["weights_moved"] = max((weights[k] - initial[k]).abs().max().item() for k in initial)
+        results.append(result)
+    if torch.distributed.get_rank() == 0:
+        with open(opts.out, "w") as f:
+            json.dump(results, f, indent=1)
+    hf_ext.end_distributed()
+
+
+if __name__ == "__main__":
+    main()
