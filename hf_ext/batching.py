@@ -86,12 +86,10 @@ def layout_of(world: int, deepspeed_config: dict | None = None, parallelism_conf
     return Layout(int(world), _size(tp), _size(sp), _size(cp))
 
 
-def args_layout(args, deepspeed_config: dict | None = None, model=None) -> Layout:
-    """The :class:`Layout` of a run's ``TrainingArguments`` (its world size, DeepSpeed config and
-    ``parallelism_config``)."""
-    if deepspeed_config is None:
-        hf_config = getattr(args, "hf_deepspeed_config", None)
-        deepspeed_config = getattr(hf_config, "config", None)
-        if deepspeed_config is None and isinstance(getattr(args, "deepspeed", None), dict):
-            deepspeed_config = args.deepspeed
-    return layout_of(args.world_size, deepspeed_config, getattr(args, "parallelism_config", None), model)
+def args_layout(args) -> Layout:
+    """The :class:`Layout` of a run's ``TrainingArguments``: its world size, its DeepSpeed config (resolved, or as
+    given when a dict) and its ``parallelism_config``."""
+    deepspeed_config = getattr(getattr(args, "hf_deepspeed_config", None), "config", None)
+    if deepspeed_config is None and isinstance(getattr(args, "deepspeed", None), dict):
+        deepspeed_config = args.deepspeed
+    return layout_of(args.world_size, deepspeed_config, getattr(args, "parallelism_config", None))

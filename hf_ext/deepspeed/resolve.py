@@ -133,8 +133,8 @@ def explain_deepspeed_config(
     world = world_size if world_size is not None else args.world_size
     # the ranks a batch is split over: all of them unless tensor/sequence/context parallelism groups them
     layout = layout_of(world, resolved, getattr(args, "parallelism_config", None), model)
-    if layout.problem():  # a warning: a config is often resolved where it will not run (1 rank, by default)
-        report.warn(f"{layout.problem()}: launch it on a multiple of {layout.model_parallel} ranks")
+    if problem := layout.problem():  # a warning: a config is often resolved where it will not run (1 rank, by default)
+        report.warn(f"{problem}: launch it on a multiple of {layout.model_parallel} ranks")
     _gradient_checkpointing(resolved, report, resolution)
     hardware = hardware or Hardware.detect(getattr(args, "use_cpu", False))
     precision = _precision(resolved, args, hardware, report, resolution)
