@@ -17,7 +17,8 @@ peak allocated device memory above the level then), and the eval loss on the val
 
 One GPU (benchmarks.bench_gpu): ``--paths stock hf-ext trl --config none --bf16`` trains the paths one after the
 other in one process, without DeepSpeed, each writing ``OUT.<path>.rank0.json``; every run's model, trainer and
-device memory are dropped before the next starts.
+device memory are dropped before the next starts. ``PACKING_PROFILE=DIR`` profiles three steps of each path (an
+untimed run: ``StepProfile``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import time
+from pathlib import Path
 
 import torch
 import transformers
@@ -48,6 +51,38 @@ class TokenClock(transformers.TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.steps.append((time.perf_counter(), state.num_input_tokens_seen))
+
+
+class StepProfile(transformers.TrainerCallback):
+    """``PACKING_PROFILE=DIR``: ``torch.profiler`` over optimizer steps ``first`` to ``first + steps - 1`` of each
+    path, its operators by self time on the device and on the host, and by host time with children, into ``DIR/<path>.txt``: where a path's
+    step time goes. Off by default: the profiler slows the steps it records, so a timed run leaves it off."""
+
+    def __init__(self, directory: str, path: str, first: int = 8, steps: int = 3):
+        self.file, self.first, self.steps, self.profiler = Path(directory) / f"{path}.txt", first, steps, None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.first and self.profiler is None:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler.__enter__()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.profiler is not None and state.global_step == self.first + self.steps:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.profiler.__exit__(None, None, None)
+            keys = ["self_cpu_time_total", "cpu_time_total"]  # a host-bound step (launches, syncs) shows here
+            if torch.cuda.is_available():
+                keys.insert(0, "self_cuda_time_total")
+            averages = self.profiler.key_averages()
+            tables = [f"steps {self.first}-{self.first + self.steps - 1}, sorted by {key}\n"
+                      f"{averages.table(sort_by=key, row_limit=30)}\n" for key in keys]  # fmt: skip
+            self.file.parent.mkdir(parents=True, exist_ok=True)
+            self.file.write_text("\n".join(tables))
+            self.profiler = False
 
 
 def dialogue_rows(tokenizer, opts):
@@ -106,9 +141,12 @@ def train_path(opts, path: str, tokenizer, train, validation) -> dict:
 
         model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear"))
     clock = TokenClock()
+    callbacks = [clock]
+    if os.environ.get("PACKING_PROFILE"):
+        callbacks.append(StepProfile(os.environ["PACKING_PROFILE"], path))
     collator = None if path == "trl" else DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100)
     trainer = trainer_class(model=model, args=args, train_dataset=train, eval_dataset=validation,
-                            data_collator=collator, processing_class=tokenizer, callbacks=[clock])  # fmt: skip
+                            data_collator=collator, processing_class=tokenizer, callbacks=callbacks)  # fmt: skip
     trainer.train()
     train_peak = peak_rss() - baseline
     device_peak = torch.cuda.max_memory_allocated() - device_baseline if cuda else None
