@@ -6,11 +6,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .convert import convert_command_parser
 from .ds import ds_command_parser
 from .export import export_command_parser
 from .fsdp import fsdp_command_parser
 
-COMMANDS = (ds_command_parser, fsdp_command_parser, export_command_parser)
+COMMANDS = (ds_command_parser, fsdp_command_parser, export_command_parser, convert_command_parser)
 
 
 def build_parser() -> argparse.ArgumentParser:

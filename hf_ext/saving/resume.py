@@ -51,6 +51,17 @@ logger = logging.getLogger(__name__)
 
 UNIVERSAL_MARKER = "hf_ext_universal.json"
 LATEST_UNIVERSAL = "latest_universal"  # the tag file DeepSpeed's load_universal reads instead of DEEPSPEED_TAG_FILE
+FSDP_MODEL_DIR = "pytorch_model_fsdp_0"  # accelerate's save_fsdp_model / save_fsdp_optimizer names (index 0)
+FSDP_OPTIMIZER_DIR = "optimizer_0"
+
+
+def engine_of(path: Path) -> str | None:
+    """``"deepspeed"``, ``"fsdp2"`` or ``None``: which engine's state the checkpoint ``path`` holds."""
+    if (path / DEEPSPEED_TAG_FILE).is_file() or (path / LATEST_UNIVERSAL).is_file():
+        return "deepspeed"
+    if (path / FSDP_MODEL_DIR).is_dir():
+        return "fsdp2"
+    return None
 
 
 @dataclass(frozen=True)
@@ -127,27 +138,35 @@ def _trainer_files(checkpoint: Path) -> list[str]:
     )
 
 
+def run_ds_to_universal(tag_folder: Path, output_folder: Path) -> float:
+    """DeepSpeed's own ``ds_to_universal`` of one checkpoint tag (``global_stepN``) into ``output_folder``; returns
+    the seconds it took. ``RuntimeError`` with DeepSpeed's last line when it fails (``output_folder`` removed)."""
+    workers = str(max(1, min(4, os.cpu_count() or 1)))
+    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag_folder),
+           "--output_folder", str(output_folder), "--inject_missing_state", "--num_extract_workers", workers,
+           "--num_merge_workers", workers]  # fmt: skip
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        shutil.rmtree(output_folder, ignore_errors=True)
+        lines = [line for line in (proc.stderr or proc.stdout).strip().splitlines() if line.strip()]
+        raise RuntimeError(f"DeepSpeed's ds_to_universal could not convert {tag_folder}: "
+                           f"{lines[-1] if lines else f'exit code {proc.returncode}'}")  # fmt: skip
+    return time.perf_counter() - start
+
+
 def convert_to_universal(checkpoint: ZeroCheckpoint) -> tuple[Path, float]:
     """Convert ``checkpoint`` with DeepSpeed's ``ds_to_universal`` into ``checkpoint-N.universal`` (written as
     ``tmp-checkpoint-N.universal`` and renamed when complete). Returns the path and the seconds it took."""
     out = checkpoint.universal_path
     tmp = out.with_name(TMP_PREFIX + out.name)
     shutil.rmtree(tmp, ignore_errors=True)
-    workers = str(max(1, min(4, os.cpu_count() or 1)))
-    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-           str(checkpoint.path / checkpoint.tag), "--output_folder", str(tmp / checkpoint.tag),
-           "--inject_missing_state", "--num_extract_workers", workers, "--num_merge_workers", workers]  # fmt: skip
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    seconds = time.perf_counter() - start
-    if proc.returncode != 0:
+    try:
+        seconds = run_ds_to_universal(checkpoint.path / checkpoint.tag, tmp / checkpoint.tag)
+    except RuntimeError as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        lines = [line for line in (proc.stderr or proc.stdout).strip().splitlines() if line.strip()]
-        raise RuntimeError(
-            f"DeepSpeed's ds_to_universal could not convert {checkpoint.path / checkpoint.tag} for a resume on "
-            f"another number of ranks: {lines[-1] if lines else f'exit code {proc.returncode}'}. Resume it with "
-            f"the world size that wrote it ({checkpoint.world_size})."
-        )
+        raise RuntimeError(f"{err} (for a resume on another number of ranks). Resume it with the world size that "
+                           f"wrote it ({checkpoint.world_size}).") from None  # fmt: skip
     (tmp / LATEST_UNIVERSAL).write_text(checkpoint.tag)
     files = _trainer_files(checkpoint.path)
     for name in files:  # hard links: the checkpoint's own bytes, never a second copy (the same directory)
@@ -291,6 +310,16 @@ class ResumePlan:
         return None if self.load_from is None else str(self.load_from)
 
 
+def refuse_other_engine(path: Path, engine: str) -> None:
+    """``ValueError`` with the ``hf-ext convert`` command when ``path`` holds the other engine's optimizer state."""
+    written = engine_of(path)
+    if written is not None and written != engine:
+        raise ValueError(
+            f"{path} is a {written} checkpoint and this run trains with {engine}: convert it first, "
+            f"hf-ext convert {path} {path}-{engine} --to {engine}, and resume from {path}-{engine}."
+        )
+
+
 def plan_resume(trainer, resume_from_checkpoint) -> ResumePlan:
     """Decide what ``train(resume_from_checkpoint)`` resumes; every rank calls it and gets the same plan (a failure
     on any rank raises on all). On the saving process: leftovers of interrupted writes are removed first, and a
@@ -310,8 +339,17 @@ def plan_resume(trainer, resume_from_checkpoint) -> ResumePlan:
                 return ResumePlan("peft", path, path)
             return ResumePlan("peft", path, path, written, *global_batch(args, written))
         fsdp = getattr(trainer, "is_fsdp_enabled", False)
-        if not fsdp and not getattr(trainer, "is_deepspeed_enabled", False):
+        deepspeed = getattr(trainer, "is_deepspeed_enabled", False)
+        if not fsdp and not deepspeed:
             return ResumePlan("as_written", path, path)
+        refuse_other_engine(path, "fsdp2" if fsdp else "deepspeed")
+        if deepspeed and (path / LATEST_UNIVERSAL).is_file() and not (path / DEEPSPEED_TAG_FILE).is_file():
+            written = read_marked_checkpoint(path)  # `hf-ext convert --to deepspeed` wrote it: universal only
+            if written is None:
+                raise ValueError(f"{path} holds a universal checkpoint without hf-ext's marker: resume it as DeepSpeed "
+                                 "documents (checkpoint.load_universal in the config).")  # fmt: skip
+            accumulation, batch = global_batch(args, written)
+            return ResumePlan("universal", path, path, written, accumulation, batch, "converted by hf-ext convert")
         written = read_marked_checkpoint(path) if fsdp else read_zero_checkpoint(path)
         if written is None or written.world_size == args.world_size:
             return ResumePlan("as_written", path, path)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from pathlib import Path
 
 import torch
 import transformers
@@ -56,6 +57,9 @@ LAYOUTS = {
 #: the segments, in order: (path, layout, accumulation)
 SEGMENTS = [("hf-ext", layout, accum) for layout in LAYOUTS for accum in (1, 4)]
 SEGMENTS += [("stock", layout, 1) for layout in ("ddp", "zero2", "zero3")]
+#: ``hf-ext convert`` both ways: 8 steps of the first layout saving checkpoint-4, that checkpoint converted for the
+#: second (rank 0 runs the command), and the second layout resumed from the conversion for steps 5-8
+ROUND_TRIPS = [("zero2", "fsdp2"), ("fsdp2", "zero2")]
 
 
 def rows(vocab: int) -> Dataset:
@@ -82,14 +86,26 @@ def probe(trainer) -> dict:
     }
 
 
-def segment(path: str, layout: str, accumulation: int, model_dir: str, out_dir: str) -> tuple[dict, dict]:
+def segment(
+    path: str,
+    layout: str,
+    accumulation: int,
+    model_dir: str,
+    out_dir: str,
+    name: str | None = None,
+    steps: int = STEPS,
+    save_steps: int | None = None,
+    resume: str | None = None,
+) -> tuple[dict, dict]:
     config, fsdp = LAYOUTS[layout]
     deepspeed = config()
-    print(f"segment {path} {layout} accumulation {accumulation}", flush=True)
-    common = dict(output_dir=os.path.join(out_dir, f"{path}-{layout}-{accumulation}"), max_steps=STEPS, seed=0,
+    name = name or f"{path}-{layout}-{accumulation}"
+    print(f"segment {name}", flush=True)
+    saving = dict(save_strategy="steps", save_steps=save_steps) if save_steps else dict(save_strategy="no")
+    common = dict(output_dir=os.path.join(out_dir, name), max_steps=steps, seed=0, **saving,
                   per_device_train_batch_size=GLOBAL_BATCH // (2 * accumulation),
                   gradient_accumulation_steps=accumulation, learning_rate=1e-3, lr_scheduler_type="linear",
-                  warmup_steps=1, max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[],
+                  warmup_steps=1, max_grad_norm=1.0, logging_steps=1, report_to=[],
                   disable_tqdm=True, fsdp=fsdp)  # fmt: skip
     if path == "stock":  # the same JSON, its "auto"s left to transformers
         args = transformers.TrainingArguments(use_cpu=not torch.cuda.is_available(), deepspeed=deepspeed, **common)
@@ -101,11 +117,12 @@ def segment(path: str, layout: str, accumulation: int, model_dir: str, out_dir: 
         start_deepspeed_comm()  # on CPU stock's arguments start torch.distributed but not DeepSpeed's comm
     model = AutoModelForCausalLM.from_pretrained(model_dir)  # after the arguments: zero.Init partitions it
     trainer = trainer_class(model=model, args=args, train_dataset=rows(model.config.vocab_size), data_collator=collate)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     weights = gathered_state_dict(trainer.model)  # every rank takes part
     history = [e for e in trainer.state.log_history if "loss" in e]
     result = {
-        "path": path, "layout": layout, "accumulation": accumulation, **probe(trainer),
+        "name": name, "path": path, "layout": layout, "accumulation": accumulation, **probe(trainer),
+        "global_step": trainer.state.global_step,
         "losses": [e["loss"] for e in history], "grad_norms": [e.get("grad_norm") for e in history],
         "learning_rates": [e["learning_rate"] for e in history],
     }  # fmt: skip
@@ -116,20 +133,54 @@ def segment(path: str, layout: str, accumulation: int, model_dir: str, out_dir: 
     return result | {"env_set": leftover}, weights
 
 
+def convert(checkpoint: Path, out: Path, to: str) -> None:
+    """``hf-ext convert``'s work on rank 0 (tests/unit/test_convert.py runs the command itself); every rank raises if
+    it failed."""
+    from hf_ext.saving.convert import convert_checkpoint
+
+    status = [None]
+    if torch.distributed.get_rank() == 0:
+        try:
+            convert_checkpoint(checkpoint, out, to)
+            status = ["ok"]
+        except Exception as err:  # every rank stops, with rank 0's reason
+            status = [repr(err)]
+    torch.distributed.broadcast_object_list(status, src=0)
+    if status[0] != "ok":
+        raise RuntimeError(f"hf-ext convert {checkpoint} --to {to} failed: {status[0]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--only", choices=["engines", "convert"], help="one part (default: both)")
     opts = parser.parse_args()
     initial = dict(AutoModelForCausalLM.from_pretrained(opts.model).named_parameters(remove_duplicate=False))
+    out_dir = os.path.dirname(opts.out)
     results, reference = [], None
-    for path, layout, accumulation in SEGMENTS:
-        result, weights = segment(path, layout, accumulation, opts.model, os.path.dirname(opts.out))
+    for path, layout, accumulation in SEGMENTS if opts.only != "convert" else []:
+        result, weights = segment(path, layout, accumulation, opts.model, out_dir)
         if weights:  # rank 0 (FSDP2 gathers there only)
             reference = reference or weights
             result["max_weight_difference"] = max((weights[k] - reference[k]).abs().max().item() for k in reference)
             result["weights_moved"] = max((weights[k] - initial[k]).abs().max().item() for k in initial)
         results.append(result)
+    for first, second in ROUND_TRIPS if opts.only != "engines" else []:
+        whole, whole_weights = segment("hf-ext", first, 1, opts.model, out_dir, f"{first}-8", 2 * STEPS, STEPS)
+        converted = Path(out_dir) / f"{first}-to-{second}"
+        convert(
+            Path(out_dir) / f"{first}-8" / f"checkpoint-{STEPS}",
+            converted,
+            "fsdp2" if second == "fsdp2" else "deepspeed",
+        )
+        resumed, weights = segment("hf-ext", second, 1, opts.model, out_dir, f"{first}-to-{second}-resumed",
+                                   2 * STEPS, resume=str(converted))  # fmt: skip
+        if weights and whole_weights:  # rank 0 (FSDP2 gathers there only)
+            resumed["max_weight_difference"] = max((weights[k] - whole_weights[k]).abs().max().item()
+                                                   for k in whole_weights)  # fmt: skip
+            resumed["weights_moved"] = max((weights[k] - initial[k]).abs().max().item() for k in initial)
+        results += [whole, resumed]
     if torch.distributed.get_rank() == 0:
         with open(opts.out, "w") as f:
             json.dump(results, f, indent=1)
