@@ -162,3 +162,17 @@ def test_a_checkpoint_the_tool_cannot_convert_stops_every_rank_with_one_line(run
         "ds_to_universal could not convert" in output and "Resume it with the world size that wrote it (1)." in output
     )
     assert not (broken.parent / "checkpoint-4.universal").exists()  # nothing half-written is left to be reused
+
+
+def test_convert_refuses_a_checkpoint_whose_schedule_deepspeed_keeps(runs, tmp_path, capsys):
+    """``hf-ext convert`` of this ZeRO-3 checkpoint (hf-ext's preset: DeepSpeed's WarmupDecayLR, kept in the engine
+    state) to FSDP2: one line naming the schedule and the fix, and nothing written (the Trainer's own schedule, which
+    transformers hands to DeepSpeed's engine, converts: tests/distributed/test_engines.py)."""
+    from hf_ext.cli import main
+
+    checkpoint = runs["root"] / "one" / "out" / "checkpoint-4"
+    before = digests(checkpoint)
+    assert main(["convert", str(checkpoint), str(tmp_path / "fsdp2"), "--to", "fsdp2"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "DeepSpeed's WarmupDecayLR" in err and 'remove the "scheduler" block' in err
+    assert not (tmp_path / "fsdp2").exists() and digests(checkpoint) == before

@@ -1,8 +1,9 @@
 """``hf-ext convert``: what it refuses, in one line and before anything is written, and a resume that needs it.
 
 The conversions themselves (ZeRO-2 -> FSDP2 and back, each resumed against the uninterrupted run) run on real ranks
-in tests/distributed/test_engines.py. The checkpoints below are directories laid out as the engines write them, with
-the one file each refusal reads.
+in tests/distributed/test_engines.py; a real ZeRO-3 checkpoint whose schedule is DeepSpeed's own is refused in
+tests/distributed/test_resume_world_size.py. The checkpoints below are directories laid out as the engines write
+them, with the one file each refusal reads.
 """
 
 from __future__ import annotations
@@ -75,20 +76,6 @@ def test_what_cannot_be_converted_is_refused_in_one_line(tmp_path, capsys):
     (existing / "kept").write_text("mine")
     assert "exists: pass a new directory" in refusal(capsys, zero, existing, "fsdp2")
     assert (existing / "kept").read_text() == "mine"  # never written into
-
-
-def test_a_schedule_deepspeed_keeps_is_refused_and_the_trainer_s_is_not(tmp_path, capsys):
-    """DeepSpeed's own schedule (a config "scheduler" block) has no Trainer twin to go on under FSDP2; the Trainer's
-    scheduler, which transformers hands to DeepSpeed's engine, is a LambdaLR state (``last_epoch``)."""
-    warmup_decay = {"scheduler": {"type": "WarmupDecayLR"}}
-    deepspeeds = _zero_checkpoint(tmp_path / "ds-schedule", {"last_batch_iteration": 3}, warmup_decay)
-    err = refusal(capsys, deepspeeds, tmp_path / "out", "fsdp2")
-    assert "DeepSpeed's WarmupDecayLR" in err and 'remove the "scheduler" block' in err
-
-    from hf_ext.saving.convert import check_convertible
-
-    trainers = _zero_checkpoint(tmp_path / "trainer-schedule", {"last_epoch": 4, "base_lrs": [1e-3]})
-    assert check_convertible(trainers, tmp_path / "out", "fsdp2") == "deepspeed"
 
 
 @pytest.mark.parametrize(("written", "engine"), [("deepspeed", "fsdp2"), ("fsdp2", "deepspeed")])
