@@ -18,6 +18,7 @@ than transformers' ``linear`` with the same warm-up (docs/testing.md): a differe
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -45,8 +46,13 @@ WEIGHT_TOLERANCE = 2e-6  # absolute; measured 1.2e-7, on weights the 4 steps mov
 
 
 @pytest.fixture(scope="module")
-def segments(tiny_chat_model_dir, tmp_path_factory) -> dict[str, dict]:
-    out = tmp_path_factory.mktemp("engines") / "segments.json"
+def engines_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("engines")
+
+
+@pytest.fixture(scope="module")
+def segments(tiny_chat_model_dir, engines_dir) -> dict[str, dict]:
+    out = engines_dir / "segments.json"
     run(launcher_cmd("torchrun", WORKER) + ["--model", str(tiny_chat_model_dir), "--out", str(out)])
     results = json.loads(out.read_text())
     return {r["name"]: r for r in results}
@@ -101,4 +107,26 @@ def test_a_converted_checkpoint_resumes_as_the_uninterrupted_run(first, second, 
     same_engine = segments[f"{second}-8"]
     assert resumed["learning_rates"][4:] == pytest.approx(same_engine["learning_rates"][4:], rel=1e-12)
     assert resumed["weights_moved"] > 100 * WEIGHT_TOLERANCE
+    assert resumed["max_weight_difference"] <= WEIGHT_TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def one_rank_resumes(segments, tiny_chat_model_dir, engines_dir) -> dict[str, dict]:
+    """The two conversions (written from 2 ranks) resumed on 1 rank, each in its engine (one launch)."""
+    out = engines_dir / "one_rank.json"
+    run(launcher_cmd("torchrun", WORKER, nproc=1) + ["--model", str(tiny_chat_model_dir), "--out", str(out),
+                                                      "--only", "resume"])  # fmt: skip
+    return {r["name"]: r for r in json.loads(out.read_text())}
+
+
+@pytest.mark.parametrize(("first", "second"), ROUND_TRIPS, ids=[f"{a}-to-{b}" for a, b in ROUND_TRIPS])
+def test_a_converted_checkpoint_resumes_on_another_world_size(first, second, segments, one_rank_resumes):
+    """Either side on any number of ranks: DCP reshards the FSDP2 state, DeepSpeed's universal load repartitions
+    its own, and hf-ext keeps the global batch of 8 (micro-batch 4: accumulation 1 -> 2). One rank sums in another
+    order than two: within the same tolerances."""
+    whole, resumed = segments[f"{first}-8"], one_rank_resumes[f"{first}-to-{second}-on-1"]
+    assert resumed["world_size"] == 1 and resumed["accumulation_ran"] == 2 and resumed["global_step"] == 8
+    assert ("FSDPModule" if resumed["fsdp2"] else resumed["engine"]) == ENGINE_OF[second]
+    assert resumed["losses"] == pytest.approx(whole["losses"], rel=LOSS_TOLERANCE)
+    assert resumed["grad_norms"][4:] == pytest.approx(whole["grad_norms"][4:], rel=GRAD_NORM_TOLERANCE)
     assert resumed["max_weight_difference"] <= WEIGHT_TOLERANCE

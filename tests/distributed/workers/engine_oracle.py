@@ -122,7 +122,7 @@ def segment(
     history = [e for e in trainer.state.log_history if "loss" in e]
     result = {
         "name": name, "path": path, "layout": layout, "accumulation": accumulation, **probe(trainer),
-        "global_step": trainer.state.global_step,
+        "global_step": trainer.state.global_step, "accumulation_ran": trainer.args.gradient_accumulation_steps,
         "losses": [e["loss"] for e in history], "grad_norms": [e.get("grad_norm") for e in history],
         "learning_rates": [e["learning_rate"] for e in history],
     }  # fmt: skip
@@ -154,19 +154,20 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--only", choices=["engines", "convert"], help="one part (default: both)")
+    parser.add_argument("--only", choices=["engines", "convert", "resume"], help="one part (default: engines and "
+                        "convert); resume: the conversions of an earlier launch's --out folder resumed here")  # fmt: skip
     opts = parser.parse_args()
     initial = dict(AutoModelForCausalLM.from_pretrained(opts.model).named_parameters(remove_duplicate=False))
     out_dir = os.path.dirname(opts.out)
     results, reference = [], None
-    for path, layout, accumulation in SEGMENTS if opts.only != "convert" else []:
+    for path, layout, accumulation in SEGMENTS if opts.only in (None, "engines") else []:
         result, weights = segment(path, layout, accumulation, opts.model, out_dir)
         if weights:  # rank 0 (FSDP2 gathers there only)
             reference = reference or weights
             result["max_weight_difference"] = max((weights[k] - reference[k]).abs().max().item() for k in reference)
             result["weights_moved"] = max((weights[k] - initial[k]).abs().max().item() for k in initial)
         results.append(result)
-    for first, second in ROUND_TRIPS if opts.only != "engines" else []:
+    for first, second in ROUND_TRIPS if opts.only in (None, "convert") else []:
         whole, whole_weights = segment("hf-ext", first, 1, opts.model, out_dir, f"{first}-8", 2 * STEPS, STEPS)
         converted = Path(out_dir) / f"{first}-to-{second}"
         convert(
@@ -180,7 +181,18 @@ def main() -> None:
             resumed["max_weight_difference"] = max((weights[k] - whole_weights[k]).abs().max().item()
                                                    for k in whole_weights)  # fmt: skip
             resumed["weights_moved"] = max((weights[k] - initial[k]).abs().max().item() for k in initial)
+        if whole_weights:  # the oracle of the resumes on another world size (--only resume)
+            torch.save(whole_weights, Path(out_dir) / f"{first}-8.pt")
         results += [whole, resumed]
+    for first, second in ROUND_TRIPS if opts.only == "resume" else []:
+        # micro-batch 4 as written: on another world size hf-ext sets the accumulation that keeps the global batch 8
+        resumed, weights = segment("hf-ext", second, 1, opts.model, out_dir, f"{first}-to-{second}-on-1",
+                                   2 * STEPS, resume=str(Path(out_dir) / f"{first}-to-{second}"))  # fmt: skip
+        whole_weights = torch.load(Path(out_dir) / f"{first}-8.pt")
+        resumed["max_weight_difference"] = max((weights[k] - whole_weights[k]).abs().max().item()
+                                               for k in whole_weights)  # fmt: skip
+        resumed["world_size"] = torch.distributed.get_world_size()
+        results.append(resumed)
     if torch.distributed.get_rank() == 0:
         with open(opts.out, "w") as f:
             json.dump(results, f, indent=1)
