@@ -24,7 +24,8 @@ FSDP2 side gets the parameter groups the Trainer makes (weight decay on all but 
 Refused in one line, before anything is written: a directory that is no DeepSpeed or FSDP2 checkpoint, a checkpoint
 already of the asked engine, an adapter-only (PEFT) checkpoint (it resumes under any engine as it is), a checkpoint
 whose learning-rate schedule lives in DeepSpeed's engine (the config's ``"scheduler"`` block: the Trainer has no
-such schedule to continue under FSDP2), an optimizer without Adam's state, and an ``OUT`` that exists.
+such schedule to continue under FSDP2), an FSDP2 checkpoint without hf-ext's marker (the world size and batch
+that wrote it), an optimizer without Adam's state, and an ``OUT`` that exists.
 ``OUT`` is written all-or-nothing (:func:`hf_ext.atomic.atomic_directory`).
 """
 
@@ -43,9 +44,10 @@ import transformers
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from transformers.trainer import SCHEDULER_NAME
 
 from ..atomic import atomic_directory, work_path
-from ..model_info import model_class
+from ..model_info import random_init_model
 from ..peft import is_trainable_state_checkpoint
 from .checkpoints import CHECKPOINT_MARKER, TRAINER_STATE_NAME, write_marker
 from .model_dir import DEEPSPEED_TAG_FILE
@@ -62,7 +64,6 @@ from .resume import (
 logger = logging.getLogger(__name__)
 
 TARGETS = ("fsdp2", "deepspeed")
-SCHEDULER_NAME = "scheduler.pt"  # the Trainer's scheduler state (transformers.trainer.SCHEDULER_NAME)
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
 #: DeepSpeed's files that a converted checkpoint does not carry over
 DEEPSPEED_ONLY = (DEEPSPEED_TAG_FILE, LATEST_UNIVERSAL, "zero_to_fp32.py", "zero_to_torch.py", CHECKPOINT_MARKER)
@@ -109,6 +110,10 @@ def check_convertible(checkpoint: str | Path, out: str | Path, to: str) -> str:
     elif not (checkpoint / FSDP_OPTIMIZER_DIR).is_dir():
         raise ConvertError(f"{checkpoint} has no {FSDP_OPTIMIZER_DIR}/: only an FSDP2 checkpoint with its sharded "
                            "optimizer state (SHARDED_STATE_DICT) converts.")  # fmt: skip
+    elif read_marked_checkpoint(checkpoint) is None:
+        raise ConvertError(f"{checkpoint} has no hf-ext marker ({CHECKPOINT_MARKER}) saying the world size and batch "
+                           "that wrote it, which DeepSpeed's resume needs: resume it under hf-ext's FSDP2 and convert "
+                           "a checkpoint that run writes.")  # fmt: skip
     return source
 
 
@@ -267,10 +272,8 @@ def _source_groups(zero_dir: Path) -> list[dict]:
 def _trainer_param_groups(checkpoint: Path, model_state: dict, source: list[dict]) -> list[dict]:
     """The Trainer's two groups (weight decay, none), as ``Trainer.create_optimizer`` makes them for this model,
     holding the parameters' names; settings from the source's first group (the decayed one when it had two)."""
-    config = transformers.AutoConfig.from_pretrained(str(checkpoint))
     with torch.device("meta"):
-        cls = model_class(config)
-        model = cls.from_config(config) if cls is transformers.AutoModel else cls._from_config(config)
+        model = random_init_model(checkpoint)  # its config's architecture; no memory, no initialisation
     decay = set(transformers.Trainer.get_decay_parameter_names(None, model))
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     unknown = sorted(set(names) - set(model_state))
@@ -301,16 +304,6 @@ def _read_dcp(folder: Path, work: Path) -> dict:
     return loaded
 
 
-def _engine_schedule(checkpoint: Path, step: int) -> dict:
-    """What DeepSpeed's engine loads into its scheduler: the Trainer's (``scheduler.pt``, which transformers hands to
-    the engine when the config has no ``"scheduler"`` block), plus ``last_batch_iteration`` for DeepSpeed's own
-    schedules when the new config has one (each reads only its own keys)."""
-    schedule = {}
-    if (checkpoint / SCHEDULER_NAME).is_file():
-        schedule = _schedule_position(_load(checkpoint / SCHEDULER_NAME))
-    return {**schedule, "last_batch_iteration": step - 1}
-
-
 def _fsdp2_to_universal(checkpoint: Path, staged: Path, work: Path) -> dict:
     model = _read_dcp(checkpoint / FSDP_MODEL_DIR, work)["model"]
     optimizer = _read_dcp(checkpoint / FSDP_OPTIMIZER_DIR, work)["optimizer"]
@@ -337,25 +330,30 @@ def _fsdp2_to_universal(checkpoint: Path, staged: Path, work: Path) -> dict:
     torch.save({"ds_version": deepspeed.__version__, "param_groups": settings,
                 "optimizer_state_dict": {"state": {0: {"step": adam_step}}, "param_groups": settings}},
                zero / "optimizer_state.pt")  # fmt: skip
-    written = read_marked_checkpoint(checkpoint)
-    world = written.world_size if written else 1
-    micro = written.micro_batch if written else None
-    accumulation = written.accumulation if written else None
-    # the engine's metadata: what DeepSpeed's universal load reads of it (the weights come from zero/)
+    written = read_marked_checkpoint(checkpoint)  # present: check_convertible
+    schedule = (
+        _schedule_position(_load(checkpoint / SCHEDULER_NAME)) if (checkpoint / SCHEDULER_NAME).is_file() else {}
+    )
+    # the engine's metadata: what DeepSpeed's universal load reads of it (the weights come from zero/). Its
+    # scheduler gets the Trainer's position (transformers hands the Trainer's scheduler to the engine when the config
+    # has no "scheduler" block), plus last_batch_iteration for DeepSpeed's own schedules (each reads its own keys)
     metadata = {
-        "module": {}, "dp_world_size": world, "mp_world_size": 1, "global_steps": step, "skipped_steps": 0,
-        "global_samples": step * (written.train_batch_size if written else 1),
-        "lr_scheduler": _engine_schedule(checkpoint, step),
-        "ds_version": deepspeed.__version__,
-        "ds_config": {"train_batch_size": written.train_batch_size if written else None,
-                      "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accumulation},
+        "module": {}, "dp_world_size": written.world_size, "mp_world_size": 1, "global_steps": step,
+        "skipped_steps": 0, "global_samples": step * written.train_batch_size,
+        "lr_scheduler": {**schedule, "last_batch_iteration": step - 1}, "ds_version": deepspeed.__version__,
+        "ds_config": {"train_batch_size": written.train_batch_size, "train_micro_batch_size_per_gpu": written.micro_batch,
+                      "gradient_accumulation_steps": written.accumulation},
         "param_shapes": [{name: model[name].shape for name in group["params"]} for group in groups],
         "buffer_names": [name for name in model if name not in set(trainable)],
     }  # fmt: skip
     torch.save(metadata, staged / tag / "mp_rank_00_model_states.pt")
-    if (checkpoint / SCHEDULER_NAME).is_file():  # its position only, as the engine gets it
-        torch.save(_schedule_position(_load(checkpoint / SCHEDULER_NAME)),
-                   staged / SCHEDULER_NAME)  # fmt: skip
+    if schedule:  # its position only, as the engine gets it
+        torch.save(schedule, staged / SCHEDULER_NAME)
     os.link(staged / tag / "mp_rank_00_model_states.pt", staged / tag / "zero_pp_rank_0_mp_rank_00_model_states.pt")
     (staged / LATEST_UNIVERSAL).write_text(tag)
-    return {"global_step": step, "world_size": world, "micro_batch": micro, "accumulation": accumulation}
+    return {
+        "global_step": step,
+        "world_size": written.world_size,
+        "micro_batch": written.micro_batch,
+        "accumulation": written.accumulation,
+    }

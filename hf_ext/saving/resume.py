@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 import transformers.trainer as hf_trainer
+from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
 
 from ..atomic import replace_dir
 from ..batching import split_batch
@@ -51,8 +52,8 @@ logger = logging.getLogger(__name__)
 
 UNIVERSAL_MARKER = "hf_ext_universal.json"
 LATEST_UNIVERSAL = "latest_universal"  # the tag file DeepSpeed's load_universal reads instead of DEEPSPEED_TAG_FILE
-FSDP_MODEL_DIR = "pytorch_model_fsdp_0"  # accelerate's save_fsdp_model / save_fsdp_optimizer names (index 0)
-FSDP_OPTIMIZER_DIR = "optimizer_0"
+FSDP_MODEL_DIR = f"{FSDP_MODEL_NAME}_0"  # the DCP folders accelerate's save_fsdp_model / save_fsdp_optimizer write
+FSDP_OPTIMIZER_DIR = f"{OPTIMIZER_NAME}_0"
 
 
 def engine_of(path: Path) -> str | None:

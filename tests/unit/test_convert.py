@@ -68,6 +68,7 @@ def test_what_cannot_be_converted_is_refused_in_one_line(tmp_path, capsys):
     assert "is already a fsdp2 checkpoint" in refusal(capsys, fsdp2, out, "fsdp2")
     no_optimizer = _fsdp2_checkpoint(tmp_path / "fsdp2-model-only", optimizer=False)
     assert "has no optimizer_0/" in refusal(capsys, no_optimizer, out, "deepspeed")
+    assert "has no hf-ext marker" in refusal(capsys, fsdp2, out, "deepspeed")  # stock's: its world size unknown
 
     zero = _zero_checkpoint(tmp_path / "zero", None)
     assert "is already a deepspeed checkpoint" in refusal(capsys, zero, out, "deepspeed")
