@@ -36,6 +36,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq
 
 import hf_ext
 from chat_e.data.corpora import DataArguments, load_dialogue_dataset, tokenize_dataset
+from hf_ext.atomic import write_text_atomically
 from hf_ext.deepspeed.resolve import load_deepspeed_config
 from hf_ext.memory.measure import current_rss, peak_rss, reset_peak_rss
 from hf_ext.runtime import end_distributed, start_deepspeed_comm
@@ -81,7 +82,7 @@ class StepProfile(transformers.TrainerCallback):
             tables = [f"steps {self.first}-{self.first + self.steps - 1}, sorted by {key}\n"
                       f"{averages.table(sort_by=key, row_limit=30)}\n" for key in keys]  # fmt: skip
             self.file.parent.mkdir(parents=True, exist_ok=True)
-            self.file.write_text("\n".join(tables))
+            write_text_atomically(self.file, "\n".join(tables))
             self.profiler = False
 
 
