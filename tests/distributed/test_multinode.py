@@ -122,11 +122,18 @@ def elastic_run_losing_a_node(model_dir, out: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, tmp_path_factory):
-    """The two-node run and the elastic one, side by side: independent launches (their own rendezvous ports and
-    directories) that spend much of their time waiting on each other's ranks and on the elastic agents' timeouts."""
+    """The two-node runs (torchrun's, then accelerate's) beside the elastic one: independent launches (their own
+    rendezvous ports and directories) that spend much of their time waiting on each other's ranks and on the elastic
+    agents' timeouts. The elastic nodes start beside one launch only: its second node must join within
+    ``last_call_timeout`` of the first."""
     root = tmp_path_factory.mktemp("two_nodes")
+
+    def two_node_runs() -> None:
+        two_nodes(tiny_model_dir, root / "full", "--samples", str(root / "full" / "samples"))
+        two_nodes(tiny_model_dir, root / "accelerate", launcher="accelerate")
+
     with ThreadPoolExecutor(max_workers=2) as pool:
-        full = pool.submit(two_nodes, tiny_model_dir, root / "full", "--samples", str(root / "full" / "samples"))
+        full = pool.submit(two_node_runs)
         elastic = pool.submit(elastic_run_losing_a_node, tiny_model_dir, root / "elastic")
         full.result()
         (root / "elastic.json").write_text(json.dumps(elastic.result()))
@@ -180,7 +187,6 @@ def test_elastic_survivor_resumes_the_two_rank_checkpoint_alone(runs, tiny_model
 
 
 def test_accelerate_launch_on_two_nodes_trains_the_same_model(runs, tiny_model_dir):
-    two_nodes(tiny_model_dir, runs / "accelerate", launcher="accelerate")
     info = json.loads((runs / "accelerate" / "trained.pt.json").read_text())
     run = info["run"]
     assert (run["launcher"], run["world_size"], run["nodes"], run["ranks_per_node"]) == ("accelerate", 2, 2, 1)
