@@ -55,13 +55,14 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def launched(tiny_chat_model_dir, tmp_path_factory):
-    """``launched(name)``: a case's runs. One 2-rank launch trains every case (hf-ext, then stock TRL, case after case),
+    """``launched(name)``: a case's runs. One 2-rank launch trains every case (hf-ext, then stock TRL, case after case;
+    then SFT under FSDP2 and DDP: :func:`fsdp_runs`),
     one 1-rank launch resumes each case's step-2 checkpoint with the same command line."""
     root = tmp_path_factory.mktemp("trl")
     cases = [f"--case={name}={trainer}:{stage}:{'lora' if lora else 'full'}"
              for name, (trainer, stage, lora) in CASES.items()]  # fmt: skip
     args = ["--model", str(tiny_chat_model_dir), "--out", str(root), *cases]
-    run([*launcher_cmd(TRAIN_LAUNCHER, SCRIPT, nproc=2), *args])
+    run([*launcher_cmd(TRAIN_LAUNCHER, SCRIPT, nproc=2), *args, "--then_engines", "fsdp", "ddp"])
     run([*launcher_cmd(TRAIN_LAUNCHER, SCRIPT, nproc=1), *args, "--resume"])
     done = {}
     for name, (trainer, stage, lora) in CASES.items():
@@ -152,13 +153,10 @@ def test_dpo_reference_engine_starts_from_the_resolved_config(launched):
 
 
 @pytest.fixture(scope="module")
-def fsdp_runs(tiny_chat_model_dir, tmp_path_factory):
-    """hf-ext's SFTTrainer under FSDP2 full shard, and stock TRL under plain DDP: 2 torchrun ranks each."""
-    out = tmp_path_factory.mktemp("sft_fsdp")
-    for engine in ("fsdp", "ddp"):
-        run([*launcher_cmd("torchrun", SCRIPT, nproc=2), "--engine", engine, "--trainer", "sft",
-             "--model", str(tiny_chat_model_dir), "--out", str(out)])  # fmt: skip
-    return out
+def fsdp_runs(launched):
+    """hf-ext's SFTTrainer under FSDP2 full shard, and stock TRL under plain DDP: 2 ranks each, after the cases in
+    their launch (its folder)."""
+    return launched(next(iter(CASES)))["out"].parent
 
 
 def test_sft_under_fsdp2_shards_and_trains_like_stock_ddp(fsdp_runs):

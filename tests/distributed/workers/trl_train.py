@@ -14,7 +14,7 @@ transformers to fill, as it does). With --resume (one rank), hf-ext's trainer re
 4 steps: ``resumed.json`` and ``resumed.pt``. Each --case runs one after the other in the same launch, into
 ``OUT/NAME`` (the tests pay one launch for all cases, one for all resumes). With --engine fsdp (torchrun), hf-ext's
 trainer with FSDP2 full shard; with --engine ddp, stock TRL with plain DDP: ``fsdp.*`` / ``ddp.*`` and the final saves
-in those folders. Dropout is off so that runs on different world sizes compare within float tolerance.
+in those folders; ``--then_engines fsdp ddp`` runs those SFT runs after the cases, in the same launch. Dropout is off so that runs on different world sizes compare within float tolerance.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import argparse
 import copy
 import gc
 import json
+import os
 from pathlib import Path
 
 import deepspeed
@@ -39,6 +40,7 @@ from tests.saving_support import gathered_state_dict
 
 WORDS = "apple river cloud music garden winter coffee books train sunny dog guitar ocean movie paint soup".split()
 STEPS, SAVE_AT, ROWS = 4, 2, 16
+LAUNCH_ENV = dict(os.environ)
 
 
 def rows(kind: str) -> Dataset:
@@ -130,6 +132,19 @@ def run_case(opts, out: Path) -> None:
     release()
 
 
+def run_engine(opts, out: Path, engine: str) -> None:
+    """One run without DeepSpeed: hf-ext's trainer under FSDP2 full shard (``fsdp``) or stock TRL's under DDP."""
+    module = hf_ext.trl if engine == "fsdp" else trl
+    trainer = build(opts, module, str(out / engine), None, fsdp="full_shard" if engine == "fsdp" else "")
+    trainer.train()
+    trainer.save_model()
+    parameters = list(trainer.model_wrapped.parameters())
+    write(trainer, out / engine, {"dtensors": sum(isinstance(p, DTensor) for p in parameters),
+                                  "parameters": len(parameters)})  # fmt: skip
+    del trainer
+    release()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--trainer", choices=["sft", "dpo"], default="sft")
@@ -149,6 +164,8 @@ def main() -> None:
         help="run these cases one after the other in this launch, each into OUT/NAME (instead of --trainer, "
         "--stage and --lora into OUT); with --resume, each resumes OUT/NAME/hf_ext/checkpoint-2",
     )
+    parser.add_argument("--then_engines", nargs="*", default=[], choices=["fsdp", "ddp"],
+                        help="after the cases (not with --resume): these SFT runs, as --engine runs them")  # fmt: skip
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (the GPU tier); fp32 otherwise")
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
@@ -159,13 +176,7 @@ def main() -> None:
     out = Path(opts.out)
 
     if opts.engine != "deepspeed":  # one run, under torchrun
-        module = hf_ext.trl if opts.engine == "fsdp" else trl
-        trainer = build(opts, module, str(out / opts.engine), None, fsdp="full_shard" if opts.engine == "fsdp" else "")
-        trainer.train()
-        trainer.save_model()
-        parameters = list(trainer.model_wrapped.parameters())
-        write(trainer, out / opts.engine, {"dtensors": sum(isinstance(p, DTensor) for p in parameters),
-                                           "parameters": len(parameters)})  # fmt: skip
+        run_engine(opts, out, opts.engine)
         return
 
     if not opts.case:
@@ -180,6 +191,10 @@ def main() -> None:
         if opts.resume:
             case_opts.resume = str(out / name / "hf_ext" / f"checkpoint-{SAVE_AT}")
         run_case(case_opts, out / name)
+    for engine in [] if opts.resume else opts.then_engines:
+        os.environ.clear()  # what the DeepSpeed cases' arguments set for their engine (accelerate's variables) goes
+        os.environ.update(LAUNCH_ENV)
+        run_engine(argparse.Namespace(**{**vars(opts), "trainer": "sft", "lora": False}), out, engine)
 
 
 if __name__ == "__main__":
