@@ -39,27 +39,48 @@ def old_run(tiny_model_dir, tmp_path_factory):
     return root
 
 
+#: where rank 0 is SIGKILLed in the final save (a write event's name, as the worker's ``SaveEvents`` lists them), and
+#: the content the kill leaves: before the second shard (a part of the new weights written) and before the index
+#: (every shard written, nothing says so yet) the old weights; right after the swap into place the new ones. The other
+#: events, with the same staged writer: tests/integration/test_atomic_writes.py
+KILL_POINTS = {
+    r"open model-00002-of-\d+\.safetensors": "old",
+    r"write model\.safetensors\.index\.json": "old",
+    "swapped": "new",
+}
+
+
 @pytest.fixture(scope="module")
-def new_save(old_run, tiny_model_dir):
-    """An uninterrupted run of 4 steps (micro-batch 4) over a copy of the old output: the new weights and the final save's events."""
-    out = old_run / "new"
-    shutil.copytree(old_run / "old", out)
+def killed(old_run, tiny_model_dir) -> dict:
+    """The run of :func:`new_save` killed at each of :data:`KILL_POINTS`, each over a copy of the old output, side by
+    side: by point, its folder, its process, whether it left staged leftovers and a copy of the folder as the kill
+    left it."""
+    outs = {point: old_run / f"kill{i}" for i, point in enumerate(KILL_POINTS)}
+    for out in outs.values():
+        shutil.copytree(old_run / "old", out)
+    procs = run_side_by_side([[*launcher_cmd(TRAIN_LAUNCHER, SCRIPT), "--model", str(tiny_model_dir), "--out",
+                               str(out), *SMALL, "--batch", "4", "--dump", f"{out}.pt", "--kill_final_save_at", point]
+                              for point, out in outs.items()], timeout=600)  # fmt: skip
+    found = {}
+    for (point, out), proc in zip(outs.items(), procs):
+        as_killed = out.parent / f"{out.name}-as-killed"  # new_save runs into the first one: its content now, kept
+        shutil.copytree(out, as_killed)
+        found[point] = {"out": out, "proc": proc, "staged": atomic.staged_path(out).exists(), "as_killed": as_killed}
+    return found
+
+
+@pytest.fixture(scope="module")
+def new_save(old_run, killed, tiny_model_dir):
+    """An uninterrupted run of 4 steps (micro-batch 4) into the output the first kill left (the old run's content and
+    that kill's leftovers): the new weights and the final save's events."""
+    out = killed[next(iter(KILL_POINTS))]["out"]
     events = old_run / "events.json"
-    train(
-        tiny_model_dir,
-        out,
-        *SMALL,
-        "--batch",
-        "4",
-        "--dump",
-        str(old_run / "new.pt"),
-        "--list_save_events",
-        str(events),
-    )
+    train(tiny_model_dir, out, *SMALL, "--batch", "4", "--dump", str(old_run / "new.pt"), "--list_save_events",
+          str(events))  # fmt: skip
     return out, json.loads(events.read_text())
 
 
-def test_a_save_over_an_old_run_keeps_its_checkpoints(old_run, new_save):
+def test_a_save_over_an_old_run_keeps_its_checkpoints_and_removes_a_killed_save(old_run, killed, new_save):
     out, events = new_save
     old, new = torch.load(old_run / "old.pt"), torch.load(old_run / "new.pt")
     assert any(not torch.equal(old[k], new[k]) for k in old)
@@ -67,41 +88,23 @@ def test_a_save_over_an_old_run_keeps_its_checkpoints(old_run, new_save):
     # the old run's checkpoints are carried over; the new run's checkpoint-4 replaced the old one
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-8"]
     assert json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())["max_steps"] == 4
-    assert [p.name for p in old_run.iterdir() if p.name.startswith(".")] == []
-    assert sum(name.startswith("open model-") for name in events) > 2
-
-
-def kill_points(events: list[str]) -> dict[int, str]:
-    """1-based event numbers, each with the content a kill there leaves: before the second shard (a part of the new
-    weights written) and before the index (every shard written, nothing says so yet) the old weights; right after the
-    swap into place the new ones. The other events, with the same staged writer: tests/integration/test_atomic_writes.py."""
-    second_shard = next(i for i, e in enumerate(events) if re.fullmatch(r"open model-00002-of-\d+\.safetensors", e))
-    index = events.index("write model.safetensors.index.json")
-    return {second_shard + 1: "old", index + 1: "old", events.index("swapped") + 1: "new"}
-
-
-def test_a_kill_during_the_final_save_leaves_the_old_or_the_new_weights(old_run, new_save, tiny_model_dir, tmp_path):
-    _, events = new_save
-    weights = {"old": torch.load(old_run / "old.pt"), "new": torch.load(old_run / "new.pt")}
-    points = kill_points(events)
-    outs = {k: tmp_path / f"kill{k}" for k in points}
-    for out in outs.values():
-        shutil.copytree(old_run / "old", out)
-    # each run kills its rank 0 at its own event: they run side by side
-    killed = run_side_by_side([[*launcher_cmd(TRAIN_LAUNCHER, SCRIPT), "--model", str(tiny_model_dir), "--out",
-                                str(outs[k]), *SMALL, "--batch", "4", "--dump", str(tmp_path / f"dump{k}.pt"),
-                                "--kill_final_save_at", str(k)]
-                               for k in points], timeout=600)  # fmt: skip
-    for (k, expected), proc in zip(points.items(), killed):
-        assert proc.returncode != 0 and f"SIGKILL at save event {k}" in proc.stdout, proc.stdout[-2000:]
-        print(f"killed at save event {k} ({events[k - 1]}): expecting the {expected} weights")
-        assert_equal_weights(weights[expected], outs[k])
-    # the next run into a killed directory removes the leftovers and saves
-    out = outs[min(points)]
-    assert atomic.staged_path(out).exists()
-    train(tiny_model_dir, out, *SMALL, "--batch", "4")
-    assert_equal_weights(weights["new"], out)
+    # the killed save's leftovers, there before this run, are gone
+    assert killed[next(iter(KILL_POINTS))]["staged"]
     assert not atomic.staged_path(out).exists() and not list(out.glob("tmp-*"))
+    assert sum(name.startswith("open model-") for name in events) > 2
+    # every kill point is an event of the uninterrupted save, in this order, the swap last but for what follows it
+    at = [next(i for i, e in enumerate(events) if re.fullmatch(point, e)) for point in KILL_POINTS]
+    assert at == sorted(at) and 0 < at[0], events
+
+
+def test_a_kill_during_the_final_save_leaves_the_old_or_the_new_weights(old_run, killed, new_save):
+    weights = {"old": torch.load(old_run / "old.pt"), "new": torch.load(old_run / "new.pt")}
+    for point, expected in KILL_POINTS.items():
+        proc = killed[point]["proc"]
+        said = re.search(r"rank 0: SIGKILL at save event (\d+) \((.*)\)", proc.stdout)
+        assert proc.returncode != 0 and said and re.fullmatch(point, said.group(2)), proc.stdout[-2000:]
+        print(f"killed at save event {said.group(1)} ({said.group(2)}): expecting the {expected} weights")
+        assert_equal_weights(weights[expected], killed[point]["as_killed"])
 
 
 def start_ranks(cmd: list[str], logs: list[Path]) -> list[subprocess.Popen]:

@@ -12,9 +12,10 @@ world sizes compare within float tolerance. --no_ds runs without DeepSpeed (laun
 HF_EXT_TEST_KILL_AT_STEP=N makes rank 1 SIGKILL itself while the checkpoint of step N is being written (after the
 model and the optimizer state went into the temporary directory, before the RNG and trainer state).
 
---kill_final_save_at K makes rank 0 SIGKILL itself at the K-th write event of the final save (a shard opened, a
-tensor written, the index, the model files, the fsync, the swap: see ``save_events``); the trained weights are dumped
-(--dump) before that save. --list_save_events FILE writes the events of an uninterrupted final save there.
+--kill_final_save_at PATTERN makes rank 0 SIGKILL itself at the first write event of the final save whose name
+matches the regular expression PATTERN (a shard opened, a tensor written, the index, the model files, the fsync, the
+swap: see ``SaveEvents``); the trained weights are dumped (--dump) before that save. --list_save_events FILE writes the
+events of an uninterrupted final save there.
 --raise_on_rank1 {checkpoint,final_save,resume,evaluation} makes rank 1 alone raise inside that step.
 """
 
@@ -24,6 +25,7 @@ import argparse
 import atexit
 import json
 import os
+import re
 import signal
 import time
 
@@ -122,15 +124,16 @@ def stock_check(opts, model, data) -> None:
 
 
 class SaveEvents:
-    """Counts the final save's write events on this rank; SIGKILLs the process at event ``kill_at`` (1-based)."""
+    """Lists the final save's write events on this rank; SIGKILLs the process at the first whose name fullmatches the
+    regular expression ``kill_at``."""
 
-    def __init__(self, kill_at: int | None):
+    def __init__(self, kill_at: str | None):
         self.kill_at, self.names = kill_at, []
 
     def event(self, name: str) -> None:
         self.names.append(name)
-        if self.kill_at is not None and len(self.names) == self.kill_at:
-            print(f"rank 0: SIGKILL at save event {self.kill_at} ({name})", flush=True)
+        if self.kill_at is not None and re.fullmatch(self.kill_at, name):
+            print(f"rank 0: SIGKILL at save event {len(self.names)} ({name})", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
     def install(self) -> None:
@@ -235,7 +238,7 @@ def main() -> None:
         default=None,
         help="first train 1 step with stock transformers and the same --fsdp; write its engine here",
     )
-    parser.add_argument("--kill_final_save_at", type=int, default=None)
+    parser.add_argument("--kill_final_save_at", default=None, metavar="PATTERN")
     parser.add_argument("--list_save_events", default=None)
     parser.add_argument("--raise_on_rank1", default=None, choices=["checkpoint", "final_save", "resume", "evaluation"])
     parser.add_argument("--local_rank", type=int, default=-1)
