@@ -1,23 +1,25 @@
 """Train a tiny BlenderBot for a few steps with ``hf_ext.Seq2SeqTrainer(deepspeed=<messy config>)``.
 
-    deepspeed --num_gpus 2 tests/distributed/workers/train_messy_ds.py --model DIR --out DIR [--config messy|PRESET|FILE.json]
+    deepspeed --num_gpus 2 tests/distributed/workers/train_messy_ds.py --model DIR --out DIR [--config messy|PRESET|FILE.json ...]
 
 ``--config messy`` (the default) is a dict written the way configs copied from blog posts look: the old
 ``bfloat16`` section, a deprecated gather flag, a ZeRO key at top level, a key with stray whitespace, string
 booleans, float literals, and a top-level ``"gradient_checkpointing": true``; anything else is what ``deepspeed=``
 accepts (a preset name, a JSON path). Writes the trained model and ``probe.json`` (what the tests check) into
-``OUT/<config name>/``.
+``OUT/<config name>/``. Several configs train one after the other in the same processes, each from a fresh model.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from transformers import BlenderbotForConditionalGeneration, default_data_collator
 
 import hf_ext
+from benchmarks.worker import drop_trainer  # the benchmarks' segments drop their engines the same way
 from tests.saving_support import synthetic_rows  # the repository root is on PYTHONPATH under the tests' launchers
 
 MESSY = {
@@ -95,18 +97,24 @@ def train(config, out: Path, model_dir: str, steps: int, memory: str | None = No
             "num_params": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()),
         }
         (out / "probe.json").write_text(json.dumps(probe, indent=2))
+    del engine
+    drop_trainer([trainer])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--config", default="messy")
+    parser.add_argument("--config", nargs="+", default=["messy"])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--memory_per_device", default=None, help="the budget of the `auto` preset")
     parser.add_argument("--local_rank", type=int, default=-1)  # set by the deepspeed launcher
     opts = parser.parse_args()
-    train(opts.config, Path(opts.out) / Path(opts.config).stem, opts.model, opts.steps, opts.memory_per_device)
+    launch_env = dict(os.environ)
+    for config in opts.config:
+        train(config, Path(opts.out) / Path(config).stem, opts.model, opts.steps, opts.memory_per_device)
+        os.environ.clear()  # what the arguments set for their engine (accelerate's DeepSpeed variables) goes with them
+        os.environ.update(launch_env)
 
 
 if __name__ == "__main__":
