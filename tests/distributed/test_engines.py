@@ -2,7 +2,8 @@
 and FSDP2, with gradient accumulation 1 and 4, give the same per-step losses, grad norms, learning rates and final
 weights, up to fp32 summation order; and stock transformers under the layouts it runs the same way (DDP, ZeRO-2,
 ZeRO-3) gives them too. One 2-rank launch runs every segment (tests/distributed/workers/engine_oracle.py); the
-reference is its first, hf-ext under DDP with accumulation 1.
+reference is its first, hf-ext under DDP with accumulation 1. The same launch preempts DDP, ZeRO-1 and ZeRO-3 with
+CPU offload by a signal to one rank, and resumes them.
 
 Tolerances, from the measured differences (written beside each; 10x the largest): the engines reduce the same
 gradient in other orders (DDP's buckets, ZeRO's partitions and reduce-scatter, FSDP2's per-parameter reduce-scatter)
@@ -28,6 +29,7 @@ pytestmark = pytest.mark.distributed
 
 WORKER = ROOT / "tests" / "distributed" / "workers" / "engine_oracle.py"
 LAYOUTS = ["ddp", "zero0", "zero1", "zero2", "zero3", "zero3_offload", "fsdp2"]
+STEPS = 4
 SEGMENTS = [f"hf-ext-{layout}-{accum}" for layout in LAYOUTS for accum in (1, 4)]
 SEGMENTS += [f"stock-{layout}-1" for layout in ("ddp", "zero2", "zero3")]
 #: what ran: (engine class, ZeRO stage, [optimizer offload, parameter offload], optimizer class)
@@ -84,6 +86,27 @@ def test_the_same_run_on_every_engine(name, segments):
         assert result["grad_norms"] == pytest.approx(reference["grad_norms"], rel=GRAD_NORM_TOLERANCE)
     assert result["weights_moved"] > 100 * WEIGHT_TOLERANCE  # the premise: training moved the weights well past it
     assert result["max_weight_difference"] <= WEIGHT_TOLERANCE
+
+
+#: preemption under the engines the launched recipe tests do not preempt (tests/distributed/test_recipe_distributed.py:
+#: ZeRO-2, ZeRO-3, FSDP2): rank 1 alone gets SIGUSR1 at the end of step 1 (the worker's SIGNAL_AT); the ranks agree
+#: during step 2 and both save checkpoint-2, nothing else, and stop; its resume to step 4 is the uninterrupted run,
+#: within the tolerances above (the same engine on the same ranks)
+PREEMPTED = ["ddp", "zero1", "zero3_offload"]
+
+
+@pytest.mark.parametrize("layout", PREEMPTED)
+def test_a_signal_to_one_rank_saves_one_agreed_checkpoint_that_resumes_as_the_uninterrupted_run(layout, segments):
+    preempted, resumed = segments[f"preempted-{layout}"], segments[f"preempted-{layout}-resumed"]
+    engine, stage, offload, optimizer = EXPECTED_ENGINE[layout]
+    assert (preempted["engine"], preempted["zero_stage"], preempted["offload"]) == (engine, stage, offload)
+    assert preempted["saved_at"] == [2, 2] and preempted["global_step"] == 2
+    assert preempted["checkpoints"] == ["checkpoint-2"]  # complete, under its own name; no temporary one left
+    whole = segments[f"hf-ext-{layout}-1"]
+    assert resumed["global_step"] == whole["global_step"] == STEPS
+    assert resumed["losses"] == pytest.approx(whole["losses"], rel=LOSS_TOLERANCE)
+    assert resumed["max_weight_difference"] <= WEIGHT_TOLERANCE
+    assert whole["weights_moved"] > 100 * WEIGHT_TOLERANCE
 
 
 #: ``hf-ext convert`` (issue: a ZeRO checkpoint becomes an FSDP2 one and back): 8 steps of the first engine saving

@@ -10,6 +10,12 @@ the same on every engine: the presets' ``WarmupDecayLR`` against the Trainer's `
 Writes ``FILE`` (JSON, rank 0): per segment the per-step losses, grad norms and learning rates, the final weights'
 largest difference from the first segment's (hf-ext DDP, accumulation 1) and what ran (engine, ZeRO stage, optimizer,
 offload devices, whether a resolved config was left with an ``"auto"``).
+
+Preempted segments (DDP, ZeRO-1, ZeRO-3 with CPU offload): rank 1 alone sends itself SIGUSR1 at the end of step 1;
+hf-ext's preemption callback makes both ranks save the agreed step's checkpoint and stop (``train()`` returns; a
+script would then exit with status 75); the next segment resumes that checkpoint to step 4. Their results add each
+rank's saved step and the checkpoints left in the output directory, and the resumed run's weights are compared with
+the same layout's uninterrupted segment.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import argparse
 import json
 import os
 from pathlib import Path
+from unittest.mock import patch
 
 import torch
 import transformers
@@ -25,9 +32,12 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
 import hf_ext
+import hf_ext.preemption
 from benchmarks.worker import drop_trainer  # the benchmarks' segments drop their engines the same way
 from hf_ext.deepspeed.resolve import load_deepspeed_config
+from hf_ext.preemption import PreemptionCallback
 from hf_ext.runtime import start_deepspeed_comm
+from tests.launched.signal_at import SignalAt
 from tests.saving_support import gathered_state_dict  # the repository root is on PYTHONPATH under the launchers
 
 GLOBAL_BATCH, STEPS, ROWS, LENGTH = 8, 4, 64, 16
@@ -57,6 +67,9 @@ LAYOUTS = {
 #: the segments, in order: (path, layout, accumulation)
 SEGMENTS = [("hf-ext", layout, accum) for layout in LAYOUTS for accum in (1, 4)]
 SEGMENTS += [("stock", layout, 1) for layout in ("ddp", "zero2", "zero3")]
+#: the layouts whose preemption runs here (ZeRO-2, ZeRO-3 and FSDP2 are preempted by a real signal to a launched
+#: recipe: tests/distributed/test_recipe_distributed.py), and the step at whose end rank 1 signals itself
+PREEMPTED, SIGNAL_AT = ["ddp", "zero1", "zero3_offload"], 1
 #: ``hf-ext convert`` both ways: 8 steps of the first layout saving checkpoint-4, that checkpoint converted for the
 #: second (rank 0 runs the command), and the second layout resumed from the conversion for steps 5-8
 ROUND_TRIPS = [("zero2", "fsdp2"), ("fsdp2", "zero2")]
@@ -96,6 +109,7 @@ def segment(
     steps: int = STEPS,
     save_steps: int | None = None,
     resume: str | None = None,
+    signal_at: int | None = None,
 ) -> tuple[dict, dict]:
     config, fsdp = LAYOUTS[layout]
     deepspeed = config()
@@ -116,15 +130,30 @@ def segment(
     if deepspeed is not None:
         start_deepspeed_comm()  # on CPU stock's arguments start torch.distributed but not DeepSpeed's comm
     model = AutoModelForCausalLM.from_pretrained(model_dir)  # after the arguments: zero.Init partitions it
-    trainer = trainer_class(model=model, args=args, train_dataset=rows(model.config.vocab_size), data_collator=collate)
-    trainer.train(resume_from_checkpoint=resume)
+    callbacks = [SignalAt(signal_at, "SIGUSR1", "self", rank=1)] if signal_at else []
+    trainer = trainer_class(model=model, args=args, train_dataset=rows(model.config.vocab_size), data_collator=collate,
+                            callbacks=callbacks)  # fmt: skip
+    if signal_at:  # hf_ext.Trainer.train() ends a preempted run with exit_if_preempted: the process group torn down,
+        # then exit 75 (the launched recipe tests check both); the segments after this one need the process group
+        with patch.object(hf_ext.preemption, "exit_if_preempted", lambda trainer: None):
+            trainer.train()
+    else:
+        trainer.train(resume_from_checkpoint=resume)
+    preempted = {}
+    if signal_at:
+        callback = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, PreemptionCallback))
+        saved_at = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(saved_at, callback.saved_at)
+        callback.release()  # the signal handlers back: exit_if_preempted would exit here
+        found = sorted(p.name for p in Path(args.output_dir).iterdir() if "checkpoint" in p.name)
+        preempted = {"saved_at": saved_at, "checkpoints": found}
     weights = gathered_state_dict(trainer.model)  # every rank takes part
     history = [e for e in trainer.state.log_history if "loss" in e]
     result = {
         "name": name, "path": path, "layout": layout, "accumulation": accumulation, **probe(trainer),
         "global_step": trainer.state.global_step, "accumulation_ran": trainer.args.gradient_accumulation_steps,
         "losses": [e["loss"] for e in history], "grad_norms": [e.get("grad_norm") for e in history],
-        "learning_rates": [e["learning_rate"] for e in history],
+        "learning_rates": [e["learning_rate"] for e in history], **preempted,
     }  # fmt: skip
     drop_trainer([trainer])
     leftover = sorted(set(os.environ) - set(LAUNCH_ENV))
@@ -159,14 +188,25 @@ def main() -> None:
     opts = parser.parse_args()
     initial = dict(AutoModelForCausalLM.from_pretrained(opts.model).named_parameters(remove_duplicate=False))
     out_dir = os.path.dirname(opts.out)
-    results, reference = [], None
+    results, reference, uninterrupted = [], None, {}
     for path, layout, accumulation in SEGMENTS if opts.only in (None, "engines") else []:
         result, weights = segment(path, layout, accumulation, opts.model, out_dir)
         if weights:  # rank 0 (FSDP2 gathers there only)
             reference = reference or weights
             result["max_weight_difference"] = max((weights[k] - reference[k]).abs().max().item() for k in reference)
             result["weights_moved"] = max((weights[k] - initial[k]).abs().max().item() for k in initial)
+            if path == "hf-ext" and accumulation == 1:
+                uninterrupted[layout] = weights
         results.append(result)
+    for layout in PREEMPTED if opts.only in (None, "engines") else []:
+        name = f"preempted-{layout}"
+        preempted, _ = segment("hf-ext", layout, 1, opts.model, out_dir, name, signal_at=SIGNAL_AT)
+        checkpoint = Path(out_dir) / name / f"checkpoint-{preempted['global_step']}"
+        resumed, weights = segment("hf-ext", layout, 1, opts.model, out_dir, f"{name}-resumed", resume=str(checkpoint))
+        if weights:
+            whole = uninterrupted[layout]
+            resumed["max_weight_difference"] = max((weights[k] - whole[k]).abs().max().item() for k in whole)
+        results += [preempted, resumed]
     for first, second in ROUND_TRIPS if opts.only in (None, "convert") else []:
         whole, whole_weights = segment("hf-ext", first, 1, opts.model, out_dir, f"{first}-8", 2 * STEPS, STEPS)
         converted = Path(out_dir) / f"{first}-to-{second}"
