@@ -402,6 +402,16 @@ def drop_trainer(held: list) -> dict:
     }
 
 
+def restore_environment(saved: dict) -> list[str]:
+    """``os.environ`` back to ``saved`` (a copy taken at launch), for the next segment of the same process: what a
+    segment's arguments set for their engine (accelerate's DeepSpeed and FSDP variables) goes with it. Returns the
+    names the segment had added."""
+    added = sorted(set(os.environ) - set(saved))
+    os.environ.clear()
+    os.environ.update(saved)
+    return added
+
+
 def interleaved_runs(opts, build=segment_trainer) -> None:
     """``opts.segments`` :func:`segment` s of trainers from ``build``, the paths taking turns (:data:`ORDER`)."""
     # one thread count for both paths, hf-ext's placement; set in the environment too, where accelerate reads it

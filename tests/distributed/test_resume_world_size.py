@@ -56,8 +56,8 @@ def losses(out: Path) -> dict[int, float]:
 
 # name: (the run whose checkpoint-4 is resumed, ranks, gradient accumulation on the command line)
 RESUMES = {"one_on_two": ("one", 2, 2)}
-# a 1-rank checkpoint resumed on 2 ranks (2 ranks resumed on 1: the elastic
-# survivor of tests/distributed/test_multinode.py, ZeRO-3, and the preempted recipe run, ZeRO-2)
+# a 1-rank checkpoint resumed on 2 ranks (2 ranks resumed on 1: the elastic survivor of
+# tests/distributed/test_multinode.py, ZeRO-3, and the preempted recipe run, ZeRO-2)
 RESUMED = {3: ["one_on_two"]}
 
 

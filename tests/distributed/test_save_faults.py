@@ -48,6 +48,8 @@ KILL_POINTS = {
     r"write model\.safetensors\.index\.json": "old",
     "swapped": "new",
 }
+#: the kill whose folder the uninterrupted save then runs into
+FIRST_KILL = next(iter(KILL_POINTS))
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +75,7 @@ def killed(old_run, tiny_model_dir) -> dict:
 def new_save(old_run, killed, tiny_model_dir):
     """An uninterrupted run of 4 steps (micro-batch 4) into the output the first kill left (the old run's content and
     that kill's leftovers): the new weights and the final save's events."""
-    out = killed[next(iter(KILL_POINTS))]["out"]
+    out = killed[FIRST_KILL]["out"]
     events = old_run / "events.json"
     train(tiny_model_dir, out, *SMALL, "--batch", "4", "--dump", str(old_run / "new.pt"), "--list_save_events",
           str(events))  # fmt: skip
@@ -89,7 +91,7 @@ def test_a_save_over_an_old_run_keeps_its_checkpoints_and_removes_a_killed_save(
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-8"]
     assert json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())["max_steps"] == 4
     # the killed save's leftovers, there before this run, are gone
-    assert killed[next(iter(KILL_POINTS))]["staged"]
+    assert killed[FIRST_KILL]["staged"]
     assert not atomic.staged_path(out).exists() and not list(out.glob("tmp-*"))
     assert sum(name.startswith("open model-") for name in events) > 2
     # every kill point is an event of the uninterrupted save, in this order, the swap last but for what follows it

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from contextlib import nullcontext
 from pathlib import Path
 from unittest.mock import patch
 
@@ -33,7 +34,7 @@ from transformers import AutoModelForCausalLM
 
 import hf_ext
 import hf_ext.preemption
-from benchmarks.worker import drop_trainer  # the benchmarks' segments drop their engines the same way
+from benchmarks.worker import drop_trainer, restore_environment  # as the benchmarks' segments
 from hf_ext.deepspeed.resolve import load_deepspeed_config
 from hf_ext.preemption import PreemptionCallback
 from hf_ext.runtime import start_deepspeed_comm
@@ -133,11 +134,12 @@ def segment(
     callbacks = [SignalAt(signal_at, "SIGUSR1", "self", rank=1)] if signal_at else []
     trainer = trainer_class(model=model, args=args, train_dataset=rows(model.config.vocab_size), data_collator=collate,
                             callbacks=callbacks)  # fmt: skip
-    if signal_at:  # hf_ext.Trainer.train() ends a preempted run with exit_if_preempted: the process group torn down,
-        # then exit 75 (the launched recipe tests check both); the segments after this one need the process group
-        with patch.object(hf_ext.preemption, "exit_if_preempted", lambda trainer: None):
-            trainer.train()
-    else:
+    # hf_ext.Trainer.train() ends a preempted run with exit_if_preempted: the process group torn down, then exit 75
+    # (the launched recipe tests check both); the segments after a preempted one need the process group
+    staying = (
+        patch.object(hf_ext.preemption, "exit_if_preempted", lambda trainer: None) if signal_at else nullcontext()
+    )
+    with staying:
         trainer.train(resume_from_checkpoint=resume)
     preempted = {}
     if signal_at:
@@ -156,10 +158,7 @@ def segment(
         "learning_rates": [e["learning_rate"] for e in history], **preempted,
     }  # fmt: skip
     drop_trainer([trainer])
-    leftover = sorted(set(os.environ) - set(LAUNCH_ENV))
-    os.environ.clear()  # what the arguments set for their engine (accelerate's DeepSpeed variables) goes with them
-    os.environ.update(LAUNCH_ENV)
-    return result | {"env_set": leftover}, weights
+    return result | {"env_set": restore_environment(LAUNCH_ENV)}, weights
 
 
 def convert(checkpoint: Path, out: Path, to: str) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 from transformers import BlenderbotForConditionalGeneration, default_data_collator
 
 import hf_ext
-from benchmarks.worker import drop_trainer  # the benchmarks' segments drop their engines the same way
+from benchmarks.worker import drop_trainer, restore_environment  # as the benchmarks' segments
 from tests.saving_support import synthetic_rows  # the repository root is on PYTHONPATH under the tests' launchers
 
 MESSY = {
@@ -113,8 +113,7 @@ def main() -> None:
     launch_env = dict(os.environ)
     for config in opts.config:
         train(config, Path(opts.out) / Path(config).stem, opts.model, opts.steps, opts.memory_per_device)
-        os.environ.clear()  # what the arguments set for their engine (accelerate's DeepSpeed variables) goes with them
-        os.environ.update(launch_env)
+        restore_environment(launch_env)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ transformers to fill, as it does). With --resume (one rank), hf-ext's trainer re
 4 steps: ``resumed.json`` and ``resumed.pt``. Each --case runs one after the other in the same launch, into
 ``OUT/NAME`` (the tests pay one launch for all cases, one for all resumes). With --engine fsdp (torchrun), hf-ext's
 trainer with FSDP2 full shard; with --engine ddp, stock TRL with plain DDP: ``fsdp.*`` / ``ddp.*`` and the final saves
-in those folders; ``--then_engines fsdp ddp`` runs those SFT runs after the cases, in the same launch. Dropout is off so that runs on different world sizes compare within float tolerance.
+in those folders; ``--then_engines fsdp ddp`` runs those SFT runs after the cases, in the same launch. Dropout is off
+so that runs on different world sizes compare within float tolerance.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 import hf_ext.trl
+from benchmarks.worker import restore_environment  # as the benchmarks' segments
 from tests.saving_support import gathered_state_dict
 
 WORDS = "apple river cloud music garden winter coffee books train sunny dog guitar ocean movie paint soup".split()
@@ -192,8 +194,7 @@ def main() -> None:
             case_opts.resume = str(out / name / "hf_ext" / f"checkpoint-{SAVE_AT}")
         run_case(case_opts, out / name)
     for engine in [] if opts.resume else opts.then_engines:
-        os.environ.clear()  # what the DeepSpeed cases' arguments set for their engine (accelerate's variables) goes
-        os.environ.update(LAUNCH_ENV)
+        restore_environment(LAUNCH_ENV)
         run_engine(argparse.Namespace(**{**vars(opts), "trainer": "sft", "lora": False}), out, engine)
 
 
