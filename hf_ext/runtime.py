@@ -63,6 +63,28 @@ def launch_world_size() -> int:
     return int(value) if value.isdigit() and int(value) > 0 else 1
 
 
+def restart_hazard(env=None) -> str | None:
+    """One line when this launch restarts failed workers (torchrun's ``--max-restarts``, accelerate's
+    ``--max_restarts``: after a preemption's exit 75 too) through the rendezvous store its agent shares with them:
+    torch keeps that store across attempts, so a restarted group can read the previous attempt's addresses and fail to
+    connect (Gloo's "connectFullMesh failed ... Connection refused", NCCL's; pytorch/pytorch#135712, #167288). Static
+    rendezvous (``--master_port``) always shares it, c10d's since torch 2.5 unless
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``. ``None``: no restarts, one rank, or a store per attempt."""
+    env = os.environ if env is None else env
+    restarts = env.get("TORCHELASTIC_MAX_RESTARTS", "0")
+    world = env.get("WORLD_SIZE", "1")
+    if not (restarts.isdigit() and int(restarts) > 0 and world.isdigit() and int(world) > 1):
+        return None
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return (
+        f"this launch restarts failed workers (up to {restarts} times) through the rendezvous store torch's elastic "
+        "agent shares with them, where a restarted group can read the last attempt's addresses and fail to connect "
+        "(pytorch/pytorch#135712). Launch with --rdzv-backend c10d (accelerate: --rdzv_backend c10d) and "
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (docs/cluster.md)."
+    )
+
+
 def has_accelerator() -> bool:
     """True when torch sees a GPU (CUDA/ROCm), XPU, MPS, HPU, NPU... — anything but the CPU."""
     return bool(torch.accelerator.is_available())
@@ -223,7 +245,8 @@ def prepare_run(args) -> RunSetup:
     On CPU: ``cores // local ranks`` torch threads per rank unless the user set ``OMP_NUM_THREADS``, and freed
     memory handed back to the OS when the memory planner planned the run (or ``release_freed_memory`` asks). Under
     distributed DeepSpeed on CPU, the names of its shared-memory workspaces are unlinked (a collective: every rank
-    starts training or evaluating, so every rank gets here).
+    starts training or evaluating, so every rank gets here). A launch whose restarted workers may not reconnect
+    (:func:`restart_hazard`) is told so, by rank 0.
     """
     global _RUN_SETUP
     if _RUN_SETUP is not None:
@@ -233,6 +256,9 @@ def prepare_run(args) -> RunSetup:
         place_cpu_threads()
         released = wants_freed_memory_released(args) and return_freed_memory_to_os()
     release_deepspeed_shm_names()
+    hazard = restart_hazard()
+    if hazard and args.should_log:
+        logger.warning(hazard)
     _RUN_SETUP = RunSetup(torch.get_num_threads(), released)
     return _RUN_SETUP
 

@@ -180,19 +180,32 @@ def launch_env(**extra) -> dict:
 TRAIN_LAUNCHER = "torchrun"
 
 
-def launcher_cmd(launcher: str, script: str | Path, nproc: int = 2) -> list[str]:
-    """The command prefix of ``launcher`` (deepspeed, torchrun, accelerate:<yaml>, python) for ``script``."""
+def launcher_cmd(launcher: str, script: str | Path, nproc: int = 2, max_restarts: int = 0,
+                 store_per_attempt: bool = True) -> list[str]:  # fmt: skip
+    """The command prefix of ``launcher`` (deepspeed, torchrun, accelerate:<yaml>, python) for ``script``.
+
+    ``max_restarts``: how many times torch's elastic agent (torchrun's, accelerate's) starts the workers again after
+    one fails. They then meet through c10d's rendezvous with a store per attempt, the launch docs/cluster.md gives;
+    ``store_per_attempt=False`` keeps the launcher's default rendezvous, whose store a restarted group cannot use
+    (``hf_ext.runtime.restart_hazard``)."""
     port = free_port()
     if launcher == "deepspeed":
         return [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(port), str(script)]
-    if launcher == "torchrun":
-        return [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(port), str(script)]
-    if launcher.startswith("accelerate:"):
-        cfg = launcher.split(":", 1)[1]
-        return [str(BIN / "accelerate"), "launch", "--config_file", cfg, "--main_process_port", str(port), str(script)]
     if launcher == "python":
         return [sys.executable, str(script)]
-    raise ValueError(launcher)
+    if launcher != "torchrun" and not launcher.startswith("accelerate:"):
+        raise ValueError(launcher)
+    restarts = ["--max-restarts" if launcher == "torchrun" else "--max_restarts", str(max_restarts)]
+    fresh = max_restarts > 0 and store_per_attempt
+    # torch's own variables: the store switch, and the endpoint torchrun's parser reads where accelerate has no flag
+    env = ["env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", f"PET_RDZV_ENDPOINT=127.0.0.1:{port}"] if fresh else []
+    if launcher == "torchrun":
+        where = ["--rdzv-backend", "c10d"] if fresh else ["--master_port", str(port)]
+        return [*env, str(BIN / "torchrun"), "--nproc_per_node", str(nproc), *where, *restarts, str(script)]
+    cfg = launcher.split(":", 1)[1]
+    where = ["--rdzv_backend", "c10d"] if fresh else []
+    return [*env, str(BIN / "accelerate"), "launch", "--config_file", cfg, "--main_process_port", str(port), *where,
+            *restarts, str(script)]  # fmt: skip
 
 
 def run_side_by_side(

@@ -68,9 +68,11 @@ LAYOUTS = {
 #: the segments, in order: (path, layout, accumulation)
 SEGMENTS = [("hf-ext", layout, accum) for layout in LAYOUTS for accum in (1, 4)]
 SEGMENTS += [("stock", layout, 1) for layout in ("ddp", "zero2", "zero3")]
-#: the layouts whose preemption runs here (ZeRO-2, ZeRO-3 and FSDP2 are preempted by a real signal to a launched
-#: recipe: tests/distributed/test_recipe_distributed.py), and the step at whose end rank 1 signals itself
-PREEMPTED, SIGNAL_AT = ["ddp", "zero1", "zero3_offload"], 1
+#: the layouts preempted here, by the signal rank 1 sends itself at the end of step SIGNAL_AT: SIGUSR1 (SLURM's
+#: ``--signal=USR1@120``), and SIGTERM to one worker under the engines whose launched recipe runs get it through
+#: their launcher (tests/distributed/test_recipe_distributed.py)
+PREEMPTED = {"ddp": "SIGUSR1", "zero1": "SIGUSR1", "zero3_offload": "SIGUSR1", "zero3": "SIGTERM", "fsdp2": "SIGTERM"}
+SIGNAL_AT = 1
 #: ``hf-ext convert`` both ways: 8 steps of the first layout saving checkpoint-4, that checkpoint converted for the
 #: second (rank 0 runs the command), and the second layout resumed from the conversion for steps 5-8
 ROUND_TRIPS = [("zero2", "fsdp2"), ("fsdp2", "zero2")]
@@ -110,7 +112,7 @@ def segment(
     steps: int = STEPS,
     save_steps: int | None = None,
     resume: str | None = None,
-    signal_at: int | None = None,
+    signal_at: tuple[int, str] | None = None,
 ) -> tuple[dict, dict]:
     config, fsdp = LAYOUTS[layout]
     deepspeed = config()
@@ -131,7 +133,7 @@ def segment(
     if deepspeed is not None:
         start_deepspeed_comm()  # on CPU stock's arguments start torch.distributed but not DeepSpeed's comm
     model = AutoModelForCausalLM.from_pretrained(model_dir)  # after the arguments: zero.Init partitions it
-    callbacks = [SignalAt(signal_at, "SIGUSR1", "self", rank=1)] if signal_at else []
+    callbacks = [SignalAt(*signal_at, "self", rank=1)] if signal_at else []
     trainer = trainer_class(model=model, args=args, train_dataset=rows(model.config.vocab_size), data_collator=collate,
                             callbacks=callbacks)  # fmt: skip
     # hf_ext.Trainer.train() ends a preempted run with exit_if_preempted: the process group torn down, then exit 75
@@ -148,7 +150,7 @@ def segment(
         torch.distributed.all_gather_object(saved_at, callback.saved_at)
         callback.release()  # the signal handlers back: exit_if_preempted would exit here
         found = sorted(p.name for p in Path(args.output_dir).iterdir() if "checkpoint" in p.name)
-        preempted = {"saved_at": saved_at, "checkpoints": found}
+        preempted = {"saved_at": saved_at, "checkpoints": found, "signal": callback.signal_name}
     weights = gathered_state_dict(trainer.model)  # every rank takes part
     history = [e for e in trainer.state.log_history if "loss" in e]
     result = {
@@ -197,9 +199,9 @@ def main() -> None:
             if path == "hf-ext" and accumulation == 1:
                 uninterrupted[layout] = weights
         results.append(result)
-    for layout in PREEMPTED if opts.only in (None, "engines") else []:
+    for layout, sig in PREEMPTED.items() if opts.only in (None, "engines") else []:
         name = f"preempted-{layout}"
-        preempted, _ = segment("hf-ext", layout, 1, opts.model, out_dir, name, signal_at=SIGNAL_AT)
+        preempted, _ = segment("hf-ext", layout, 1, opts.model, out_dir, name, signal_at=(SIGNAL_AT, sig))
         checkpoint = Path(out_dir) / name / f"checkpoint-{preempted['global_step']}"
         resumed, weights = segment("hf-ext", layout, 1, opts.model, out_dir, f"{name}-resumed", resume=str(checkpoint))
         if weights:
