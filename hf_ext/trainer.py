@@ -18,6 +18,7 @@ from transformers import Trainer as _Trainer
 
 from . import fsdp, packing, peft, preemption, runtime
 from . import loss as losses
+from .batching import args_layout
 from .deepspeed import callbacks as deepspeed_callbacks
 from .evaluation.bleu import BleuEvalCallback, BleuEvalConfig
 from .evaluation.zero_eval import plain_eval_without_engine
@@ -162,6 +163,15 @@ class TrainerMixin:
         # Private override: stock builds its BatchRebalanceSampler with a fixed seed and a padded cost model, and no
         # public hook sees the sampler before the dataloader holds it (hf_ext.packing.run_sampler)
         return packing.run_sampler(self.args, super()._get_train_sampler(train_dataset))
+
+    def _track_num_input_tokens(self, inputs):
+        # Private override: stock sums every rank's tokens, but the ranks of a tensor-parallel group train on the same
+        # micro-batch; sequence- and context-parallel ranks each count their own part of it
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs)
+        tp = args_layout(self.args).tp
+        if tp > 1:
+            self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // tp
 
     # --- training, saving and resume (hf_ext.saving, hf_ext.peft) ---
     def train(self, resume_from_checkpoint=None, *args, **kwargs):

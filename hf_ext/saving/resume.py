@@ -40,7 +40,7 @@ import transformers.trainer as hf_trainer
 from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
 
 from ..atomic import replace_dir
-from ..batching import split_batch
+from ..batching import Layout, args_layout, split_batch
 from ..peft import is_trainable_state_checkpoint
 from ..ranks import shared_outcome
 from ..sizes import MiB, dir_bytes
@@ -72,18 +72,31 @@ class ZeroCheckpoint:
 
     path: Path  # checkpoint-N
     tag: str  # global_stepN (DeepSpeed), "" (FSDP)
-    world_size: int  # data-parallel ranks that wrote the partitioned state
-    train_batch_size: int | None
+    world_size: int  # ranks that wrote each tensor-parallel slice of the partitioned state (DeepSpeed's dp_world_size)
+    train_batch_size: int | None  # DeepSpeed's: it counts each tensor-parallel rank (Layout.deepspeed_ranks)
     micro_batch: int | None
     accumulation: int | None
+    tensor_parallel: int = 1  # DeepSpeed's mp_world_size: AutoTP's size
 
     @property
     def universal_path(self) -> Path:
         return self.path.with_name(self.path.name + UNIVERSAL_SUFFIX)
 
+    @property
+    def rows_per_step(self) -> int | None:
+        """The rows one optimizer step trained on: the ranks of a tensor-parallel group share their micro-batches."""
+        return self.train_batch_size // self.tensor_parallel if isinstance(self.train_batch_size, int) else None
+
+    def same_layout(self, layout: Layout) -> bool:
+        """True when a run of ``layout`` holds the partitioned state as written: the same tensor-parallel size, and
+        as many ranks per slice (DeepSpeed records the sequence-parallel ranks among them)."""
+        return self.tensor_parallel == layout.tp and self.world_size == layout.world // layout.tp
+
     def batch_arithmetic(self) -> str:
-        return (f"{self.world_size} ranks x micro-batch {self.micro_batch} x accumulation {self.accumulation} = "
-                f"{self.train_batch_size}")  # fmt: skip
+        ranks = _ranks(self.world_size) if self.tensor_parallel == 1 else (
+            f"{self.world_size} data-parallel {'rank' if self.world_size == 1 else 'ranks'} (tensor-parallel "
+            f"{self.tensor_parallel})")  # fmt: skip
+        return f"{ranks} x micro-batch {self.micro_batch} x accumulation {self.accumulation} = {self.rows_per_step}"
 
 
 def read_zero_checkpoint(path: str | Path) -> ZeroCheckpoint | None:
@@ -110,6 +123,7 @@ def read_zero_checkpoint(path: str | Path) -> ZeroCheckpoint | None:
         train_batch_size=config.get("train_batch_size"),
         micro_batch=config.get("train_micro_batch_size_per_gpu"),
         accumulation=config.get("gradient_accumulation_steps"),
+        tensor_parallel=int(states.get("mp_world_size") or 1),
     )
 
 
@@ -201,11 +215,15 @@ def nearest_accumulation(total: int, world: int, micro: int) -> int:
 
 def global_batch(args, checkpoint: ZeroCheckpoint) -> tuple[int | None, str]:
     """The gradient accumulation that makes this run's global batch the checkpoint's (``None``: as asked), and a
-    phrase for the log line. The per-rank batch is left as asked. When the checkpoint's global batch cannot be made on
-    this world size with that micro-batch: with ``resume_global_batch="nearest"`` the accumulation of the nearest
-    global batch (the phrase says what changes); otherwise ``ValueError`` with the arithmetic and the fixes."""
-    world, micro, accum = args.world_size, args.per_device_train_batch_size, args.gradient_accumulation_steps
-    total = checkpoint.train_batch_size
+    phrase for the log line. The global batch is the rows of one optimizer step: the data-parallel ranks' micro-batches
+    (the ranks of a tensor- or sequence-parallel group share theirs). The per-rank batch is left as asked. When the
+    checkpoint's global batch cannot be made on this world size with that micro-batch: with
+    ``resume_global_batch="nearest"`` the accumulation of the nearest global batch (the phrase says what changes);
+    otherwise ``ValueError`` with the arithmetic and the fixes."""
+    layout = args_layout(args)
+    world, micro, accum = layout.dp, args.per_device_train_batch_size, args.gradient_accumulation_steps
+    ranks = layout.ranks()
+    total = checkpoint.rows_per_step
     if not isinstance(total, int) or world * micro * accum == total:
         return None, f"global batch {world * micro * accum} as before"
     if total % (world * micro) == 0:
@@ -215,20 +233,21 @@ def global_batch(args, checkpoint: ZeroCheckpoint) -> tuple[int | None, str]:
     if getattr(args, "resume_global_batch", "keep") == "nearest":
         return nearest, (
             f"resume_global_batch='nearest': the global batch changes {total} -> {world * micro * nearest} "
-            f"({world} ranks x micro-batch {micro} x accumulation {nearest}; {checkpoint.path.name} was trained with "
+            f"({ranks} x micro-batch {micro} x accumulation {nearest}; {checkpoint.path.name} was trained with "
             f"{checkpoint.batch_arithmetic()}). The learning rate and the schedule are not rescaled, and the resumed "
             f"epoch skips the rows of the steps done counted in batches of {world * micro * nearest}"
         )
     if total % world:
         divisors = [str(d) for d in range(1, total + 1) if total % d == 0]
-        fix = f"resume on a number of ranks that divides {total} ({', '.join(divisors)})"
+        kind = "ranks" if layout.model_parallel == 1 else "data-parallel ranks"
+        fix = f"resume on a number of {kind} that divides {total} ({', '.join(divisors)})"
     else:
         new_micro, new_accum = split_batch(total, world, micro)
         fix = (f"pass --per_device_train_batch_size {new_micro} --gradient_accumulation_steps {new_accum} "
                f"({world} x {new_micro} x {new_accum} = {total})")  # fmt: skip
     raise ValueError(
         f"{checkpoint.path.name} was trained with a global batch of {total} ({checkpoint.batch_arithmetic()}); "
-        f"{world} ranks x micro-batch {micro} cannot make {total} with any gradient accumulation. Fix: {fix}; or "
+        f"{ranks} x micro-batch {micro} cannot make {total} with any gradient accumulation. Fix: {fix}; or "
         f"pass --resume_global_batch nearest to go on with the nearest global batch these ranks make "
         f"({world * micro * nearest})."
     )
@@ -256,7 +275,7 @@ def _set_accumulation(trainer, accumulation: int) -> None:
     """``gradient_accumulation_steps`` (and the global batch it makes) in the arguments and in the DeepSpeed config
     the engine will start from."""
     args = trainer.args
-    total = args.world_size * args.per_device_train_batch_size * accumulation
+    total = args_layout(args).deepspeed_ranks * args.per_device_train_batch_size * accumulation
     resolution = getattr(args, "deepspeed_resolution", None)
     wanted = {"gradient_accumulation_steps": accumulation, "train_batch_size": total}
     for config in _engine_configs(trainer):
@@ -266,7 +285,7 @@ def _set_accumulation(trainer, accumulation: int) -> None:
             if resolution is not None and not _filled_from_args(resolution, key):
                 raise ValueError(
                     f"The DeepSpeed config fixes {key} to {config[key]}, but a global batch of {total} on "
-                    f'{args.world_size} ranks needs {value}. Fix: set {key} to "auto" in the config.'
+                    f'{args_layout(args).ranks(deepspeed=True)} needs {value}. Fix: set {key} to "auto" in the config.'
                 )
             config[key] = value
     args.gradient_accumulation_steps = accumulation
@@ -352,7 +371,7 @@ def plan_resume(trainer, resume_from_checkpoint) -> ResumePlan:
             accumulation, batch = global_batch(args, written)
             return ResumePlan("universal", path, path, written, accumulation, batch, "converted by hf-ext convert")
         written = read_marked_checkpoint(path) if fsdp else read_zero_checkpoint(path)
-        if written is None or written.world_size == args.world_size:
+        if written is None or written.same_layout(args_layout(args)):
             return ResumePlan("as_written", path, path)
         accumulation, batch = global_batch(args, written)
     if fsdp:  # torch.distributed.checkpoint reshards the model and optimizer state as they load
@@ -379,7 +398,8 @@ def apply_resume_plan(trainer, plan: ResumePlan) -> None:
     args = trainer.args
     if plan.accumulation is not None:
         _set_accumulation(trainer, plan.accumulation)
-        if args.world_size * args.per_device_train_batch_size * plan.accumulation != plan.written_on.train_batch_size:
+        rows = args_layout(args).dp * args.per_device_train_batch_size * plan.accumulation
+        if rows != plan.written_on.rows_per_step:
             if args.should_log:  # resume_global_batch="nearest": said whatever the resume's kind
                 logger.warning(f"Resuming {plan.checkpoint.name}: {plan.batch}.")
     if plan.kind == "universal":

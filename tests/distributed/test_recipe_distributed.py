@@ -114,24 +114,28 @@ def test_recipe_trains_saves_and_reloads(name, recipe_runs, tiny_model_no_dropou
     assert len(json.loads((out / "sample_replies.json").read_text())) == len(SAMPLE_CHATS) + 2
 
 
-# --- preemption: real signals in the 20-step runs above, each resumed with --resume_from_checkpoint True ------------
+# --- preemption: real signals in the 20-step runs above ----------------------------------------------------------
 #
 # tests/launched/signal_at.py sends each signal from rank 1 at the end of a step. Every engine's run gets, at step 8,
 # SIGTERM to its parent, the launcher (SLURM's and Kubernetes' route), which passes it on to every rank (torchrun and
-# accelerate at once; DeepSpeed's launcher one rank at a time) and exits with them. ZeRO-2's resume is launched with one
-# restart allowed (torchrun's --max-restarts) and gets, at step 14, SIGTERM to rank 1 alone: both ranks save
-# checkpoint-15 and exit 75, torchrun starts them again, and they resume from checkpoint-15 to step 20 in the same
-# launch. (A signal to one rank under every other engine: tests/distributed/test_engines.py, in-process; what a
-# worker does after that checkpoint does not depend on the engine.)
-# name: (the uninterrupted run it must end as, engine flags, launcher of the first run, launcher of the resume,
-# whether the resume gets the signal to one worker). The first runs start under another launcher than their oracle
-# where it has a twin: torchrun's ZeRO-2 against DeepSpeed's launcher, accelerate's FSDP YAML against torchrun's
-# --fsdp; their steps before the signal then show that the launcher does not change the run.
+# accelerate at once; DeepSpeed's launcher one rank at a time) and exits with them: one checkpoint, every process gone
+# within a minute, and every step before it the uninterrupted run's. ZeRO-2's is then resumed, under torchrun with
+# one restart allowed (--max-restarts), and gets at step 14 SIGTERM to rank 1 alone: both ranks save checkpoint-15
+# and exit 75, torchrun starts them again, and they resume from checkpoint-15 to the uninterrupted run's step 20 in
+# the same launch. Under ZeRO-3 and FSDP2 (and DDP, ZeRO-1, ZeRO-3 with offload) a signal to one rank, the checkpoint
+# it makes and its resume to the uninterrupted weights run in-process, in the engine oracle's launch
+# (tests/distributed/test_engines.py): what a rank does after that checkpoint, and how a resume finds and loads it,
+# do not depend on the engine; launched ZeRO-3 and FSDP2 checkpoints are resumed in test_saving_distributed.py and
+# test_fsdp.py.
+# name: (the uninterrupted run it must end as, engine flags, launcher of the first run, launcher of the resume or
+# None). The first runs start under another launcher than their oracle where it has a twin: torchrun's ZeRO-2 against
+# DeepSpeed's launcher, accelerate's FSDP YAML against torchrun's --fsdp; their steps before the signal then show that
+# the launcher does not change the run.
 ACCELERATE_FSDP = f"accelerate:{ROOT / 'recipes/accelerate/fsdp.yaml'}"
 PREEMPTIONS = {
-    "zero2-under-torchrun": ("deepspeed-zero2", ["--deepspeed", "zero2"], "torchrun", "torchrun", True),
-    "zero3-under-deepspeeds-launcher": ("torchrun-zero3", ["--deepspeed", "zero3"], "deepspeed", "torchrun", False),
-    "fsdp2-under-accelerate": ("torchrun-fsdp", [], ACCELERATE_FSDP, ACCELERATE_FSDP, False),
+    "zero2-under-torchrun": ("deepspeed-zero2", ["--deepspeed", "zero2"], "torchrun", "torchrun"),
+    "zero3-under-deepspeeds-launcher": ("torchrun-zero3", ["--deepspeed", "zero3"], "deepspeed", None),
+    "fsdp2-under-accelerate": ("torchrun-fsdp", [], ACCELERATE_FSDP, None),
 }  # fmt: skip
 TO_THE_LAUNCHER, TO_ONE_WORKER = (8, "launcher"), (14, "self")
 # Tolerance of the resumed weights against the uninterrupted run's: a resume on the same ranks repeats the same
@@ -168,7 +172,7 @@ def assert_preempted(log: str, step: int) -> None:
 @pytest.mark.parametrize("name", list(PREEMPTIONS))
 def test_a_preempted_run_saves_exits_and_resumes_to_the_uninterrupted_weights(name, recipe_runs, tmp_path,
                                                                               tiny_model_no_dropout_dir):  # fmt: skip
-    oracle, flags, first, resumer, to_one_worker = PREEMPTIONS[name]
+    oracle, flags, first, resumer = PREEMPTIONS[name]
     out = tmp_path / "out"
     args = ["--config", str(TINY_YAML), "--model_name_or_path", str(tiny_model_no_dropout_dir), "--output_dir",
             str(out), "--max_steps", str(STEPS), "--samples_to_print", "0", "--do_eval", "false", "--logging_steps", "1",
@@ -189,7 +193,7 @@ def test_a_preempted_run_saves_exits_and_resumes_to_the_uninterrupted_weights(na
     saved = checkpoints(out)
     assert len(saved) == 1 and re.fullmatch(r"checkpoint-\d+", saved[0]), (saved, log[-4000:])
     first_checkpoint = int(saved[0].split("-")[1])
-    assert step < first_checkpoint < (TO_ONE_WORKER[0] if to_one_worker else STEPS)
+    assert step < first_checkpoint < (TO_ONE_WORKER[0] if resumer else STEPS)
     assert_preempted(log, first_checkpoint)
     assert proc.returncode != 0  # the launcher reports its own signal
     # every process exited, within a minute of the signal
@@ -203,24 +207,29 @@ def test_a_preempted_run_saves_exits_and_resumes_to_the_uninterrupted_weights(na
             "__1_0.distcp",
         ]
 
-    # 2. resumed; ZeRO-2's resume gets SIGTERM to rank 1 alone at step 14: torchrun restarts the workers, which resume
-    # again, through c10d's rendezvous with a store per attempt (the launch docs/cluster.md gives)
-    if not to_one_worker:
-        run(launcher_cmd(resumer, RECIPE) + args + ["--resume_from_checkpoint", "True"])
-    else:
-        step, target = TO_ONE_WORKER
-        resumed = run(launcher_cmd(resumer, RECIPE, max_restarts=1) + args + ["--resume_from_checkpoint", "True"],
-                      HF_EXT_TEST_SIGNAL_AT=f"{step}:SIGTERM:{target}")  # fmt: skip
-        log = resumed.stdout + resumed.stderr
-        signal_sent(log, step, target)
-        assert_preempted(log, step + 1)  # the signal reached its rank at the end of step 14: the ranks agreed at 15
-        assert checkpoints(out) == [saved[0], f"checkpoint-{step + 1}"]
-        # the workers that exited after checkpoint-15 were started again in the same launch, which ended at step 20
-        # with exit status 0 (run() checks it); with a store per attempt hf-ext has nothing to say of the restart
-        assert "restarts failed workers" not in log
-        # both ranks exited on their own: the agent did not have to kill one (it SIGKILLs a worker that outlives its
-        # SIGTERM by 30 s)
-        assert "forcefully exiting" not in log
+    # every step before the checkpoint has the uninterrupted run's loss
+    before = per_step_losses(out / saved[0])
+    assert sorted(before) == list(range(1, first_checkpoint + 1))
+    assert before == pytest.approx({k: v for k, v in per_step_losses(recipe_runs(oracle)).items() if k in before},
+                                   rel=1e-6)  # fmt: skip
+    if resumer is None:
+        return
+
+    # 2. resumed, and SIGTERM to rank 1 alone at step 14: torchrun restarts the workers, which resume again, through
+    # c10d's rendezvous with a store per attempt (the launch docs/cluster.md gives)
+    step, target = TO_ONE_WORKER
+    resumed = run(launcher_cmd(resumer, RECIPE, max_restarts=1) + args + ["--resume_from_checkpoint", "True"],
+                  HF_EXT_TEST_SIGNAL_AT=f"{step}:SIGTERM:{target}")  # fmt: skip
+    log = resumed.stdout + resumed.stderr
+    signal_sent(log, step, target)
+    assert_preempted(log, step + 1)  # the signal reached its rank at the end of step 14: the ranks agreed at 15
+    assert checkpoints(out) == [saved[0], f"checkpoint-{step + 1}"]
+    # the workers that exited after checkpoint-15 were started again in the same launch, which ended at step 20 with
+    # exit status 0 (run() checks it); with a store per attempt hf-ext has nothing to say of the restart
+    assert "restarts failed workers" not in log
+    # both ranks exited on their own: the agent did not have to kill one (it SIGKILLs a worker that outlives its
+    # SIGTERM by 30 s)
+    assert "forcefully exiting" not in log
     expected, got = final_weights(recipe_runs(oracle)), final_weights(out)
     assert expected.keys() == got.keys()
     assert max((expected[k] - got[k]).abs().max().item() for k in expected) <= RESUME_TOLERANCE

@@ -20,6 +20,9 @@ What is touched, and why no public hook does it:
 * ``Trainer._get_train_sampler`` (extended by ``hf_ext.trainer``) and ``BatchRebalanceSampler``'s grouping
   (``hf_ext.packing``): stock builds the sampler with a fixed seed and a padded cost model, and no public hook sees it
   before the dataloader holds it; ``PackedRebalanceSampler`` replaces the grouping and the cost of a group.
+* ``Trainer._track_num_input_tokens`` (extended by ``hf_ext.trainer``): stock adds every rank's tokens to
+  ``num_input_tokens_seen``, twice under 2-way tensor parallelism, whose ranks share their micro-batches; it runs
+  inside the training loop, before any hook sees the step's inputs.
 * ``Trainer.create_accelerator_and_postprocess`` (extended by ``hf_ext.trainer``): the one place where the trainer's
   ``Accelerator`` exists and the model is not prepared yet; ``hf_ext.fsdp.engine.enable_on_trainer`` switches CPU
   ranks to FSDP2 there. No callback runs that early.
@@ -408,6 +411,10 @@ PINS = [
         all_of(signature("transformers.trainer:deepspeed_load_checkpoint",
                          ["deepspeed_engine", "checkpoint_path", "load_module_strict"]),
                deepspeed_load_runs_before_the_optimizer_loader)),
+    Pin("transformers", "Trainer._track_num_input_tokens", "signature; source lines", "hf_ext/trainer.py",
+        all_of(signature(f"{T}._track_num_input_tokens", ["self", "inputs"]),
+               source_has(f"{T}._track_num_input_tokens",
+                          "self.state.num_input_tokens_seen += self.accelerator.gather(input_tokens).sum().item()"))),
     Pin("transformers", "Trainer.evaluation_loop reads Accelerator._models", "source lines",
         "hf_ext/fsdp/engine.py shard_for_evaluation",
         source_has(f"{T}.evaluation_loop", "len(self.accelerator._models) == 0")),

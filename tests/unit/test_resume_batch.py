@@ -66,7 +66,7 @@ def test_nearest_goes_on_with_the_nearest_global_batch_and_says_what_changed(tmp
         keep_global_batch(trainer_with(tmp_path, micro=4, accum=1), checkpoint)
     trainer = trainer_with(tmp_path, micro=4, accum=3, policy="nearest")  # 4 and 8 are both 2 away: the smaller
     said = keep_global_batch(trainer, checkpoint)
-    assert "the global batch changes 6 -> 4 (1 ranks x micro-batch 4 x accumulation 1" in said
+    assert "the global batch changes 6 -> 4 (1 rank x micro-batch 4 x accumulation 1" in said
     assert "not rescaled" in said
     config = trainer.args.hf_deepspeed_config.config
     assert trainer.args.gradient_accumulation_steps == 1
@@ -115,3 +115,29 @@ def test_fsdp_checkpoint_marker_keeps_the_global_batch_or_refuses(tmp_path):
     (checkpoint / checkpoints.CHECKPOINT_MARKER).write_text('{"complete": true, "global_step": 4}')  # older marker
     assert read_marked_checkpoint(checkpoint) is None
     assert plan_resume(fsdp_trainer(micro=3), str(checkpoint)).kind == "as_written"
+
+
+# --- DeepSpeed AutoTP: its train_batch_size counts each tensor-parallel rank; a step trains on the data-parallel ranks'
+# rows. The record is the one read_zero_checkpoint makes of the 2-rank AutoTP checkpoint that
+# tests/distributed/test_parallel_layouts.py writes and resumes (dp_world_size 1, mp_world_size 2, train_batch_size 8).
+
+
+def written_with_autotp_2_on_two_ranks() -> ZeroCheckpoint:
+    return ZeroCheckpoint(Path("run/checkpoint-3"), "global_step3", 1, 8, 2, 2, tensor_parallel=2)
+
+
+def test_a_tensor_parallel_checkpoint_keeps_its_rows_per_step_not_deepspeeds_count(tmp_path):
+    from hf_ext.batching import Layout
+
+    checkpoint = written_with_autotp_2_on_two_ranks()
+    assert checkpoint.rows_per_step == 4
+    assert (
+        checkpoint.batch_arithmetic()
+        == "1 data-parallel rank (tensor-parallel 2) x micro-batch 2 x accumulation 2 = 4"
+    )
+    assert checkpoint.same_layout(Layout(2, tp=2))  # resumed as written, no conversion
+    assert not checkpoint.same_layout(Layout(2)) and not checkpoint.same_layout(Layout(4, tp=2))
+    trainer = trainer_with(tmp_path, micro=2, accum=1)  # one plain rank: 4 rows a step is accumulation 2, not 4
+    assert keep_global_batch(trainer, checkpoint) == "gradient accumulation 1 -> 2 keeps the global batch of 4"
+    config = trainer.args.hf_deepspeed_config.config
+    assert (config["gradient_accumulation_steps"], config["train_batch_size"]) == (2, 4)

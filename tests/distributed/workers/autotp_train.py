@@ -5,7 +5,10 @@
 
 The same 32 seeded rows, micro-batch 2, accumulation 2, 6 steps, torch's AdamW (the Trainer's, not DeepSpeed's),
 dropout off. Writes ``FILE`` (JSON, rank 0): the per-step losses and grad norms, the ``train_batch_size`` DeepSpeed was
-started with, the rows per optimizer step the Trainer counts, the world size and, per step, the rows each rank trained.
+started with, the rows per optimizer step the Trainer counts, the tokens it counts, the world size and, per step, the
+rows each rank trained.
+With ``--resume``: the run saves checkpoint-3 too, and a second trainer resumes it to step 6; ``FILE`` adds what
+hf-ext planned for that resume, the batch it ran, and its losses of steps 4-6.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import json
 
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, TrainerCallback
+from transformers import AutoConfig, AutoModelForCausalLM, TrainerCallback
 
 import hf_ext
 
@@ -35,21 +38,31 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--autotp", type=int, default=0)
+    parser.add_argument("--resume", action="store_true")
     opts = parser.parse_args()
-    deepspeed = None
-    if opts.autotp:
-        deepspeed = {"tensor_parallel": {"autotp_size": opts.autotp}, "zero_optimization": {"stage": 1},
-                     "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
-                     "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}  # fmt: skip
-    args = hf_ext.TrainingArguments(output_dir=opts.out + ".run", per_device_train_batch_size=2,
-                                    gradient_accumulation_steps=2, max_steps=6, learning_rate=1e-3, logging_steps=1,
-                                    report_to=[], save_strategy="no", deepspeed=deepspeed, seed=0,
-                                    remove_unused_columns=False)  # fmt: skip
-    model = AutoModelForCausalLM.from_pretrained(opts.model, attention_dropout=0.0)
+
+    def arguments() -> hf_ext.TrainingArguments:
+        deepspeed = None
+        if opts.autotp:
+            deepspeed = {"tensor_parallel": {"autotp_size": opts.autotp}, "zero_optimization": {"stage": 1},
+                         "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+                         "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}  # fmt: skip
+        saving = dict(save_strategy="steps", save_steps=3) if opts.resume else dict(save_strategy="no")
+        return hf_ext.TrainingArguments(output_dir=opts.out + ".run", per_device_train_batch_size=2,
+                                        gradient_accumulation_steps=2, max_steps=6, learning_rate=1e-3,
+                                        logging_steps=1, report_to=[], deepspeed=deepspeed, seed=0,
+                                        remove_unused_columns=False, include_num_input_tokens_seen="all",
+                                        **saving)  # fmt: skip
+
+    def model():
+        return AutoModelForCausalLM.from_pretrained(opts.model, attention_dropout=0.0)
+
+    args = arguments()
+    vocab = AutoConfig.from_pretrained(opts.model).vocab_size
     g = torch.Generator().manual_seed(0)
     rows = []
     for i in range(32):
-        ids = torch.randint(5, model.config.vocab_size, (12,), generator=g).tolist()
+        ids = torch.randint(5, vocab, (12,), generator=g).tolist()
         rows.append({"input_ids": ids, "labels": ids, "row": i})
     seen = RowsSeen()
 
@@ -57,9 +70,14 @@ def main() -> None:
         seen.current += [r["row"] for r in batch]
         return {k: torch.tensor([r[k] for r in batch]) for k in ("input_ids", "labels")}
 
-    trainer = hf_ext.Trainer(model=model, args=args, train_dataset=Dataset.from_list(rows), data_collator=collate,
+    trainer = hf_ext.Trainer(model=model(), args=args, train_dataset=Dataset.from_list(rows), data_collator=collate,
                              callbacks=[seen])  # fmt: skip
     trainer.train()
+    resumed = None
+    if opts.resume:
+        resumed = hf_ext.Trainer(model=model(), args=arguments(), train_dataset=Dataset.from_list(rows),
+                                 data_collator=collate)  # fmt: skip
+        resumed.train(resume_from_checkpoint=f"{args.output_dir}/checkpoint-3")
     gathered = [None] * args.world_size
     if args.world_size > 1:
         torch.distributed.all_gather_object(gathered, seen.rows)
@@ -71,10 +89,15 @@ def main() -> None:
             "world_size": args.world_size,
             "losses": [r["loss"] for r in history],
             "grad_norms": [r["grad_norm"] for r in history],
-            "deepspeed_train_batch_size": args.hf_deepspeed_config.config["train_batch_size"] if deepspeed else None,
+            "deepspeed_train_batch_size": args.hf_deepspeed_config.config["train_batch_size"] if opts.autotp else None,
             "rows_per_step": trainer.get_total_train_batch_size(args),
+            "tokens_seen": trainer.state.num_input_tokens_seen,
             "rows": gathered,
         }
+        if resumed is not None:
+            result["resume_kind"] = resumed.resume_plan.kind
+            result["resumed_accumulation"] = resumed.args.gradient_accumulation_steps
+            result["resumed_losses"] = [r["loss"] for r in resumed.state.log_history if "loss" in r and r["step"] > 3]
         with open(opts.out, "w") as f:
             json.dump(result, f)
 

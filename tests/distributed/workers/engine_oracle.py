@@ -71,7 +71,7 @@ SEGMENTS += [("stock", layout, 1) for layout in ("ddp", "zero2", "zero3")]
 #: the layouts preempted here, by the signal rank 1 sends itself at the end of step SIGNAL_AT: SIGUSR1 (SLURM's
 #: ``--signal=USR1@120``), and SIGTERM to one worker under the engines whose launched recipe runs get it through
 #: their launcher (tests/distributed/test_recipe_distributed.py)
-PREEMPTED = {"ddp": "SIGUSR1", "zero1": "SIGUSR1", "zero3_offload": "SIGUSR1", "zero3": "SIGTERM", "fsdp2": "SIGTERM"}
+PREEMPTED = {"ddp": "SIGUSR1", "zero1": "SIGUSR1", "zero3_offload": "SIGTERM", "fsdp2": "SIGTERM"}
 SIGNAL_AT = 1
 #: ``hf-ext convert`` both ways: 8 steps of the first layout saving checkpoint-4, that checkpoint converted for the
 #: second (rank 0 runs the command), and the second layout resumed from the conversion for steps 5-8
