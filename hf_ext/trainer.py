@@ -169,13 +169,14 @@ class TrainerMixin:
         # micro-batch; sequence- and context-parallel ranks each count their own part of it
         before = self.state.num_input_tokens_seen
         super()._track_num_input_tokens(inputs)
-        tp = args_layout(self.args).tp
+        tp = getattr(self, "_tensor_parallel", 1)  # read once per train() call
         if tp > 1:
             self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // tp
 
     # --- training, saving and resume (hf_ext.saving, hf_ext.peft) ---
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         runtime.prepare_run(self.args)
+        self._tensor_parallel = args_layout(self.args).tp
         if self.deepspeed is not None and self.optimizer is None:  # an engine from evaluate(): inference only
             self._drop_inference_engine()
         deepspeed_callbacks.reopen_step_keys(self)  # an evaluate() before train() may have filled them for inference

@@ -106,10 +106,12 @@ def test_the_step_tracer_names_hf_ext_code():
 
 
 #: the hf-ext functions a training step runs: the loss of a model that averages its own micro-batch, taken over the
-#: global batch (hf_ext/loss.py, with the decoder inputs the model would build itself), and the preemption agreement
-#: (hf_ext/preemption.py: one all-reduce started at the step's begin, waited for at its end)
+#: global batch (hf_ext/loss.py, with the decoder inputs the model would build itself), the preemption agreement
+#: (hf_ext/preemption.py: one all-reduce started at the step's begin, waited for at its end) and the token count
+#: (hf_ext/trainer.py: stock's, counted once per tensor-parallel group)
 STEP_FUNCTIONS = {
-    "trainer.py:TrainerMixin.compute_loss", "loss.py:with_decoder_inputs", "loss.py:global_token_mean_loss",
+    "trainer.py:TrainerMixin.compute_loss", "trainer.py:TrainerMixin._track_num_input_tokens",
+    "loss.py:with_decoder_inputs", "loss.py:global_token_mean_loss",
     "loss.py:decoder_inputs_from_labels.<locals>.<lambda>", "preemption.py:PreemptionCallback.on_step_begin",
     "preemption.py:PreemptionCallback.on_step_end", "ranks.py:max_over_ranks", "ranks.py:max_over_ranks.<locals>.result",
     "ranks.py:max_over_ranks.<locals>.result.<locals>.<listcomp>", "ranks.py:_world", "ranks.py:_device",
