@@ -275,7 +275,8 @@ def _set_accumulation(trainer, accumulation: int) -> None:
     """``gradient_accumulation_steps`` (and the global batch it makes) in the arguments and in the DeepSpeed config
     the engine will start from."""
     args = trainer.args
-    total = args_layout(args).deepspeed_ranks * args.per_device_train_batch_size * accumulation
+    layout = args_layout(args)
+    total = layout.deepspeed_ranks * args.per_device_train_batch_size * accumulation
     resolution = getattr(args, "deepspeed_resolution", None)
     wanted = {"gradient_accumulation_steps": accumulation, "train_batch_size": total}
     for config in _engine_configs(trainer):
@@ -285,7 +286,7 @@ def _set_accumulation(trainer, accumulation: int) -> None:
             if resolution is not None and not _filled_from_args(resolution, key):
                 raise ValueError(
                     f"The DeepSpeed config fixes {key} to {config[key]}, but a global batch of {total} on "
-                    f'{args_layout(args).ranks(deepspeed=True)} needs {value}. Fix: set {key} to "auto" in the config.'
+                    f'{layout.ranks(deepspeed=True)} needs {value}. Fix: set {key} to "auto" in the config.'
                 )
             config[key] = value
     args.gradient_accumulation_steps = accumulation

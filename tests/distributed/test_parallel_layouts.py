@@ -48,5 +48,5 @@ def test_autotp_trains_what_one_rank_trains_with_the_batch_deepspeed_checks(tiny
     assert (written.world_size, written.tensor_parallel, written.train_batch_size) == (1, 2, 8)
     assert written.rows_per_step == 4
     assert tp["resume_kind"] == "as_written" and tp["resumed_accumulation"] == 2
-    # the same ranks, engine and rows: the same arithmetic as the uninterrupted steps 4-6
+    # the same ranks, engine and rows: the same arithmetic as the uninterrupted steps 4-6 (measured 0 apart)
     assert tp["resumed_losses"] == pytest.approx(tp["losses"][3:], rel=1e-6)
