@@ -9,7 +9,6 @@ training or evaluating.
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import ctypes.util
 import gc
@@ -229,26 +228,6 @@ def trim_heap() -> None:
         pass
 
 
-def exit_without_final_collections() -> None:
-    """At interpreter exit, move every object to the collector's permanent generation (:func:`gc.freeze`), which the
-    interpreter's final collections skip.
-
-    A process that imported torch, transformers and DeepSpeed holds millions of tracked objects, and those collections
-    walk them all while the launcher waits for the rank to exit (docs/benchmarks.md, "How long the ranks take to
-    exit"). Registered to run at exit only, so nothing changes while the process runs; what the collections would have
-    freed is the process's memory, which the OS takes back. The one difference: a finalizer (``__del__``) of an object
-    in a reference cycle does not run at exit. Files, loggers and process groups are closed before (with-blocks,
-    logging's own exit handler, :func:`end_distributed`), not by the collector.
-    """
-    global _FREEZE_AT_EXIT
-    if not _FREEZE_AT_EXIT:
-        atexit.register(gc.freeze)
-        _FREEZE_AT_EXIT = True
-
-
-_FREEZE_AT_EXIT = False
-
-
 @dataclass
 class RunSetup:
     """What :func:`prepare_run` did: torch threads per rank, and whether freed memory goes back to the OS."""
@@ -267,13 +246,11 @@ def prepare_run(args) -> RunSetup:
     memory handed back to the OS when the memory planner planned the run (or ``release_freed_memory`` asks). Under
     distributed DeepSpeed on CPU, the names of its shared-memory workspaces are unlinked (a collective: every rank
     starts training or evaluating, so every rank gets here). A launch whose restarted workers may not reconnect
-    (:func:`restart_hazard`) is told so, by rank 0. The process exits without the interpreter's final collections
-    (:func:`exit_without_final_collections`).
+    (:func:`restart_hazard`) is told so, by rank 0.
     """
     global _RUN_SETUP
     if _RUN_SETUP is not None:
         return _RUN_SETUP
-    exit_without_final_collections()
     released = False
     if args.device.type == "cpu":
         place_cpu_threads()

@@ -23,7 +23,7 @@ import hf_ext
 from hf_ext.preemption import PREEMPTED_EXIT_CODE
 from hf_ext.saving import checkpoints
 
-from ..conftest import ROOT, run_side_by_side
+from ..conftest import ROOT
 from ..launched.signal_at import SignalAt
 from ..saving_support import synthetic_rows
 
@@ -110,32 +110,3 @@ def test_a_repeated_signal_is_one_preemption_and_a_later_one_exits_at_once():
     assert "not reached" not in proc.stdout
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-2000:]
     assert "SIGTERM again: exiting now" in proc.stderr
-
-
-# --- how a run's process exits ---------------------------------------------------------------------------------------
-#
-# A cycle that only the collector can free, with a finalizer that says when it is freed: the interpreter's final
-# collections free it at exit (Python's own behaviour, the oracle); a process whose run hf-ext prepared skips them
-# (hf_ext.runtime.exit_without_final_collections: about 1 s of every rank's exit, docs/benchmarks.md).
-EXIT_SCRIPT = textwrap.dedent("""
-    import gc, sys
-    gc.disable()  # nothing but the final collections frees the cycle
-    class Cycle:
-        def __del__(self):
-            print("collected at exit", flush=True)
-    cycle = Cycle(); cycle.me = cycle; del cycle
-    if sys.argv[1] == "prepared":
-        import hf_ext
-        from hf_ext.runtime import prepare_run
-        prepare_run(hf_ext.TrainingArguments(output_dir=sys.argv[2], report_to=[]))
-    print("exiting", flush=True)
-""")
-
-
-def test_a_prepared_run_exits_without_the_final_collections(tmp_path):
-    plain, prepared = run_side_by_side([[sys.executable, "-c", EXIT_SCRIPT, mode, str(tmp_path)]
-                                        for mode in ("plain", "prepared")])  # fmt: skip
-    assert plain.returncode == prepared.returncode == 0, plain.stderr[-2000:] + prepared.stderr[-2000:]
-    assert plain.stdout == "exiting\ncollected at exit\n"
-    assert prepared.stdout.splitlines()[-1] == "exiting"  # (DeepSpeed's import prints a line before)
-    assert "collected at exit" not in prepared.stdout
