@@ -5,8 +5,12 @@ without tensor parallelism on the same rows (tests/distributed/workers/autotp_tr
 resumed on the same ranks, is loaded as written (no universal conversion: hf-ext reads DeepSpeed's data- and
 tensor-parallel sizes from it) with the same 4 rows a step, and steps 4-6 repeat the uninterrupted run's.
 
-The config-level rules (Ulysses sequence parallelism, context parallelism, 4 and 8 ranks, the planner, padding-free
-refused with a split sequence): tests/unit/test_parallel_layout.py.
+Beside it, DeepSpeed's Ulysses sequence parallelism (accelerate's ``ParallelismConfig``, sp_size 2) on the same 2 ranks:
+its all-to-all runs on gloo, and the run takes the one rank's rows in the same order, counts each token once and has
+its losses (:func:`check_ulysses`).
+
+The config-level rules (Ulysses on more ranks, context parallelism, 4 and 8 ranks, the planner, padding-free refused
+with a split sequence): tests/unit/test_parallel_layout.py.
 """
 
 from __future__ import annotations
@@ -28,14 +32,17 @@ TOLERANCE = 2e-5
 
 
 def test_autotp_trains_what_one_rank_trains_with_the_batch_deepspeed_checks(tiny_chat_model_dir, tmp_path):
-    sharded, single = tmp_path / "autotp.json", tmp_path / "one.json"
+    sharded, single, ulysses = tmp_path / "autotp.json", tmp_path / "one.json", tmp_path / "ulysses.json"
     common = ["--model", str(tiny_chat_model_dir)]
     procs = run_side_by_side([[*launcher_cmd("torchrun", WORKER), *common, "--out", str(sharded), "--autotp", "2",
                                "--resume"],
-                              [*launcher_cmd("python", WORKER), *common, "--out", str(single)]], timeout=600)  # fmt: skip
+                              [*launcher_cmd("python", WORKER), *common, "--out", str(single)],
+                              [*launcher_cmd("torchrun", WORKER), *common, "--out", str(ulysses), "--ulysses", "2"]],
+                             timeout=600)  # fmt: skip
     for proc in procs:
         assert proc.returncode == 0, proc.stderr[-4000:]
     tp, one = json.loads(sharded.read_text()), json.loads(single.read_text())
+    check_ulysses(json.loads(ulysses.read_text()), one)
     assert tp["world_size"] == 2 and tp["deepspeed_train_batch_size"] == 8  # DeepSpeed accepted it and trained
     assert tp["rows_per_step"] == one["rows_per_step"] == 4
     assert tp["rows"][0] == tp["rows"][1] == one["rows"][0]  # both ranks of the group share each micro-batch
@@ -50,3 +57,29 @@ def test_autotp_trains_what_one_rank_trains_with_the_batch_deepspeed_checks(tiny
     assert tp["resume_kind"] == "as_written" and tp["resumed_accumulation"] == 2
     # the same ranks, engine and rows: the same arithmetic as the uninterrupted steps 4-6 (measured 0 apart)
     assert tp["resumed_losses"] == pytest.approx(tp["losses"][3:], rel=1e-6)
+
+
+def in_order(rows_by_step: dict) -> list[int]:
+    """The rows a rank's dataloader gave, in order (the record is by the step they were collated in)."""
+    return [row for step in sorted(rows_by_step, key=int) for row in rows_by_step[step]]
+
+
+#: Ulysses splits each row's sequence over the 2 ranks and exchanges the attention heads with an all-to-all: each
+#: sum runs in another order. Measured: losses (about 6.9) 1.4e-7 apart relative; 2e-5 is the AutoTP bound above.
+def check_ulysses(sp: dict, one: dict) -> None:
+    """DeepSpeed's Ulysses (accelerate's ``ParallelismConfig(sp_size=2, sp_backend="deepspeed")``) on 2 gloo ranks:
+    one data-parallel rank, so 4 rows a step (stock's arithmetic) and a DeepSpeed ``train_batch_size`` of 4 (the unit
+    accelerate passes DeepSpeed divides the world by the sequence-parallel size); the same rows in the same order as
+    one rank without it, each token counted once, the same losses."""
+    assert sp["world_size"] == 2 and sp["rows_per_step"] == one["rows_per_step"] == 4
+    assert sp["deepspeed_train_batch_size"] == 4
+    # DeepSpeed's dataloader adapter: both ranks train rank 0's micro-batch, then rank 1's (sliced by sequence)
+    first, second = in_order(sp["rows"][0]), in_order(sp["rows"][1])
+    taken = [row for i in range(0, len(first), 2) for row in first[i : i + 2] + second[i : i + 2]]
+    assert taken[: 6 * 4] == in_order(one["rows"][0])[: 6 * 4]
+    assert sp["tokens_seen"] == one["tokens_seen"] == 6 * 4 * 12
+    assert sp["losses"] == pytest.approx(one["losses"], rel=TOLERANCE)
+    # the grad norm DeepSpeed reports under Ulysses is sp_size times the one-rank norm (measured 2.000x); the updates
+    # are the same (the losses above; with SGD and no clipping too, measured), so gradient clipping sees a norm 2x too
+    # large (docs/deepspeed.md)
+    assert [n / 2 for n in sp["grad_norms"]] == pytest.approx(one["grad_norms"], rel=TOLERANCE)

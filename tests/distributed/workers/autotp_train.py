@@ -1,6 +1,8 @@
-"""Train a tiny Llama for a few steps with ``hf_ext.Trainer``, under DeepSpeed AutoTP or on one plain rank.
+"""Train a tiny Llama for a few steps with ``hf_ext.Trainer``, under DeepSpeed AutoTP, under DeepSpeed's Ulysses
+sequence parallelism or on one plain rank.
 
     torchrun --nproc_per_node 2 tests/distributed/workers/autotp_train.py --model DIR --out FILE --autotp 2
+    torchrun --nproc_per_node 2 tests/distributed/workers/autotp_train.py --model DIR --out FILE --ulysses 2
     python tests/distributed/workers/autotp_train.py --model DIR --out FILE
 
 The same 32 seeded rows, micro-batch 2, accumulation 2, 6 steps, torch's AdamW (the Trainer's, not DeepSpeed's),
@@ -39,6 +41,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--autotp", type=int, default=0)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--ulysses", type=int, default=0, help="DeepSpeed Ulysses sequence parallelism of this size")
     opts = parser.parse_args()
 
     def arguments() -> hf_ext.TrainingArguments:
@@ -47,15 +50,26 @@ def main() -> None:
             deepspeed = {"tensor_parallel": {"autotp_size": opts.autotp}, "zero_optimization": {"stage": 1},
                          "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
                          "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}  # fmt: skip
+        layout = {}
+        if opts.ulysses:  # accelerate's ParallelismConfig: DeepSpeed's ALST, SDPA inside each rank's attention
+            from accelerate.parallelism_config import ParallelismConfig
+            from accelerate.utils import DeepSpeedSequenceParallelConfig
+
+            deepspeed = {"zero_optimization": {"stage": 1}, "train_batch_size": "auto",
+                         "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                         "gradient_clipping": "auto"}  # fmt: skip
+            handler = DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa")
+            layout["parallelism_config"] = ParallelismConfig(sp_size=opts.ulysses, sp_backend="deepspeed",
+                                                             sp_handler=handler)  # fmt: skip
         saving = dict(save_strategy="steps", save_steps=3) if opts.resume else dict(save_strategy="no")
         return hf_ext.TrainingArguments(output_dir=opts.out + ".run", per_device_train_batch_size=2,
                                         gradient_accumulation_steps=2, max_steps=6, learning_rate=1e-3,
                                         logging_steps=1, report_to=[], deepspeed=deepspeed, seed=0,
                                         remove_unused_columns=False, include_num_input_tokens_seen="all",
-                                        **saving)  # fmt: skip
+                                        **saving, **layout)  # fmt: skip
 
     def model():
-        return AutoModelForCausalLM.from_pretrained(opts.model, attention_dropout=0.0)
+        return AutoModelForCausalLM.from_pretrained(opts.model, attention_dropout=0.0, attn_implementation="sdpa")
 
     args = arguments()
     vocab = AutoConfig.from_pretrained(opts.model).vocab_size
@@ -68,7 +82,10 @@ def main() -> None:
 
     def collate(batch):
         seen.current += [r["row"] for r in batch]
-        return {k: torch.tensor([r[k] for r in batch]) for k in ("input_ids", "labels")}
+        tensors = {k: torch.tensor([r[k] for r in batch]) for k in ("input_ids", "labels")}
+        if opts.ulysses:  # each token's position in its row, which a rank holding a slice of the row cannot infer
+            tensors["position_ids"] = torch.arange(tensors["input_ids"].shape[1]).expand_as(tensors["input_ids"])
+        return tensors
 
     trainer = hf_ext.Trainer(model=model(), args=args, train_dataset=Dataset.from_list(rows), data_collator=collate,
                              callbacks=[seen])  # fmt: skip
@@ -89,7 +106,9 @@ def main() -> None:
             "world_size": args.world_size,
             "losses": [r["loss"] for r in history],
             "grad_norms": [r["grad_norm"] for r in history],
-            "deepspeed_train_batch_size": args.hf_deepspeed_config.config["train_batch_size"] if opts.autotp else None,
+            "deepspeed_train_batch_size": args.hf_deepspeed_config.config["train_batch_size"]
+            if args.deepspeed
+            else None,
             "rows_per_step": trainer.get_total_train_batch_size(args),
             "tokens_seen": trainer.state.num_input_tokens_seen,
             "rows": gathered,
