@@ -45,19 +45,17 @@ def main() -> None:
     opts = parser.parse_args()
 
     def arguments() -> hf_ext.TrainingArguments:
-        deepspeed = None
+        deepspeed, layout = None, {}
+        if opts.autotp or opts.ulysses:  # ZeRO-1 with every batch key filled by hf-ext
+            deepspeed = {"zero_optimization": {"stage": 1}, "train_batch_size": "auto",
+                         "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                         "gradient_clipping": "auto"}  # fmt: skip
         if opts.autotp:
-            deepspeed = {"tensor_parallel": {"autotp_size": opts.autotp}, "zero_optimization": {"stage": 1},
-                         "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
-                         "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}  # fmt: skip
-        layout = {}
+            deepspeed["tensor_parallel"] = {"autotp_size": opts.autotp}
         if opts.ulysses:  # accelerate's ParallelismConfig: DeepSpeed's ALST, SDPA inside each rank's attention
             from accelerate.parallelism_config import ParallelismConfig
             from accelerate.utils import DeepSpeedSequenceParallelConfig
 
-            deepspeed = {"zero_optimization": {"stage": 1}, "train_batch_size": "auto",
-                         "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-                         "gradient_clipping": "auto"}  # fmt: skip
             handler = DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa")
             layout["parallelism_config"] = ParallelismConfig(sp_size=opts.ulysses, sp_backend="deepspeed",
                                                              sp_handler=handler)  # fmt: skip
