@@ -115,16 +115,20 @@ def summarize(launches: list[dict]) -> list[dict]:
             "aborts": sum(r["outcome"] == "abort" for r in runs),
             "other_failures": sum(r["outcome"] in ("error", "hung") for r in runs),
             "mean_seconds": statistics.fmean(r["seconds"] for r in runs),
+            "mean_exit_seconds": statistics.fmean(exits)
+            if (exits := [r["exit_seconds"] for r in runs if r.get("exit_seconds") is not None])
+            else None,
         }
         for (layout, variant), runs in cells.items()
     ]
 
 
 def markdown(summary: list[dict]) -> str:
-    header = ["layout", "variant", "engine (as run)", "launches", "aborts", "other non-zero exits", "s / launch"]
+    header = ["layout", "variant", "engine (as run)", "launches", "aborts", "other non-zero exits", "s / launch",
+              "exit s"]  # fmt: skip
     return harness.markdown_table(header, [
         [c["layout"], VARIANTS[c["variant"]], c["engine"] or "?", c["launches"], c["aborts"], c["other_failures"],
-         f"{c['mean_seconds']:.1f}"]
+         f"{c['mean_seconds']:.1f}", "?" if c.get("mean_exit_seconds") is None else f"{c['mean_exit_seconds']:.2f}"]
         for c in summary
     ])  # fmt: skip
 
@@ -163,7 +167,7 @@ def launch(layout: str, variant: str, model_dir: Path, work: Path, logs: Path, o
             os.killpg(proc.pid, signal.SIGKILL)  # the launcher's session: its ranks
             proc.wait()
             returncode = None
-    seconds = time.perf_counter() - started
+    seconds, ended_at = time.perf_counter() - started, time.time()
     for hog in hogs:
         hog.kill()
         hog.wait()
@@ -174,6 +178,9 @@ def launch(layout: str, variant: str, model_dir: Path, work: Path, logs: Path, o
         "layout": layout, "variant": variant, "launcher": launcher.split(":")[0], "returncode": returncode,
         "outcome": outcome, "seconds": seconds, "ranks_torn_down": len(ranks),
         "engine": engine_label(ranks[0]) if ranks else None,
+        # from the last rank's last statement to the launcher's exit: the interpreters' exits and the launcher's
+        "exit_seconds": ended_at - max(done) if len(done := [r.get("finished_at") for r in ranks]) == 2
+        and None not in done else None,
         "shm_workspaces_left": remove_shm_workspaces(out), "load_average": harness.load_average(),
     }  # fmt: skip
     if outcome != "clean":

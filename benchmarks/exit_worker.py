@@ -24,7 +24,8 @@ ranks that abort at interpreter exit.
 
 Under ``accelerate launch`` pass neither ``--deepspeed`` nor ``--fsdp``: the launcher's YAML gives the engine. Each
 rank writes ``OUT/exit.rank<N>.json`` after its teardown (its last statement before the interpreter exits): the
-engine it ran and the seconds from the start of training to the end of the saves and to the end of the teardown. A
+engine it ran, the seconds from the start of training to the end of the saves and to the end of the teardown, and the
+wall-clock time of that last statement (the bench times the interpreter's exit from it). A
 launch that aborted although both ranks wrote theirs died in interpreter finalization.
 """
 
@@ -111,7 +112,8 @@ def main() -> None:
         release_deepspeed_shm_names()
         dist.barrier()
         dist.destroy_process_group()
-    result.update(saved_seconds=saved, torn_down_seconds=time.perf_counter() - started)
+    # finished_at: the wall clock at the rank's last statement, for the seconds its interpreter then takes to exit
+    result.update(saved_seconds=saved, torn_down_seconds=time.perf_counter() - started, finished_at=time.time())
     (Path(opts.out) / f"exit.rank{result['rank']}.json").write_text(json.dumps(result) + "\n")
 
 

@@ -9,6 +9,7 @@ training or evaluating.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import ctypes.util
 import gc
@@ -306,6 +307,8 @@ def end_distributed() -> None:
     Call it last in a distributed script. Left to the interpreter's exit, these are destroyed in whatever order
     finalization reaches them, while a peer may still talk to them, and a rank that finished cleanly can abort
     ("terminate called without an active exception", exit code -6), which the launcher reports as a failed run.
+    Once they are torn down, the process exits without the interpreter's final collections
+    (:func:`exit_without_final_collections`).
     """
     if not (dist.is_available() and dist.is_initialized()):
         return
@@ -314,6 +317,28 @@ def end_distributed() -> None:
     for engine in _deepspeed_engines():
         engine.destroy()
     destroy_process_groups()
+    exit_without_final_collections()
+
+
+def exit_without_final_collections() -> None:
+    """At interpreter exit, move every object to the collector's permanent generation (:func:`gc.freeze`), which the
+    interpreter's final collections skip.
+
+    A process that imported torch, transformers and DeepSpeed tracks millions of objects, and those collections walk
+    them all while the launcher waits for the rank (docs/benchmarks.md, "How long the ranks take to exit"). Only
+    :func:`end_distributed` asks for it, after the engines and process groups are torn down in order: a process group
+    or engine left to the collector at exit (a script that never called ``end_distributed``) would then never be
+    destroyed, and its threads still running when the C++ runtime exits abort the process. What the collections would
+    have freed is the process's memory, which the OS takes back; a finalizer (``__del__``) of an object in a reference
+    cycle does not run at exit. Runs once per process; nothing changes before the exit.
+    """
+    global _FREEZE_AT_EXIT
+    if not _FREEZE_AT_EXIT:
+        atexit.register(gc.freeze)
+        _FREEZE_AT_EXIT = True
+
+
+_FREEZE_AT_EXIT = False
 
 
 _SHM_RELEASED = False

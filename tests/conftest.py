@@ -172,23 +172,27 @@ def launch_env(**extra) -> dict:
     return env
 
 
-#: the launcher of the launches whose fact is not the launcher. torchrun starts the same ranks, which start the same
-#: DeepSpeed engine, about 4.5 s sooner than DeepSpeed's launcher: its runner and its launch process each import
-#: deepspeed (1.7 s each here) and the launch process polls its ranks once a second. DeepSpeed's launcher itself runs
-#: under test_recipe_distributed (ZeRO-2 and ZeRO-3, the ranks' batches, the decoder-only recipe), test_comm_layer
-#: and test_preference_recipe.
-TRAIN_LAUNCHER = "torchrun"
+#: the launcher of the launches whose fact is not the launcher: the ranks started as plain processes with torch's
+#: env:// variables (tests/launched/ranks.py), as a cluster's step launcher starts them. They start the same engine
+#: about 2 s sooner than under torchrun (whose agent imports torch before starting them, and exits after them) and
+#: 6.5 s sooner than under DeepSpeed's launcher (its runner and its launch process each import deepspeed; the launch
+#: process polls its ranks once a second). The launchers themselves run under test_recipe_distributed (DeepSpeed's,
+#: torchrun, accelerate's, Ray), test_multinode, test_comm_layer, test_fsdp and test_preference_recipe.
+TRAIN_LAUNCHER = "ranks"
 
 
 def launcher_cmd(launcher: str, script: str | Path, nproc: int = 2, max_restarts: int = 0,
                  store_per_attempt: bool = True) -> list[str]:  # fmt: skip
-    """The command prefix of ``launcher`` (deepspeed, torchrun, accelerate:<yaml>, python) for ``script``.
+    """The command prefix of ``launcher`` (deepspeed, torchrun, accelerate:<yaml>, ranks, python) for ``script``.
 
     ``max_restarts``: how many times torch's elastic agent (torchrun's, accelerate's) starts the workers again after
     one fails. They then meet through c10d's rendezvous with a store per attempt, the launch docs/cluster.md gives;
     ``store_per_attempt=False`` keeps the launcher's default rendezvous, whose store a restarted group cannot use
     (``hf_ext.runtime.restart_hazard``)."""
     port = free_port()
+    if launcher == "ranks" and not max_restarts:
+        return [sys.executable, str(LAUNCHED_SITE / "ranks.py"), "--nproc", str(nproc), "--master_port", str(port),
+                str(script)]  # fmt: skip
     if launcher == "deepspeed":
         return [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(port), str(script)]
     if launcher == "python":

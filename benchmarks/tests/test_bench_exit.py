@@ -41,18 +41,22 @@ def test_the_dump_starts_at_the_abort_message():
 
 
 def test_summary_counts_each_layout_and_variant():
-    def launch(variant, outcome, seconds, engine="ZeRO-3"):
+    def launch(variant, outcome, seconds, engine="ZeRO-3", exit_seconds=None):
         return {"layout": "ZeRO-3, torchrun", "variant": variant, "outcome": outcome, "seconds": seconds,
-                "engine": engine}  # fmt: skip
+                "engine": engine, "exit_seconds": exit_seconds}  # fmt: skip
 
-    launches = [launch("hf-ext", "clean", 10.0), launch("stock", "abort", 20.0), launch("hf-ext", "clean", 12.0),
-                launch("stock", "error", 30.0, None), launch("stock", "hung", 40.0)]  # fmt: skip
+    # a launch whose ranks did not both report their last statement has no exit time, and is left out of its mean
+    launches = [launch("hf-ext", "clean", 10.0, exit_seconds=0.5), launch("stock", "abort", 20.0),
+                launch("hf-ext", "clean", 12.0, exit_seconds=1.0), launch("stock", "error", 30.0, None),
+                launch("stock", "hung", 40.0)]  # fmt: skip
     cells = {c["variant"]: c for c in bench_exit.summarize(launches)}
     assert cells["hf-ext"] == {"layout": "ZeRO-3, torchrun", "variant": "hf-ext", "engine": "ZeRO-3", "launches": 2,
-                               "aborts": 0, "other_failures": 0, "mean_seconds": 11.0}  # fmt: skip
+                               "aborts": 0, "other_failures": 0, "mean_seconds": 11.0,
+                               "mean_exit_seconds": 0.75}  # fmt: skip
     assert (cells["stock"]["aborts"], cells["stock"]["other_failures"], cells["stock"]["mean_seconds"]) == (1, 2, 30)
+    assert cells["stock"]["mean_exit_seconds"] is None
     table = bench_exit.markdown(list(cells.values()))
-    assert bench_exit.VARIANTS["stock"] in table and "| 30.0 |" in table
+    assert bench_exit.VARIANTS["stock"] in table and "| 30.0 | ? |" in table and "| 11.0 | 0.75 |" in table
 
 
 def test_engine_label_reads_the_rank_report():

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import ROOT, launcher_cmd, run
+from ..conftest import ROOT, TRAIN_LAUNCHER, launcher_cmd, run
 
 pytestmark = pytest.mark.distributed
 
@@ -54,7 +54,7 @@ def engines_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def segments(tiny_chat_model_dir, engines_dir) -> dict[str, dict]:
     out = engines_dir / "segments.json"
-    run(launcher_cmd("torchrun", WORKER) + ["--model", str(tiny_chat_model_dir), "--out", str(out)])
+    run(launcher_cmd(TRAIN_LAUNCHER, WORKER) + ["--model", str(tiny_chat_model_dir), "--out", str(out)])
     results = json.loads(out.read_text())
     return {r["name"]: r for r in results}
 
@@ -140,7 +140,7 @@ def test_a_converted_checkpoint_resumes_as_the_uninterrupted_run(first, second, 
 def one_rank_resumes(segments, tiny_chat_model_dir, engines_dir) -> dict[str, dict]:
     """The two conversions (written from 2 ranks) resumed on 1 rank, each in its engine (one launch)."""
     out = engines_dir / "one_rank.json"
-    run(launcher_cmd("torchrun", WORKER, nproc=1) + ["--model", str(tiny_chat_model_dir), "--out", str(out),
+    run(launcher_cmd(TRAIN_LAUNCHER, WORKER, nproc=1) + ["--model", str(tiny_chat_model_dir), "--out", str(out),
                                                       "--only", "resume"])  # fmt: skip
     return {r["name"]: r for r in json.loads(out.read_text())}
 

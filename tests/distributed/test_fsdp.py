@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ..conftest import ROOT, launcher_cmd, run
+from ..conftest import ROOT, TRAIN_LAUNCHER, launcher_cmd, run
 from ..saving_support import parameter_names
 from .test_multinode import two_nodes
 
@@ -35,7 +35,7 @@ SCRIPT = ROOT / "tests" / "distributed" / "workers" / "train_save.py"
 
 def train(model_dir, out: Path, *extra: str, nproc: int = 2) -> dict:
     out.mkdir(parents=True)
-    run([*launcher_cmd("torchrun", SCRIPT, nproc=nproc), "--model", str(model_dir), "--out", str(out / "out"),
+    run([*launcher_cmd(TRAIN_LAUNCHER, SCRIPT, nproc=nproc), "--model", str(model_dir), "--out", str(out / "out"),
          "--no_dropout", "--epochs", "1", "--save_total_limit", "3", "--dump", str(out / "trained.pt"), *extra])  # fmt: skip
     return json.loads((out / "trained.pt.json").read_text())
 

@@ -20,8 +20,7 @@ WORKER = ROOT / "tests" / "distributed" / "workers" / "memory_worker.py"
 
 
 def _command(model_dir, config: str, out: Path, *extra: str) -> list[str]:
-    launcher = "torchrun" if config == "ddp" else TRAIN_LAUNCHER
-    return launcher_cmd(launcher, WORKER) + ["--model", str(model_dir), "--config", config, "--out", str(out),
+    return launcher_cmd(TRAIN_LAUNCHER, WORKER) + ["--model", str(model_dir), "--config", config, "--out", str(out),
                                              "--seq_len", "32", "--batch", "2", "--steps", "3", *extra]  # fmt: skip
 
 

@@ -21,7 +21,7 @@ import pytest
 
 from hf_ext.saving.resume import read_zero_checkpoint
 
-from ..conftest import ROOT, launcher_cmd, run_side_by_side
+from ..conftest import ROOT, TRAIN_LAUNCHER, launcher_cmd, run_side_by_side
 
 pytestmark = pytest.mark.distributed
 
@@ -34,10 +34,10 @@ TOLERANCE = 2e-5
 def test_autotp_trains_what_one_rank_trains_with_the_batch_deepspeed_checks(tiny_chat_model_dir, tmp_path):
     sharded, single, ulysses = tmp_path / "autotp.json", tmp_path / "one.json", tmp_path / "ulysses.json"
     common = ["--model", str(tiny_chat_model_dir)]
-    procs = run_side_by_side([[*launcher_cmd("torchrun", WORKER), *common, "--out", str(sharded), "--autotp", "2",
+    procs = run_side_by_side([[*launcher_cmd(TRAIN_LAUNCHER, WORKER), *common, "--out", str(sharded), "--autotp", "2",
                                "--resume"],
                               [*launcher_cmd("python", WORKER), *common, "--out", str(single)],
-                              [*launcher_cmd("torchrun", WORKER), *common, "--out", str(ulysses), "--ulysses", "2"]],
+                              [*launcher_cmd(TRAIN_LAUNCHER, WORKER), *common, "--out", str(ulysses), "--ulysses", "2"]],
                              timeout=600)  # fmt: skip
     for proc in procs:
         assert proc.returncode == 0, proc.stderr[-4000:]

@@ -24,7 +24,7 @@ TOLERANCE = 1e-6
 
 
 # engine: (launcher, flags), the same global batch, 4, on each: ZeRO-3 and FSDP2 on 2 ranks, 1 process without either
-ENGINES = {"zero3": (TRAIN_LAUNCHER, ("--stage", "3")), "fsdp": ("torchrun", ("--fsdp", "full_shard")),
+ENGINES = {"zero3": (TRAIN_LAUNCHER, ("--stage", "3")), "fsdp": (TRAIN_LAUNCHER, ("--fsdp", "full_shard")),
            "single": ("python", ("--no_ds", "--batch", "4"))}  # fmt: skip
 
 

@@ -121,3 +121,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    hf_ext.end_distributed()

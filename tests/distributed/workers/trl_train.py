@@ -200,3 +200,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    hf_ext.end_distributed()

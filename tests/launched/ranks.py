@@ -1,0 +1,67 @@
+"""Start the ranks of a script as plain processes with torch's ``env://`` variables, as a cluster's step launcher
+starts them (SLURM's ``srun`` with ``RANK``/``WORLD_SIZE`` exported, a Kubernetes Job per rank): no elastic agent,
+so nothing imports torch before the ranks do and nothing polls them.
+
+    python tests/launched/ranks.py --nproc 2 --master_port PORT script.py [args ...]
+
+The launches whose fact is not the launcher use it (``tests/conftest.py``, ``TRAIN_LAUNCHER``): torchrun's agent
+costs each launch about 2 s of its own (its torch import before the ranks start, its exit after theirs). What a launch
+must behave like is torchrun's: the ranks share this process's stdout and stderr; SIGTERM or SIGINT to it goes to every
+rank; ``OMP_NUM_THREADS`` is 1 unless set; when a rank fails the others get SIGTERM at once, and SIGKILL if they are still there 30 s later (torchrun's
+grace period); it exits with the first failed rank's status (a rank killed by signal N: 128 + N), 0 when all succeed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+#: seconds a rank has after SIGTERM before SIGKILL (torchrun's default)
+GRACE_S = 30
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nproc", type=int, required=True)
+    parser.add_argument("--master_port", type=int, required=True)
+    parser.add_argument("script")
+    parser.add_argument("args", nargs=argparse.REMAINDER)
+    args = parser.parse_args()
+    procs = []
+    threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    for rank in range(args.nproc):
+        env = dict(os.environ, **threads, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.nproc),
+                   LOCAL_WORLD_SIZE=str(args.nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.master_port))  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, args.script, *args.args], env=env))
+
+    def stop_all(*_) -> None:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, stop_all)
+    signal.signal(signal.SIGINT, stop_all)
+    status = 0
+    running = {proc.pid: proc for proc in procs}
+    while running:
+        pid, wait_status = os.wait()
+        proc = running.pop(pid, None)
+        if proc is None:
+            continue
+        proc.returncode = os.waitstatus_to_exitcode(wait_status)
+        code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
+        if code and not status:
+            status = code
+            stop_all()
+            timer = threading.Timer(GRACE_S, lambda: [p.kill() for p in list(running.values())])
+            timer.daemon = True
+            timer.start()
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
