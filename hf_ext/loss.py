@@ -117,3 +117,36 @@ def with_decoder_inputs(build, inputs: dict) -> dict:
     if "labels" not in inputs or "decoder_input_ids" in inputs or "decoder_inputs_embeds" in inputs:
         return inputs
     return {**inputs, "decoder_input_ids": build(inputs["labels"])}
+
+
+#: transformers' loss under DeepSpeed's Ulysses sequence parallelism (``integrations.deepspeed.
+#: deepspeed_sp_compute_loss``) is the whole group's token mean on every rank of the group, from a differentiable
+#: ``all_gather`` whose backward sums the gradient over the group: each rank's share of the gradient arrives
+#: ``sp_size`` times. DeepSpeed then sums the group's gradients (it divides by ``dp_size / sp_size``, the convention
+#: of a loss that is each rank's part; deepspeedai/DeepSpeed#5248). The step's gradient, its logged norm and the norm
+#: clipping compares with ``max_grad_norm`` come out ``sp_size`` times the one-rank run's. Measured on the versions
+#: below (tests/distributed/test_parallel_layouts.py: the norm exactly 2x at sp_size 2; plain SGD without clipping
+#: moves the weights twice as far); other versions are left as they are.
+ULYSSES_SUMMED_GRADIENT = {"transformers": ">=5.23,<5.24", "deepspeed": ">=0.19,<0.20"}
+
+
+def ulysses_gradient_factor(args, versions: dict) -> int:
+    """``sp_size`` when ``args`` run DeepSpeed's Ulysses (accelerate's ``parallelism_config`` with ``sp_backend
+    "deepspeed"``) and ``versions`` (package -> installed ``Version``, as ``hf_ext.deepspeed.versions.installed``
+    gives them) are those of :data:`ULYSSES_SUMMED_GRADIENT`, else 1."""
+    from packaging.specifiers import SpecifierSet  # noqa: PLC0415 (only a Ulysses run reads versions)
+
+    config = getattr(args, "parallelism_config", None)
+    sp = getattr(config, "sp_size", None) or 1
+    if sp <= 1 or getattr(config, "sp_backend", None) != "deepspeed" or not getattr(args, "deepspeed", None):
+        return 1
+    for package, specifier in ULYSSES_SUMMED_GRADIENT.items():
+        if versions.get(package) is None or versions[package] not in SpecifierSet(specifier):
+            return 1
+    return int(sp)
+
+
+def with_gradient_divided(loss: torch.Tensor, factor: int) -> torch.Tensor:
+    """``loss``'s value, with its gradient divided by ``factor``: the logged loss stays the mean it is."""
+    part = loss / factor
+    return part + (loss - part).detach()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import logging
 
@@ -20,6 +21,7 @@ from . import fsdp, packing, peft, preemption, runtime
 from . import loss as losses
 from .batching import args_layout
 from .deepspeed import callbacks as deepspeed_callbacks
+from .deepspeed import versions as deepspeed_versions
 from .evaluation.bleu import BleuEvalCallback, BleuEvalConfig
 from .evaluation.zero_eval import plain_eval_without_engine
 from .memory.measure import MemoryPlanCallback, loaded_whole_under_zero3
@@ -143,7 +145,23 @@ class TrainerMixin:
     def compute_loss(self, model, inputs, *args, **kwargs):
         if self.compute_loss_func is losses.global_token_mean_loss:  # the forward gets no labels: decoder inputs
             inputs = losses.with_decoder_inputs(self._decoder_inputs_from_labels, inputs)
-        return super().compute_loss(model, inputs, *args, **kwargs)
+        result = super().compute_loss(model, inputs, *args, **kwargs)
+        factor = self._ulysses_gradient_factor
+        if factor == 1 or not model.training:
+            return result
+        if isinstance(result, tuple):  # (loss, outputs)
+            return (losses.with_gradient_divided(result[0], factor), *result[1:])
+        return losses.with_gradient_divided(result, factor)
+
+    @functools.cached_property
+    def _ulysses_gradient_factor(self) -> int:
+        """:func:`hf_ext.loss.ulysses_gradient_factor`, said once when it is not 1."""
+        factor = losses.ulysses_gradient_factor(self.args, deepspeed_versions.installed())
+        if factor > 1 and self.args.should_log:
+            logger.info(f"Ulysses sequence parallelism (sp_size {factor}): transformers' loss gives every rank its "
+                        f"share of the gradient {factor} times and DeepSpeed sums them; hf-ext divides the gradient "
+                        f"by {factor} (the logged loss is unchanged).")  # fmt: skip
+        return factor
 
     def _attach_generation_eval(self):
         """The BLEU eval's callback: the one given in ``callbacks``, else a new one when ``generation_eval`` is on."""

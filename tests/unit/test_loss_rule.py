@@ -4,8 +4,12 @@ and a model that divides by ``num_items_in_batch`` (Llama) is left to stock."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+from accelerate.parallelism_config import ParallelismConfig
+from packaging.version import Version
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
 from hf_ext.loss import (
@@ -15,7 +19,9 @@ from hf_ext.loss import (
     global_token_mean_loss,
     loss_ignores_num_items,
     takes_global_token_mean,
+    ulysses_gradient_factor,
     with_decoder_inputs,
+    with_gradient_divided,
 )
 
 BART_LIKE = dict(
@@ -91,3 +97,31 @@ def test_a_model_that_declares_accepts_loss_kwargs_decides_itself():
     model.accepts_loss_kwargs = True
     assert not loss_ignores_num_items(model)
     assert not loss_ignores_num_items(None)
+
+
+# --- DeepSpeed's Ulysses: the gradient divided back by sp_size (hf_ext.loss.ulysses_gradient_factor) --------------
+# The measured versions' factor, and none elsewhere; the 2-rank run it corrects: tests/distributed/test_parallel_layouts.py
+ZERO1 = {"zero_optimization": {"stage": 1}}
+
+
+def test_the_ulysses_correction_applies_on_the_measured_versions_only():
+    measured = {"transformers": Version("5.23.0"), "deepspeed": Version("0.19.8")}
+    ulysses = SimpleNamespace(parallelism_config=ParallelismConfig(sp_size=2, sp_backend="deepspeed"), deepspeed=ZERO1)
+    assert ulysses_gradient_factor(ulysses, measured) == 2
+    assert ulysses_gradient_factor(ulysses, {**measured, "transformers": Version("5.24.0")}) == 1
+    assert ulysses_gradient_factor(ulysses, {**measured, "deepspeed": Version("0.20.0")}) == 1
+    # no DeepSpeed, another backend, no sequence parallelism: nothing to correct
+    assert ulysses_gradient_factor(SimpleNamespace(parallelism_config=ulysses.parallelism_config, deepspeed=None),
+                                   measured) == 1  # fmt: skip
+    assert ulysses_gradient_factor(SimpleNamespace(parallelism_config=ParallelismConfig(cp_size=2), deepspeed=ZERO1),
+                                   measured) == 1  # fmt: skip
+    assert ulysses_gradient_factor(SimpleNamespace(parallelism_config=None, deepspeed=ZERO1), measured) == 1
+
+
+def test_the_divided_gradient_keeps_the_loss_value():
+    weight = torch.tensor([3.0, -1.5], requires_grad=True)
+    loss = (weight**2).sum() / 7
+    divided = with_gradient_divided(loss, 2)
+    assert divided.item() == loss.item()
+    divided.backward()
+    assert torch.allclose(weight.grad, 2 * weight.detach() / 7 / 2)

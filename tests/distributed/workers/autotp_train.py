@@ -42,6 +42,9 @@ def main() -> None:
     parser.add_argument("--autotp", type=int, default=0)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--ulysses", type=int, default=0, help="DeepSpeed Ulysses sequence parallelism of this size")
+    parser.add_argument("--optim", default="adamw_torch")
+    parser.add_argument("--max_grad_norm", type=float, default=1.0)
+    parser.add_argument("--learning_rate", type=float, default=1e-3)
     opts = parser.parse_args()
 
     def arguments() -> hf_ext.TrainingArguments:
@@ -61,7 +64,8 @@ def main() -> None:
                                                              sp_handler=handler)  # fmt: skip
         saving = dict(save_strategy="steps", save_steps=3) if opts.resume else dict(save_strategy="no")
         return hf_ext.TrainingArguments(output_dir=opts.out + ".run", per_device_train_batch_size=2,
-                                        gradient_accumulation_steps=2, max_steps=6, learning_rate=1e-3,
+                                        gradient_accumulation_steps=2, max_steps=6, learning_rate=opts.learning_rate,
+                                        optim=opts.optim, max_grad_norm=opts.max_grad_norm,
                                         logging_steps=1, report_to=[], deepspeed=deepspeed, seed=0,
                                         remove_unused_columns=False, include_num_input_tokens_seen="all",
                                         **saving, **layout)  # fmt: skip
