@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import inspect
 import logging
 
@@ -117,6 +116,7 @@ class TrainerMixin:
 
             self.add_callback(RayCheckpointCallback())  # every rank's share of each checkpoint, as one Ray checkpoint
         self._normalize_own_mean_loss()
+        self._ulysses_gradient_factor = self._ulysses_correction()  # read in every step: decided here, not there
         self.bleu_eval_callback = self._attach_generation_eval()
         packing.enable_on_trainer(self)  # padding_free: DataCollatorWithFlattening
         loaded_whole = loaded_whole_under_zero3(self.model, self.args.world_size, runtime.local_world_size())
@@ -153,8 +153,7 @@ class TrainerMixin:
             return (losses.with_gradient_divided(result[0], factor), *result[1:])
         return losses.with_gradient_divided(result, factor)
 
-    @functools.cached_property
-    def _ulysses_gradient_factor(self) -> int:
+    def _ulysses_correction(self) -> int:
         """:func:`hf_ext.loss.ulysses_gradient_factor`, said once when it is not 1."""
         factor = losses.ulysses_gradient_factor(self.args, deepspeed_versions.installed())
         if factor > 1 and self.args.should_log:

@@ -38,26 +38,29 @@ def main() -> int:
                    LOCAL_WORLD_SIZE=str(args.nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.master_port))  # fmt: skip
         procs.append(subprocess.Popen([sys.executable, args.script, *args.args], env=env))
 
-    def stop_all(*_) -> None:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-
-    signal.signal(signal.SIGTERM, stop_all)
-    signal.signal(signal.SIGINT, stop_all)
-    status = 0
     running = {proc.pid: proc for proc in procs}
+
+    def signal_running(signum: int) -> None:
+        # by pid, never Popen.poll(): that could reap a rank before the loop below waits for it
+        for pid in list(running):
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+    signal.signal(signal.SIGTERM, lambda *_: signal_running(signal.SIGTERM))
+    signal.signal(signal.SIGINT, lambda *_: signal_running(signal.SIGTERM))
+    status = 0
     while running:
         pid, wait_status = os.wait()
-        proc = running.pop(pid, None)
-        if proc is None:
+        if running.pop(pid, None) is None:
             continue
-        proc.returncode = os.waitstatus_to_exitcode(wait_status)
-        code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
+        code = os.waitstatus_to_exitcode(wait_status)
+        code = code if code >= 0 else 128 - code
         if code and not status:
             status = code
-            stop_all()
-            timer = threading.Timer(GRACE_S, lambda: [p.kill() for p in list(running.values())])
+            signal_running(signal.SIGTERM)
+            timer = threading.Timer(GRACE_S, signal_running, args=(signal.SIGKILL,))
             timer.daemon = True
             timer.start()
     return status
