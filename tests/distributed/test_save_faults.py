@@ -24,6 +24,7 @@ import torch
 from hf_ext import atomic
 
 from ..conftest import ROOT, TRAIN_LAUNCHER, free_port, launch_env, launcher_cmd, run_side_by_side
+from ..launched.ranks import rank_env
 from .test_saving_distributed import SCRIPT, assert_equal_weights, train
 
 pytestmark = pytest.mark.distributed
@@ -115,12 +116,9 @@ def start_ranks(cmd: list[str], logs: list[Path]) -> list[subprocess.Popen]:
     port = free_port()
     procs = []
     for rank, log in enumerate(logs):
-        rank_env = dict(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2, MASTER_ADDR="127.0.0.1",
-                        MASTER_PORT=port)  # fmt: skip
         with open(log, "w") as f:
-            procs.append(
-                subprocess.Popen(cmd, cwd=ROOT, env=launch_env(**rank_env), stdout=f, stderr=subprocess.STDOUT)
-            )
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=launch_env(**rank_env(rank, len(logs), port)), stdout=f,
+                                          stderr=subprocess.STDOUT))  # fmt: skip
     return procs
 
 

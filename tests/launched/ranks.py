@@ -7,8 +7,9 @@ so nothing imports torch before the ranks do and nothing polls them.
 The launches whose fact is not the launcher use it (``tests/conftest.py``, ``TRAIN_LAUNCHER``): torchrun's agent
 costs each launch about 2 s of its own (its torch import before the ranks start, its exit after theirs). What a launch
 must behave like is torchrun's: the ranks share this process's stdout and stderr; SIGTERM or SIGINT to it goes to every
-rank; ``OMP_NUM_THREADS`` is 1 unless set; when a rank fails the others get SIGTERM at once, and SIGKILL if they are still there 30 s later (torchrun's
-grace period); it exits with the first failed rank's status (a rank killed by signal N: 128 + N), 0 when all succeed.
+rank; ``OMP_NUM_THREADS`` is 1 unless set; when a rank fails the others get SIGTERM at once, and SIGKILL if they are
+still there 30 s later (torchrun's grace period); it exits with the first failed rank's status (a rank killed by
+signal N: 128 + N), 0 when all succeed.
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ import threading
 GRACE_S = 30
 
 
+def rank_env(rank: int, nproc: int, port: int) -> dict[str, str]:
+    """torch's ``env://`` variables of rank ``rank`` of ``nproc`` on this host, the store on ``port``."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, required=True)
@@ -31,14 +38,12 @@ def main() -> int:
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
-    procs = []
     threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    for rank in range(args.nproc):
-        env = dict(os.environ, **threads, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.nproc),
-                   LOCAL_WORLD_SIZE=str(args.nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.master_port))  # fmt: skip
-        procs.append(subprocess.Popen([sys.executable, args.script, *args.args], env=env))
-
-    running = {proc.pid: proc for proc in procs}
+    # kept, not only their pids: a dropped Popen goes to subprocess's own reaper list, which could wait for it first
+    procs = [subprocess.Popen([sys.executable, args.script, *args.args],
+                              env={**os.environ, **threads, **rank_env(rank, args.nproc, args.master_port)})
+             for rank in range(args.nproc)]  # fmt: skip
+    running = {proc.pid for proc in procs}
 
     def signal_running(signum: int) -> None:
         # by pid, never Popen.poll(): that could reap a rank before the loop below waits for it
@@ -53,8 +58,9 @@ def main() -> int:
     status = 0
     while running:
         pid, wait_status = os.wait()
-        if running.pop(pid, None) is None:
+        if pid not in running:
             continue
+        running.discard(pid)
         code = os.waitstatus_to_exitcode(wait_status)
         code = code if code >= 0 else 128 - code
         if code and not status:
