@@ -119,23 +119,19 @@ def test_recipe_trains_saves_and_reloads(name, recipe_runs, tiny_model_no_dropou
 # tests/launched/signal_at.py sends each signal from rank 1 at the end of a step. Every engine's run gets, at step 8,
 # SIGTERM to its parent, the launcher (SLURM's and Kubernetes' route), which passes it on to every rank (torchrun and
 # accelerate at once; DeepSpeed's launcher one rank at a time) and exits with them: one checkpoint, every process gone
-# within a minute, and every step before it the uninterrupted run's. ZeRO-2's is then resumed, under torchrun with
-# one restart allowed (--max-restarts), and gets at step 14 SIGTERM to rank 1 alone: both ranks save checkpoint-15
-# and exit 75, torchrun starts them again, and they resume from checkpoint-15 to the uninterrupted run's step 20 in
-# the same launch. Under ZeRO-3 and FSDP2 (and DDP, ZeRO-1, ZeRO-3 with offload) a signal to one rank, the checkpoint
-# it makes and its resume to the uninterrupted weights run in-process, in the engine oracle's launch
-# (tests/distributed/test_engines.py): what a rank does after that checkpoint, and how a resume finds and loads it,
-# do not depend on the engine; launched ZeRO-3 and FSDP2 checkpoints are resumed in test_saving_distributed.py and
-# test_fsdp.py.
-# name: (the uninterrupted run it must end as, engine flags, launcher of the first run, launcher of the resume or
-# None). The first runs start under another launcher than their oracle where it has a twin: torchrun's ZeRO-2 against
+# within a minute, and every step before it the uninterrupted run's. Each is then resumed, under torchrun (accelerate
+# for FSDP2's YAML) with one restart allowed (--max-restarts), and gets at step 14 SIGTERM to rank 1 alone: both
+# ranks save checkpoint-15 and exit 75, the agent starts them again, and they resume from checkpoint-15 to the
+# uninterrupted run's step 20 and weights in the same launch. (DDP, ZeRO-1 and ZeRO-3 with offload: a signal to one
+# rank, its checkpoint and its resume in-process, in the engine oracle's launch, tests/distributed/test_engines.py.)
+# name: (the uninterrupted run it must end as, engine flags, launcher of the first run, launcher of the resume). The first runs start under another launcher than their oracle where it has a twin: torchrun's ZeRO-2 against
 # DeepSpeed's launcher, accelerate's FSDP YAML against torchrun's --fsdp; their steps before the signal then show that
 # the launcher does not change the run.
 ACCELERATE_FSDP = f"accelerate:{ROOT / 'recipes/accelerate/fsdp.yaml'}"
 PREEMPTIONS = {
     "zero2-under-torchrun": ("deepspeed-zero2", ["--deepspeed", "zero2"], "torchrun", "torchrun"),
-    "zero3-under-deepspeeds-launcher": ("torchrun-zero3", ["--deepspeed", "zero3"], "deepspeed", None),
-    "fsdp2-under-accelerate": ("torchrun-fsdp", [], ACCELERATE_FSDP, None),
+    "zero3-under-deepspeeds-launcher": ("torchrun-zero3", ["--deepspeed", "zero3"], "deepspeed", "torchrun"),
+    "fsdp2-under-accelerate": ("torchrun-fsdp", [], ACCELERATE_FSDP, ACCELERATE_FSDP),
 }  # fmt: skip
 TO_THE_LAUNCHER, TO_ONE_WORKER = (8, "launcher"), (14, "self")
 # Tolerance of the resumed weights against the uninterrupted run's: a resume on the same ranks repeats the same
@@ -189,11 +185,11 @@ def test_a_preempted_run_saves_exits_and_resumes_to_the_uninterrupted_weights(na
     assert ("restarts failed workers (up to 1 times)" in log) == bool(restarts), log[-4000:]
     sent = signal_sent(log, step, target)
     # one checkpoint, atomically saved, at the step the ranks agreed on: through the launcher the signal reaches them
-    # after step 8 (before ZeRO-2's second signal)
+    # after step 8 (before the second signal)
     saved = checkpoints(out)
     assert len(saved) == 1 and re.fullmatch(r"checkpoint-\d+", saved[0]), (saved, log[-4000:])
     first_checkpoint = int(saved[0].split("-")[1])
-    assert step < first_checkpoint < (TO_ONE_WORKER[0] if resumer else STEPS)
+    assert step < first_checkpoint < TO_ONE_WORKER[0]
     assert_preempted(log, first_checkpoint)
     assert proc.returncode != 0  # the launcher reports its own signal
     # every process exited, within a minute of the signal
@@ -212,10 +208,8 @@ def test_a_preempted_run_saves_exits_and_resumes_to_the_uninterrupted_weights(na
     assert sorted(before) == list(range(1, first_checkpoint + 1))
     assert before == pytest.approx({k: v for k, v in per_step_losses(recipe_runs(oracle)).items() if k in before},
                                    rel=1e-6)  # fmt: skip
-    if resumer is None:
-        return
 
-    # 2. resumed, and SIGTERM to rank 1 alone at step 14: torchrun restarts the workers, which resume again, through
+    # 2. resumed, and SIGTERM to rank 1 alone at step 14: the agent restarts the workers, which resume again, through
     # c10d's rendezvous with a store per attempt (the launch docs/cluster.md gives)
     step, target = TO_ONE_WORKER
     resumed = run(launcher_cmd(resumer, RECIPE, max_restarts=1) + args + ["--resume_from_checkpoint", "True"],
