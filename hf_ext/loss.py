@@ -128,6 +128,8 @@ def with_decoder_inputs(build, inputs: dict) -> dict:
 #: below (tests/distributed/test_parallel_layouts.py: the norm exactly 2x at sp_size 2; plain SGD without clipping
 #: moves the weights twice as far); other versions are left as they are.
 ULYSSES_SUMMED_GRADIENT = {"transformers": ">=5.23,<5.24", "deepspeed": ">=0.19,<0.20"}
+#: where the rule comes from upstream: the loss's aggregation (its differentiable ``all_gather``) and DeepSpeed's sum
+ULYSSES_SOURCES = "huggingface/transformers#47073, deepspeedai/DeepSpeed#5248"
 
 
 def ulysses_gradient_factor(args, versions: dict) -> int:
@@ -144,6 +146,15 @@ def ulysses_gradient_factor(args, versions: dict) -> int:
         if versions.get(package) is None or versions[package] not in SpecifierSet(specifier):
             return 1
     return int(sp)
+
+
+def ulysses_rule(factor: int) -> str:
+    """The correction of :func:`ulysses_gradient_factor` in one line: the trainer says it at its start, ``hf-ext ds
+    doctor`` lists it among the version rules that applied."""
+    where = " with ".join(f"{package}{specifier}" for package, specifier in ULYSSES_SUMMED_GRADIENT.items())
+    return (f"parallelism_config.sp_size {factor} (Ulysses): transformers' loss gives every rank its share of the "
+            f"gradient {factor} times and DeepSpeed sums them; hf-ext divides the gradient by {factor}, the logged "
+            f"loss unchanged ({where}; {ULYSSES_SOURCES})")  # fmt: skip
 
 
 def with_gradient_divided(loss: torch.Tensor, factor: int) -> torch.Tensor:

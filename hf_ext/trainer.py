@@ -157,9 +157,7 @@ class TrainerMixin:
         """:func:`hf_ext.loss.ulysses_gradient_factor`, said once when it is not 1."""
         factor = losses.ulysses_gradient_factor(self.args, deepspeed_versions.installed())
         if factor > 1 and self.args.should_log:
-            logger.info(f"Ulysses sequence parallelism (sp_size {factor}): transformers' loss gives every rank its "
-                        f"share of the gradient {factor} times and DeepSpeed sums them; hf-ext divides the gradient "
-                        f"by {factor} (the logged loss is unchanged).")  # fmt: skip
+            logger.info(losses.ulysses_rule(factor))
         return factor
 
     def _attach_generation_eval(self):

@@ -177,7 +177,7 @@ def launch_env(**extra) -> dict:
 #: about 2 s sooner than under torchrun (whose agent imports torch before starting them, and exits after them) and
 #: 6.5 s sooner than under DeepSpeed's launcher (its runner and its launch process each import deepspeed; the launch
 #: process polls its ranks once a second). The launchers themselves run under test_recipe_distributed (DeepSpeed's,
-#: torchrun, accelerate's, Ray), test_multinode, test_comm_layer, test_fsdp and test_preference_recipe.
+#: torchrun, accelerate's, Ray), test_multinode, test_comm_layer and test_fsdp.
 TRAIN_LAUNCHER = "ranks"
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from types import SimpleNamespace
 
 from ..deepspeed.load import load
 from ..errors import DeepSpeedConfigError, Report
@@ -29,6 +30,8 @@ def _common(parser: argparse.ArgumentParser):
     )
     parser.add_argument("--model", default=None, help="model path or hub id, for the hidden-size based bucket sizes")
     parser.add_argument("--world_size", type=int, default=None, help="number of ranks (default: 1)")
+    parser.add_argument("--sp_size", type=int, default=1, help="Ulysses sequence-parallel size: the run's "
+                        'ParallelismConfig(sp_size=N, sp_backend="deepspeed") (default: 1, none)')  # fmt: skip
     parser.set_defaults(accepts_extra=True)  # the remaining flags are TrainingArguments flags
 
 
@@ -86,6 +89,15 @@ def _training_args(extra: list[str]):
     return args, ""
 
 
+def _parallelism(args):
+    """The run's accelerate ``ParallelismConfig`` from ``--sp_size`` (``None``: none)."""
+    if args.sp_size <= 1:
+        return None
+    from accelerate.parallelism_config import ParallelismConfig  # noqa: PLC0415 (torch: once the config was read)
+
+    return ParallelismConfig(sp_size=args.sp_size, sp_backend="deepspeed")
+
+
 def _explain(args, command: str, **kwargs):
     # a file that cannot be read as a DeepSpeed config is said at once, before torch and transformers are imported
     # (DeepSpeedConfigError); reading it again below keeps one path for everything else
@@ -97,6 +109,7 @@ def _explain(args, command: str, **kwargs):
     if training_args is None:
         print(f"hf-ext ds {command}: error: {error}", file=sys.stderr)
         return None
+    training_args.parallelism_config = _parallelism(args)  # a field HfArgumentParser cannot fill from a flag
     return explain_deepspeed_config(args.config, training_args, args.model, args.world_size or 1, **kwargs)
 
 
@@ -123,6 +136,7 @@ def resolve_command(args) -> int:
 
 
 def doctor_command(args) -> int:
+    from .. import loss as losses  # noqa: PLC0415 (torch: once the config was read)
     from ..deepspeed import versions  # noqa: PLC0415 (once the config was read)
 
     try:
@@ -136,6 +150,10 @@ def doctor_command(args) -> int:
         return 1
     if resolution is None:
         return 2
+    if resolution.config:  # the run's other version rules: those of the arguments, not of the config
+        run = SimpleNamespace(parallelism_config=_parallelism(args), deepspeed=resolution.config)
+        if (factor := losses.ulysses_gradient_factor(run, versions.installed())) > 1:
+            resolution.version_rules.append(losses.ulysses_rule(factor))
     for problem in resolution.problems:
         print(f"error: {problem}")
     for warning in resolution.warnings:

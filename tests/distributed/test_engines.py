@@ -2,8 +2,8 @@
 and FSDP2, with gradient accumulation 1 and 4, give the same per-step losses, grad norms, learning rates and final
 weights, up to fp32 summation order; and stock transformers under the layouts it runs the same way (DDP, ZeRO-2,
 ZeRO-3) gives them too. One 2-rank launch runs every segment (tests/distributed/workers/engine_oracle.py); the
-reference is its first, hf-ext under DDP with accumulation 1. The same launch preempts DDP, ZeRO-1, ZeRO-3 with CPU
-offload and FSDP2 by a signal to one rank, and resumes them.
+reference is its first, hf-ext under DDP with accumulation 1. The same launch preempts DDP, ZeRO-1 and ZeRO-3 with CPU
+offload by a signal to one rank, and resumes them.
 
 Tolerances, from the measured differences (written beside each; 10x the largest): the engines reduce the same
 gradient in other orders (DDP's buckets, ZeRO's partitions and reduce-scatter, FSDP2's per-parameter reduce-scatter)
@@ -88,12 +88,12 @@ def test_the_same_run_on_every_engine(name, segments):
 
 
 #: preemption by a real signal to one rank, in-process: rank 1 alone gets it at the end of step 1 (the worker's
-#: SIGNAL_AT): SIGUSR1 under DDP and ZeRO-1, SIGTERM under ZeRO-3 (with CPU offload) and FSDP2, whose launched
-#: runs (tests/distributed/test_recipe_distributed.py) get it through their launcher. The ranks agree
-#: during step 2 and both save checkpoint-2, nothing else, and stop; its resume to step 4 is the uninterrupted run,
-#: within the tolerances above (the same engine on the same ranks). A worker's exit after such a checkpoint does not
-#: depend on the engine: the launched ZeRO-2 run exits after one (and every engine's after its launcher's signal).
-PREEMPTED = {"ddp": "SIGUSR1", "zero1": "SIGUSR1", "zero3_offload": "SIGTERM", "fsdp2": "SIGTERM"}
+#: SIGNAL_AT): SIGUSR1 under DDP and ZeRO-1, SIGTERM under ZeRO-3 with CPU offload. The ranks agree during step 2
+#: and both save checkpoint-2, nothing else, and stop; its resume to step 4 is the uninterrupted run, within the
+#: tolerances above (the same engine on the same ranks). ZeRO-2, ZeRO-3 and FSDP2 get SIGTERM to one worker in
+#: their launched recipe runs (tests/distributed/test_recipe_distributed.py), which exit after the checkpoint and
+#: are restarted by their launcher.
+PREEMPTED = {"ddp": "SIGUSR1", "zero1": "SIGUSR1", "zero3_offload": "SIGTERM"}
 
 
 @pytest.mark.parametrize("layout", list(PREEMPTED))

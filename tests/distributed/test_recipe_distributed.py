@@ -25,7 +25,7 @@ from hf_ext.runtime import usable_cores
 from hf_ext.saving.checkpoints import CHECKPOINT_MARKER
 from hf_ext.saving.resume import FSDP_MODEL_DIR
 
-from ..conftest import BIN, RECIPE, ROOT, TINY_YAML, free_port, launch_env, launcher_cmd, run
+from ..conftest import BIN, RECIPE, ROOT, TINY_YAML, TRAIN_LAUNCHER, free_port, launch_env, launcher_cmd, run
 
 pytestmark = pytest.mark.distributed
 
@@ -33,12 +33,13 @@ STEPS = 20
 RUNS = {
     # name: (launcher, extra flags, expected world size, expected ZeRO stage or "fsdp")
     "deepspeed-zero2": ("deepspeed", [], 2, 2),  # no --deepspeed: the launcher implies hf-ext's zero2 preset
-    "torchrun-zero3": ("torchrun", ["--deepspeed", "zero3"], 2, 3),  # DeepSpeed's launcher: the ZeRO-3 preemption
-    # accelerate's DeepSpeed YAML (recipes/accelerate/zero2.yaml): the classification recipe's launch
-    # (tests/distributed/test_classification_recipe.py), and under ZeRO-3 on two nodes the same weights as torchrun's
-    # (tests/distributed/test_multinode.py); accelerate's FSDP YAML and torchrun's ZeRO-2: the preempted runs below,
-    # whose every step has these runs' loss under the other launcher
-    "torchrun-fsdp": ("torchrun", ["--fsdp", "full_shard"], 2, "fsdp"),  # stock's flag
+    # ZeRO-3 and FSDP2 with their ranks started as plain processes (tests/launched/ranks.py): the launchers are the
+    # preempted runs' below (DeepSpeed's for ZeRO-3, accelerate's FSDP YAML, torchrun for ZeRO-2 and every resume),
+    # whose every step has these runs' loss under the other launcher. accelerate's DeepSpeed YAML
+    # (recipes/accelerate/zero2.yaml): the classification recipe's launch (tests/distributed/test_classification_recipe.py),
+    # and under ZeRO-3 on two nodes the same weights as torchrun's (tests/distributed/test_multinode.py)
+    "ranks-zero3": (TRAIN_LAUNCHER, ["--deepspeed", "zero3"], 2, 3),
+    "ranks-fsdp": (TRAIN_LAUNCHER, ["--fsdp", "full_shard"], 2, "fsdp"),  # stock's flag
     "python": ("python", [], 1, None),
 }
 
@@ -124,14 +125,15 @@ def test_recipe_trains_saves_and_reloads(name, recipe_runs, tiny_model_no_dropou
 # ranks save checkpoint-15 and exit 75, the agent starts them again, and they resume from checkpoint-15 to the
 # uninterrupted run's step 20 and weights in the same launch. (DDP, ZeRO-1 and ZeRO-3 with offload: a signal to one
 # rank, its checkpoint and its resume in-process, in the engine oracle's launch, tests/distributed/test_engines.py.)
-# name: (the uninterrupted run it must end as, engine flags, launcher of the first run, launcher of the resume). The first runs start under another launcher than their oracle where it has a twin: torchrun's ZeRO-2 against
-# DeepSpeed's launcher, accelerate's FSDP YAML against torchrun's --fsdp; their steps before the signal then show that
-# the launcher does not change the run.
+# name: (the uninterrupted run it must end as, engine flags, launcher of the first run, launcher of the resume). The
+# first runs start under another launcher than their oracle: torchrun's ZeRO-2 against DeepSpeed's launcher,
+# DeepSpeed's launcher's ZeRO-3 and accelerate's FSDP YAML against plain ranks (--fsdp); their steps before the signal
+# then show that the launcher does not change the run.
 ACCELERATE_FSDP = f"accelerate:{ROOT / 'recipes/accelerate/fsdp.yaml'}"
 PREEMPTIONS = {
     "zero2-under-torchrun": ("deepspeed-zero2", ["--deepspeed", "zero2"], "torchrun", "torchrun"),
-    "zero3-under-deepspeeds-launcher": ("torchrun-zero3", ["--deepspeed", "zero3"], "deepspeed", "torchrun"),
-    "fsdp2-under-accelerate": ("torchrun-fsdp", [], ACCELERATE_FSDP, ACCELERATE_FSDP),
+    "zero3-under-deepspeeds-launcher": ("ranks-zero3", ["--deepspeed", "zero3"], "deepspeed", "torchrun"),
+    "fsdp2-under-accelerate": ("ranks-fsdp", [], ACCELERATE_FSDP, ACCELERATE_FSDP),
 }  # fmt: skip
 TO_THE_LAUNCHER, TO_ONE_WORKER = (8, "launcher"), (14, "self")
 # Tolerance of the resumed weights against the uninterrupted run's: a resume on the same ranks repeats the same
@@ -324,7 +326,7 @@ def test_recipe_fine_tunes_a_decoder_only_chat_model_with_lora(tmp_path):
     from transformers import AutoModelForCausalLM
 
     model_dir, out, config = tmp_path / "chat-tiny", tmp_path / "out", ROOT / "recipes" / "configs" / "demo.yaml"
-    proc = run(launcher_cmd("deepspeed", RECIPE) + [
+    proc = run(launcher_cmd(TRAIN_LAUNCHER, RECIPE) + [
         "--config", str(config), "--model_name_or_path", str(model_dir),
         "--build_model", "chat-tiny", "--output_dir", str(out), "--n_train", "48", "--n_val", "8", "--max_steps", "6",
         "--eval_steps", "6", "--logging_steps", "1", "--samples_to_print", "1", "--learning_rate", "0.01",

@@ -113,3 +113,26 @@ def test_the_doctor_prints_the_versions_and_the_rules_that_applied(tmp_path, cap
     installed = versions.installed()
     assert lines[1] == "versions: " + ", ".join(f"{p} {installed[p]}" for p in versions.PACKAGES)
     assert lines[2:] == ["version rule: elasticity: removed in DeepSpeed 0.19.8, deepspeedai/DeepSpeed#8563"]
+
+
+def test_the_doctor_lists_the_ulysses_correction_on_the_versions_it_was_measured_on(tmp_path, capsys, monkeypatch):
+    """``--sp_size 2``: the run's Ulysses (hf_ext.loss.ULYSSES_SUMMED_GRADIENT; the 2-rank run that measured it:
+    tests/distributed/test_parallel_layouts.py). The installed transformers and DeepSpeed are those versions; a
+    faked transformers 5.24 is not, and the doctor then has no rule to list."""
+    argv = ["ds", "doctor", "zero2", "--world_size", "2", "--sp_size", "2", "--output_dir", str(tmp_path)]
+    installed = versions.installed()
+    assert installed["transformers"].release[:2] == (5, 23) and installed["deepspeed"].release[:2] == (0, 19)
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("ok: ")
+    assert lines[1] == "versions: " + ", ".join(f"{p} {installed[p]}" for p in versions.PACKAGES)
+    assert len(lines) == 3 and lines[2].startswith("version rule: parallelism_config.sp_size 2 (Ulysses): ")
+    for cited in ("transformers>=5.23,<5.24 with deepspeed>=0.19,<0.20", "huggingface/transformers#47073",
+                  "divides the gradient by 2"):  # fmt: skip
+        assert cited in lines[2]
+    # without sequence parallelism, or on another transformers, nothing is corrected
+    assert main(argv[:4] + argv[6:]) == 0
+    assert "version rule" not in capsys.readouterr().out
+    monkeypatch.setattr(versions, "installed", lambda: dict(installed, transformers=Version("5.24.0")))
+    assert main(argv) == 0
+    assert "version rule" not in capsys.readouterr().out

@@ -11,7 +11,7 @@ Writes ``FILE`` (JSON, rank 0): per segment the per-step losses, grad norms and 
 largest difference from the first segment's (hf-ext DDP, accumulation 1) and what ran (engine, ZeRO stage, optimizer,
 offload devices, whether a resolved config was left with an ``"auto"``).
 
-Preempted segments (DDP, ZeRO-1, ZeRO-3 with CPU offload): rank 1 alone sends itself SIGUSR1 at the end of step 1;
+Preempted segments (DDP, ZeRO-1, ZeRO-3 with CPU offload): rank 1 alone sends itself a signal at the end of step 1;
 hf-ext's preemption callback makes both ranks save the agreed step's checkpoint and stop (``train()`` returns; a
 script would then exit with status 75); the next segment resumes that checkpoint to step 4. Their results add each
 rank's saved step and the checkpoints left in the output directory, and the resumed run's weights are compared with
@@ -69,9 +69,9 @@ LAYOUTS = {
 SEGMENTS = [("hf-ext", layout, accum) for layout in LAYOUTS for accum in (1, 4)]
 SEGMENTS += [("stock", layout, 1) for layout in ("ddp", "zero2", "zero3")]
 #: the layouts preempted here, by the signal rank 1 sends itself at the end of step SIGNAL_AT: SIGUSR1 (SLURM's
-#: ``--signal=USR1@120``), and SIGTERM to one worker under the engines whose launched recipe runs get it through
-#: their launcher (tests/distributed/test_recipe_distributed.py)
-PREEMPTED = {"ddp": "SIGUSR1", "zero1": "SIGUSR1", "zero3_offload": "SIGTERM", "fsdp2": "SIGTERM"}
+#: ``--signal=USR1@120``), and SIGTERM to one worker under ZeRO-3 with CPU offload (ZeRO-2, ZeRO-3 and FSDP2 get it
+#: in their launched recipe runs, tests/distributed/test_recipe_distributed.py)
+PREEMPTED = {"ddp": "SIGUSR1", "zero1": "SIGUSR1", "zero3_offload": "SIGTERM"}
 SIGNAL_AT = 1
 #: ``hf-ext convert`` both ways: 8 steps of the first layout saving checkpoint-4, that checkpoint converted for the
 #: second (rank 0 runs the command), and the second layout resumed from the conversion for steps 5-8
