@@ -190,8 +190,9 @@ def _zero_to_fsdp2(checkpoint: Path, staged: Path, work: Path) -> dict:
     universal = work / zero.tag
     run_ds_to_universal(checkpoint / zero.tag, universal)
     states = _model_states(checkpoint / zero.tag)
-    params = _universal_tensors(universal / "zero")
-    missing = [name for name, found in params.items() if found.get("exp_avg") is None and name in _trainable(states)]
+    shapes = _parameter_shapes(states)
+    params = _universal_tensors(universal / "zero", shapes)
+    missing = [name for name, found in params.items() if found.get("exp_avg") is None and name in shapes]
     if missing:
         raise ConvertError(f"{checkpoint}'s optimizer keeps no Adam moments ({', '.join(ADAM_STATES)}) for "
                            f"{missing[0]}: only Adam's state converts.")  # fmt: skip
@@ -213,26 +214,32 @@ def _zero_to_fsdp2(checkpoint: Path, staged: Path, work: Path) -> dict:
             "accumulation": config.get("gradient_accumulation_steps")}  # fmt: skip
 
 
-def _universal_tensors(zero_dir: Path) -> dict[str, dict]:
+def _universal_tensors(zero_dir: Path, shapes: dict[str, torch.Size]) -> dict[str, dict]:
     """``name -> {"fp32": tensor, "exp_avg": tensor | None, "exp_avg_sq": tensor | None}`` of a universal
-    checkpoint's ``zero/`` folder (a folder per parameter; buffers without optimizer state have ``fp32.pt`` only)."""
+    checkpoint's ``zero/`` folder (a folder per parameter; buffers without optimizer state have ``fp32.pt`` only),
+    each in its parameter's shape: ``ds_to_universal`` leaves a ZeRO-3 parameter's tensors flat (DeepSpeed's
+    ZeRO-3 load partitions them flat), ZeRO-1/2's in their shape."""
     found = {}
     for folder in sorted(p for p in zero_dir.iterdir() if p.is_dir()):
-        entry = {"fp32": _universal_tensor(folder / "fp32.pt")}
+        shape = shapes.get(folder.name)
+        entry = {"fp32": _universal_tensor(folder / "fp32.pt", shape)}
         for key in ADAM_STATES:
-            entry[key] = _universal_tensor(folder / f"{key}.pt") if (folder / f"{key}.pt").is_file() else None
+            entry[key] = _universal_tensor(folder / f"{key}.pt", shape) if (folder / f"{key}.pt").is_file() else None
         found[folder.name] = entry
     return found
 
 
-def _universal_tensor(path: Path) -> torch.Tensor:
+def _parameter_shapes(states: dict) -> dict[str, torch.Size]:
+    """Each trained parameter's shape, as DeepSpeed's engine recorded it (``param_shapes``, one dict per group)."""
+    return {name: torch.Size(shape) for group in states.get("param_shapes") or [] for name, shape in group.items()}
+
+
+def _universal_tensor(path: Path, shape: torch.Size | None = None) -> torch.Tensor:
     loaded = _load(path)
-    return loaded["param"] if isinstance(loaded, dict) else loaded
-
-
-def _trainable(states: dict) -> set[str]:
-    """The names DeepSpeed's optimizer held (its ``param_shapes``, one ordered dict per group)."""
-    return {name for group in states.get("param_shapes") or [] for name in group}
+    tensor = loaded["param"] if isinstance(loaded, dict) else loaded
+    if shape is not None and tensor.shape != shape and tensor.numel() == shape.numel():
+        tensor = tensor.view(shape)
+    return tensor
 
 
 def _model_state_dict(states: dict, params: dict[str, dict]) -> dict[str, torch.Tensor]:

@@ -74,8 +74,11 @@ SEGMENTS += [("stock", layout, 1) for layout in ("ddp", "zero2", "zero3")]
 PREEMPTED = {"ddp": "SIGUSR1", "zero1": "SIGUSR1", "zero3_offload": "SIGTERM"}
 SIGNAL_AT = 1
 #: ``hf-ext convert`` both ways: 8 steps of the first layout saving checkpoint-4, that checkpoint converted for the
-#: second (rank 0 runs the command), and the second layout resumed from the conversion for steps 5-8
+#: second (rank 0 runs the command), and the second layout resumed from the conversion for steps 5-8. ROUND_TRIPS are
+#: resumed on 1 rank too (``--only resume``); ZeRO-3's checkpoint (its partitioned parameters) becomes the same FSDP2
+#: state as ZeRO-2's, resumed on 2 ranks only
 ROUND_TRIPS = [("zero2", "fsdp2"), ("fsdp2", "zero2")]
+CONVERSIONS = [*ROUND_TRIPS, ("zero3", "fsdp2")]
 
 
 def rows(vocab: int) -> Dataset:
@@ -208,7 +211,7 @@ def main() -> None:
             whole = uninterrupted[layout]
             resumed["max_weight_difference"] = max((weights[k] - whole[k]).abs().max().item() for k in whole)
         results += [preempted, resumed]
-    for first, second in ROUND_TRIPS if opts.only in (None, "convert") else []:
+    for first, second in CONVERSIONS if opts.only in (None, "convert") else []:
         whole, whole_weights = segment("hf-ext", first, 1, opts.model, out_dir, f"{first}-8", 2 * STEPS, STEPS)
         converted = Path(out_dir) / f"{first}-to-{second}"
         convert(
