@@ -92,6 +92,11 @@ class ZeroCheckpoint:
         as many ranks per slice (DeepSpeed records the sequence-parallel ranks among them)."""
         return self.tensor_parallel == layout.tp and self.world_size == layout.world // layout.tp
 
+    def writers(self) -> str:
+        """The ranks that wrote it: ``2 ranks``, or under AutoTP ``2 ranks, tensor-parallel 2``."""
+        total = _ranks(self.world_size * self.tensor_parallel)
+        return total if self.tensor_parallel == 1 else f"{total}, tensor-parallel {self.tensor_parallel}"
+
     def batch_arithmetic(self) -> str:
         ranks = _ranks(self.world_size) if self.tensor_parallel == 1 else (
             f"{self.world_size} data-parallel {'rank' if self.world_size == 1 else 'ranks'} (tensor-parallel "
@@ -409,15 +414,15 @@ def apply_resume_plan(trainer, plan: ResumePlan) -> None:
         if args.should_log:
             size = dir_bytes(plan.load_from) / MiB
             logger.warning(
-                f"Resuming {plan.checkpoint.name} (written on {_ranks(plan.written_on.world_size)}) on "
+                f"Resuming {plan.checkpoint.name} (written on {plan.written_on.writers()}) on "
                 f"{args.world_size}: loaded from the DeepSpeed universal checkpoint {plan.load_from.name} "
                 f"({plan.took}, {size:.0f} MiB); {plan.batch}."
             )
     elif plan.kind == "peft" and plan.written_on is not None and args.should_save:
         logger.info(f"Resuming {plan.checkpoint.name} (trainable state by name, written on "
-                    f"{_ranks(plan.written_on.world_size)}) on {args.world_size}: {plan.batch}.")  # fmt: skip
+                    f"{plan.written_on.writers()}) on {args.world_size}: {plan.batch}.")  # fmt: skip
     elif plan.kind == "fsdp_reshard" and args.should_save:
-        logger.info(f"Resuming {plan.checkpoint.name} (written on {plan.written_on.world_size} ranks) on "
+        logger.info(f"Resuming {plan.checkpoint.name} (written on {plan.written_on.writers()}) on "
                     f"{args.world_size}: the FSDP shards are resharded as they load; {plan.batch}.")  # fmt: skip
 
 

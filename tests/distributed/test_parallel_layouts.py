@@ -3,7 +3,8 @@
 step trains on by the data-parallel ranks (4, stock's arithmetic), and the run computes what one rank computes
 without tensor parallelism on the same rows (tests/distributed/workers/autotp_train.py). Its checkpoint of step 3,
 resumed on the same ranks, is loaded as written (no universal conversion: hf-ext reads DeepSpeed's data- and
-tensor-parallel sizes from it) with the same 4 rows a step, and steps 4-6 repeat the uninterrupted run's.
+tensor-parallel sizes from it) with the same 4 rows a step, and steps 4-6 repeat the uninterrupted run's; resumed on
+1 rank without tensor parallelism, it goes through DeepSpeed's universal checkpoint, and steps 4-6 are AutoTP's too.
 
 Beside it, DeepSpeed's Ulysses sequence parallelism (accelerate's ``ParallelismConfig``, sp_size 2) on the same 2 ranks:
 its all-to-all runs on gloo, and the run takes the one rank's rows in the same order, counts each token once and has
@@ -21,7 +22,7 @@ import pytest
 
 from hf_ext.saving.resume import read_zero_checkpoint
 
-from ..conftest import ROOT, TRAIN_LAUNCHER, launcher_cmd, run_side_by_side
+from ..conftest import ROOT, TRAIN_LAUNCHER, launcher_cmd, run, run_side_by_side
 
 pytestmark = pytest.mark.distributed
 
@@ -57,6 +58,20 @@ def test_autotp_trains_what_one_rank_trains_with_the_batch_deepspeed_checks(tiny
     assert tp["resume_kind"] == "as_written" and tp["resumed_accumulation"] == 2
     # the same ranks, engine and rows: the same arithmetic as the uninterrupted steps 4-6 (measured 0 apart)
     assert tp["resumed_losses"] == pytest.approx(tp["losses"][3:], rel=1e-6)
+
+    # and on another layout: 1 rank, ZeRO-1 without tensor parallelism, through DeepSpeed's universal checkpoint
+    # (ds_to_universal merges the AutoTP slices), with the global batch of 4 rows kept. Steps 4-6 are AutoTP's
+    # within its tolerance against one rank (measured: losses 1.4e-7 apart relative, grad norms 1.1e-7)
+    elsewhere = tmp_path / "one-resumed.json"
+    proc = run(launcher_cmd(TRAIN_LAUNCHER, WORKER, nproc=1) + [*common, "--out", str(elsewhere), "--resume_from",
+                                                               str(tmp_path / "autotp.json.run" / "checkpoint-3")])  # fmt: skip
+    assert "Resuming checkpoint-3 (written on 2 ranks, tensor-parallel 2) on 1: loaded from the DeepSpeed universal" in (
+        proc.stdout + proc.stderr)  # fmt: skip
+    moved = json.loads(elsewhere.read_text())
+    assert (moved["world_size"], moved["resume_kind"], moved["resumed_accumulation"]) == (1, "universal", 2)
+    assert moved["losses"][:3] == tp["losses"][:3]  # the checkpoint's own history
+    assert moved["losses"] == pytest.approx(tp["losses"], rel=TOLERANCE)
+    assert moved["grad_norms"] == pytest.approx(tp["grad_norms"], rel=TOLERANCE)
 
 
 def in_order(rows_by_step: dict) -> list[int]:

@@ -45,11 +45,12 @@ def main() -> None:
     parser.add_argument("--optim", default="adamw_torch")
     parser.add_argument("--max_grad_norm", type=float, default=1.0)
     parser.add_argument("--learning_rate", type=float, default=1e-3)
+    parser.add_argument("--resume_from", help="a checkpoint of another layout: resumed to step 6 under ZeRO-1, no TP")
     opts = parser.parse_args()
 
     def arguments() -> hf_ext.TrainingArguments:
         deepspeed, layout = None, {}
-        if opts.autotp or opts.ulysses:  # ZeRO-1 with every batch key filled by hf-ext
+        if opts.autotp or opts.ulysses or opts.resume_from:  # ZeRO-1 with every batch key filled by hf-ext
             deepspeed = {"zero_optimization": {"stage": 1}, "train_batch_size": "auto",
                          "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
                          "gradient_clipping": "auto"}  # fmt: skip
@@ -91,7 +92,7 @@ def main() -> None:
 
     trainer = hf_ext.Trainer(model=model(), args=args, train_dataset=Dataset.from_list(rows), data_collator=collate,
                              callbacks=[seen])  # fmt: skip
-    trainer.train()
+    trainer.train(resume_from_checkpoint=opts.resume_from)
     resumed = None
     if opts.resume:
         resumed = hf_ext.Trainer(model=model(), args=arguments(), train_dataset=Dataset.from_list(rows),
@@ -115,6 +116,9 @@ def main() -> None:
             "tokens_seen": trainer.state.num_input_tokens_seen,
             "rows": gathered,
         }
+        if opts.resume_from:
+            result["resume_kind"] = trainer.resume_plan.kind
+            result["resumed_accumulation"] = trainer.args.gradient_accumulation_steps
         if resumed is not None:
             result["resume_kind"] = resumed.resume_plan.kind
             result["resumed_accumulation"] = resumed.args.gradient_accumulation_steps
