@@ -4,7 +4,8 @@ step trains on by the data-parallel ranks (4, stock's arithmetic), and the run c
 without tensor parallelism on the same rows (tests/distributed/workers/autotp_train.py). Its checkpoint of step 3,
 resumed on the same ranks, is loaded as written (no universal conversion: hf-ext reads DeepSpeed's data- and
 tensor-parallel sizes from it) with the same 4 rows a step, and steps 4-6 repeat the uninterrupted run's; resumed on
-1 rank without tensor parallelism, it goes through DeepSpeed's universal checkpoint, and steps 4-6 are AutoTP's too.
+1 rank without tensor parallelism, it goes through DeepSpeed's universal checkpoint, and steps 4-6 are AutoTP's too
+(and so for the Ulysses run's checkpoint-3).
 
 Beside it, DeepSpeed's Ulysses sequence parallelism (accelerate's ``ParallelismConfig``, sp_size 2) on the same 2 ranks:
 its all-to-all runs on gloo, and the run takes the one rank's rows in the same order, counts each token once and has
@@ -38,7 +39,8 @@ def test_autotp_trains_what_one_rank_trains_with_the_batch_deepspeed_checks(tiny
     procs = run_side_by_side([[*launcher_cmd(TRAIN_LAUNCHER, WORKER), *common, "--out", str(sharded), "--autotp", "2",
                                "--resume"],
                               [*launcher_cmd("python", WORKER), *common, "--out", str(single)],
-                              [*launcher_cmd(TRAIN_LAUNCHER, WORKER), *common, "--out", str(ulysses), "--ulysses", "2"]],
+                              [*launcher_cmd(TRAIN_LAUNCHER, WORKER), *common, "--out", str(ulysses), "--ulysses", "2",
+                               "--checkpoint"]],
                              timeout=600)  # fmt: skip
     for proc in procs:
         assert proc.returncode == 0, proc.stderr[-4000:]
@@ -59,19 +61,25 @@ def test_autotp_trains_what_one_rank_trains_with_the_batch_deepspeed_checks(tiny
     # the same ranks, engine and rows: the same arithmetic as the uninterrupted steps 4-6 (measured 0 apart)
     assert tp["resumed_losses"] == pytest.approx(tp["losses"][3:], rel=1e-6)
 
-    # and on another layout: 1 rank, ZeRO-1 without tensor parallelism, through DeepSpeed's universal checkpoint
-    # (ds_to_universal merges the AutoTP slices), with the global batch of 4 rows kept. Steps 4-6 are AutoTP's
-    # within its tolerance against one rank (measured: losses 1.4e-7 apart relative, grad norms 1.1e-7)
+    # and on another layout: 1 rank, ZeRO-1 without tensor or sequence parallelism, through DeepSpeed's universal
+    # checkpoint, with the global batch of 4 rows kept: AutoTP's checkpoint-3 (ds_to_universal merges its slices) and
+    # Ulysses' (ZeRO-1's partitions of its 2 ranks; DeepSpeed records its sequence-parallel size as the tensor-parallel
+    # one, which hf-ext corrects for ds_to_universal), one after the other in one launch. Steps 4-6 are each run's own
+    # within the tolerances above against one rank (measured: losses 1.4e-7 and 6.9e-8 apart relative, grad norms
+    # 1.0e-7 for both)
     elsewhere = tmp_path / "one-resumed.json"
+    written = [tmp_path / f"{name}.json.run" / "checkpoint-3" for name in ("autotp", "ulysses")]
     proc = run(launcher_cmd(TRAIN_LAUNCHER, WORKER, nproc=1) + [*common, "--out", str(elsewhere), "--resume_from",
-                                                               str(tmp_path / "autotp.json.run" / "checkpoint-3")])  # fmt: skip
-    assert "Resuming checkpoint-3 (written on 2 ranks, tensor-parallel 2) on 1: loaded from the DeepSpeed universal" in (
-        proc.stdout + proc.stderr)  # fmt: skip
+                                                               *map(str, written)])  # fmt: skip
+    log = proc.stdout + proc.stderr
+    assert "Resuming checkpoint-3 (written on 2 ranks, tensor-parallel 2) on 1: loaded from the DeepSpeed" in log
     moved = json.loads(elsewhere.read_text())
-    assert (moved["world_size"], moved["resume_kind"], moved["resumed_accumulation"]) == (1, "universal", 2)
-    assert moved["losses"][:3] == tp["losses"][:3]  # the checkpoint's own history
-    assert moved["losses"] == pytest.approx(tp["losses"], rel=TOLERANCE)
-    assert moved["grad_norms"] == pytest.approx(tp["grad_norms"], rel=TOLERANCE)
+    assert moved["world_size"] == 1
+    for resumed, uninterrupted in zip(moved["resumes"], (tp, json.loads(ulysses.read_text()))):
+        assert (resumed["kind"], resumed["accumulation"]) == ("universal", 2)
+        assert resumed["losses"][:3] == uninterrupted["losses"][:3]  # the checkpoint's own history
+        assert resumed["losses"] == pytest.approx(uninterrupted["losses"], rel=TOLERANCE)
+        assert resumed["grad_norms"] == pytest.approx(uninterrupted["grad_norms"], rel=TOLERANCE)
 
 
 def in_order(rows_by_step: dict) -> list[int]:

@@ -10,7 +10,15 @@ dropout off. Writes ``FILE`` (JSON, rank 0): the per-step losses and grad norms,
 started with, the rows per optimizer step the Trainer counts, the tokens it counts, the world size and, per step, the
 rows each rank trained.
 With ``--resume``: the run saves checkpoint-3 too, and a second trainer resumes it to step 6; ``FILE`` adds what
-hf-ext planned for that resume, the batch it ran, and its losses of steps 4-6.
+hf-ext planned for that resume, the batch it ran, and its losses of steps 4-6. ``--checkpoint``: checkpoint-3
+saved, no resume.
+
+    python tests/launched/ranks.py --nproc 1 tests/distributed/workers/autotp_train.py --model DIR --out FILE \
+        --resume_from CHECKPOINT [CHECKPOINT ...]
+
+resumes each checkpoint (of another layout) to step 6 on this run's ranks, under ZeRO-1 without tensor or sequence
+parallelism, one trainer after the other; ``FILE`` holds, for each, hf-ext's plan, the accumulation it ran and the
+per-step losses and grad norms (steps 1-3 from the checkpoint's history).
 """
 
 from __future__ import annotations
@@ -41,11 +49,12 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--autotp", type=int, default=0)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--checkpoint", action="store_true", help="save checkpoint-3 (implied by --resume)")
     parser.add_argument("--ulysses", type=int, default=0, help="DeepSpeed Ulysses sequence parallelism of this size")
     parser.add_argument("--optim", default="adamw_torch")
     parser.add_argument("--max_grad_norm", type=float, default=1.0)
     parser.add_argument("--learning_rate", type=float, default=1e-3)
-    parser.add_argument("--resume_from", help="a checkpoint of another layout: resumed to step 6 under ZeRO-1, no TP")
+    parser.add_argument("--resume_from", nargs="+", default=[], help="checkpoints of other layouts (see above)")
     opts = parser.parse_args()
 
     def arguments() -> hf_ext.TrainingArguments:
@@ -63,7 +72,8 @@ def main() -> None:
             handler = DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa")
             layout["parallelism_config"] = ParallelismConfig(sp_size=opts.ulysses, sp_backend="deepspeed",
                                                              sp_handler=handler)  # fmt: skip
-        saving = dict(save_strategy="steps", save_steps=3) if opts.resume else dict(save_strategy="no")
+        saves = opts.resume or opts.checkpoint
+        saving = {"save_strategy": "steps", "save_steps": 3} if saves else {"save_strategy": "no"}
         return hf_ext.TrainingArguments(output_dir=opts.out + ".run", per_device_train_batch_size=2,
                                         gradient_accumulation_steps=2, max_steps=6, learning_rate=opts.learning_rate,
                                         optim=opts.optim, max_grad_norm=opts.max_grad_norm,
@@ -90,9 +100,22 @@ def main() -> None:
             tensors["position_ids"] = torch.arange(tensors["input_ids"].shape[1]).expand_as(tensors["input_ids"])
         return tensors
 
+    if opts.resume_from:
+        resumes = []
+        for checkpoint in opts.resume_from:
+            trainer = hf_ext.Trainer(model=model(), args=arguments(), train_dataset=Dataset.from_list(rows),
+                                     data_collator=collate)  # fmt: skip
+            trainer.train(resume_from_checkpoint=checkpoint)
+            history = [r for r in trainer.state.log_history if "loss" in r]
+            resumes.append({"kind": trainer.resume_plan.kind, "accumulation": trainer.args.gradient_accumulation_steps,
+                            "losses": [r["loss"] for r in history], "grad_norms": [r["grad_norm"] for r in history]})  # fmt: skip
+        if args.process_index == 0:
+            with open(opts.out, "w") as f:
+                json.dump({"world_size": args.world_size, "resumes": resumes}, f)
+        return
     trainer = hf_ext.Trainer(model=model(), args=args, train_dataset=Dataset.from_list(rows), data_collator=collate,
                              callbacks=[seen])  # fmt: skip
-    trainer.train(resume_from_checkpoint=opts.resume_from)
+    trainer.train()
     resumed = None
     if opts.resume:
         resumed = hf_ext.Trainer(model=model(), args=arguments(), train_dataset=Dataset.from_list(rows),
@@ -116,9 +139,6 @@ def main() -> None:
             "tokens_seen": trainer.state.num_input_tokens_seen,
             "rows": gathered,
         }
-        if opts.resume_from:
-            result["resume_kind"] = trainer.resume_plan.kind
-            result["resumed_accumulation"] = trainer.args.gradient_accumulation_steps
         if resumed is not None:
             result["resume_kind"] = resumed.resume_plan.kind
             result["resumed_accumulation"] = resumed.args.gradient_accumulation_steps
