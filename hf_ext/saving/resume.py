@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -172,9 +173,11 @@ def _recorded_tensor_parallel(tag_folder: Path) -> list[Path] | None:
     )
 
     files = sorted(p for p in tag_folder.iterdir() if p.name.startswith(MODEL_FILE_PREFIX))
-    states = [torch.load(p, map_location="cpu", mmap=True, weights_only=False) for p in files[:1]]
-    dims = states[0].get(CHECKPOINT_PARALLEL_DIMS) if states else None
-    written = states[0].get("mp_world_size") if states else None
+    try:  # tensors and plain containers only; a file holding more is left to DeepSpeed as it is
+        state = torch.load(files[0], map_location="cpu", mmap=True, weights_only=True) if files else {}
+    except pickle.UnpicklingError:
+        return None
+    dims, written = state.get(CHECKPOINT_PARALLEL_DIMS), state.get("mp_world_size")
     if not isinstance(dims, dict) or not isinstance(written, int) or dims.get(CHECKPOINT_TP_DEGREE) == written:
         return None
     return files if dims.get(CHECKPOINT_PP_DEGREE, 1) * written == len(files) else None
@@ -188,7 +191,7 @@ def _with_written_tensor_parallel(tag_folder: Path, files: list[Path], scratch: 
     scratch.mkdir(parents=True)
     for path in tag_folder.iterdir():
         if path in files:
-            state = torch.load(path, map_location="cpu", weights_only=False)
+            state = torch.load(path, map_location="cpu", weights_only=True)
             state[CHECKPOINT_PARALLEL_DIMS] = {**state[CHECKPOINT_PARALLEL_DIMS],
                                                CHECKPOINT_TP_DEGREE: state["mp_world_size"]}  # fmt: skip
             torch.save(state, scratch / path.name)
