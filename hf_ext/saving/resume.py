@@ -159,12 +159,13 @@ def _trainer_files(checkpoint: Path) -> list[str]:
     )
 
 
-def _recorded_tensor_parallel(tag_folder: Path) -> list[Path] | None:
-    """The model-state files of ``tag_folder`` whose recorded tensor-parallel size is not the one that wrote them, or
-    ``None``. DeepSpeed 0.19 records ``tp_degree`` from its model-parallel unit's size, and the unit a Ulysses run
-    hands it answers with the sequence-parallel size (the aliasing deepspeedai/DeepSpeed#8226 undid for the rank that
-    picks a model-state file), beside ``mp_world_size`` 1: the weights are whole on every rank. ``ds_to_universal``
-    then counts the model-state files against that size and refuses the checkpoint."""
+def _ds_to_universal_input(tag_folder: Path, scratch: Path) -> Path:
+    """``tag_folder``, or a copy of it in ``scratch`` when its model states record another tensor-parallel size than
+    the one that wrote them. DeepSpeed 0.19 records ``tp_degree`` from its model-parallel unit's size, and the unit a
+    Ulysses run hands it answers with the sequence-parallel size (the aliasing deepspeedai/DeepSpeed#8226 undid for
+    the rank that picks a model-state file), beside ``mp_world_size`` 1: the weights are whole on every rank.
+    ``ds_to_universal`` then counts the model-state files against that size and refuses the checkpoint. The copy
+    holds hard links to the files, and the model states rewritten with ``tp_degree`` = ``mp_world_size``."""
     from deepspeed.checkpoint.constants import (  # noqa: PLC0415 (DeepSpeed: a conversion only)
         CHECKPOINT_PARALLEL_DIMS,
         CHECKPOINT_PP_DEGREE,
@@ -174,29 +175,21 @@ def _recorded_tensor_parallel(tag_folder: Path) -> list[Path] | None:
 
     files = sorted(p for p in tag_folder.iterdir() if p.name.startswith(MODEL_FILE_PREFIX))
     try:  # tensors and plain containers only; a file holding more is left to DeepSpeed as it is
-        state = torch.load(files[0], map_location="cpu", mmap=True, weights_only=True) if files else {}
+        states = [torch.load(p, map_location="cpu", mmap=True, weights_only=True) for p in files]
     except pickle.UnpicklingError:
-        return None
-    dims, written = state.get(CHECKPOINT_PARALLEL_DIMS), state.get("mp_world_size")
+        return tag_folder
+    first = states[0] if states else {}
+    dims, written = first.get(CHECKPOINT_PARALLEL_DIMS), first.get("mp_world_size")
     if not isinstance(dims, dict) or not isinstance(written, int) or dims.get(CHECKPOINT_TP_DEGREE) == written:
-        return None
-    return files if dims.get(CHECKPOINT_PP_DEGREE, 1) * written == len(files) else None
-
-
-def _with_written_tensor_parallel(tag_folder: Path, files: list[Path], scratch: Path) -> Path:
-    """A copy of ``tag_folder`` in ``scratch`` for ``ds_to_universal``: hard links to its files, and the model states
-    ``files`` rewritten with the tensor-parallel size that wrote them (their ``mp_world_size``)."""
-    from deepspeed.checkpoint.constants import CHECKPOINT_PARALLEL_DIMS, CHECKPOINT_TP_DEGREE  # noqa: PLC0415 (as above)
-
+        return tag_folder
+    if dims.get(CHECKPOINT_PP_DEGREE, 1) * written != len(files):
+        return tag_folder
     scratch.mkdir(parents=True)
     for path in tag_folder.iterdir():
-        if path in files:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-            state[CHECKPOINT_PARALLEL_DIMS] = {**state[CHECKPOINT_PARALLEL_DIMS],
-                                               CHECKPOINT_TP_DEGREE: state["mp_world_size"]}  # fmt: skip
-            torch.save(state, scratch / path.name)
-        elif path.is_file():
+        if path.is_file() and path not in files:
             os.link(path, scratch / path.name)
+    for path, state in zip(files, states):
+        torch.save({**state, CHECKPOINT_PARALLEL_DIMS: {**dims, CHECKPOINT_TP_DEGREE: written}}, scratch / path.name)
     return scratch
 
 
@@ -204,13 +197,12 @@ def run_ds_to_universal(tag_folder: Path, output_folder: Path) -> float:
     """DeepSpeed's own ``ds_to_universal`` of one checkpoint tag (``global_stepN``) into ``output_folder``; returns
     the seconds it took. ``RuntimeError`` with DeepSpeed's last line when it fails (``output_folder`` removed). A
     Ulysses run's checkpoint is converted from a copy that records the tensor-parallel size that wrote it
-    (:func:`_recorded_tensor_parallel`)."""
+    (:func:`_ds_to_universal_input`)."""
     workers = str(max(1, min(4, os.cpu_count() or 1)))
     scratch = output_folder.with_name(f"{output_folder.name}.input")
     shutil.rmtree(scratch, ignore_errors=True)
     start = time.perf_counter()
-    misrecorded = _recorded_tensor_parallel(tag_folder)
-    source = _with_written_tensor_parallel(tag_folder, misrecorded, scratch) if misrecorded else tag_folder
+    source = _ds_to_universal_input(tag_folder, scratch)
     cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(source),
            "--output_folder", str(output_folder), "--inject_missing_state", "--num_extract_workers", workers,
            "--num_merge_workers", workers]  # fmt: skip
