@@ -117,23 +117,34 @@ def test_a_signal_to_one_rank_saves_one_agreed_checkpoint_that_resumes_as_the_un
 #: oracle, within the tolerances above (measured, each of the three: weights 6.0e-8 apart, losses equal, grad norms
 #: 5-7e-7 relative; a conversion that zeroed Adam's moments instead ends 1.8e-3 away, with step 6's loss 8e-6 off)
 ROUND_TRIPS = [("zero2", "fsdp2"), ("fsdp2", "zero2")]
-#: and ZeRO-3's partitioned state to FSDP2 (resumed on 2 ranks; the FSDP2 side on 1 rank is ZeRO-2's round trip's)
-CONVERSIONS = [*ROUND_TRIPS, ("zero3", "fsdp2")]
-ENGINE_OF = {"zero2": "DeepSpeedEngine", "zero3": "DeepSpeedEngine", "fsdp2": "FSDPModule"}
+#: and ZeRO-3's partitioned state to FSDP2 (resumed on 2 ranks; the FSDP2 side on 1 rank is ZeRO-2's round trip's),
+#: and ZeRO-1's: the preempted ZeRO-1 segment's checkpoint-2 (above) converted and resumed under FSDP2 for steps 3-4,
+#: against the uninterrupted 4-step ZeRO-1 segment
+CONVERSIONS = [*ROUND_TRIPS, ("zero3", "fsdp2"), ("zero1", "fsdp2")]
+ENGINE_OF = {"zero1": "DeepSpeedEngine", "zero2": "DeepSpeedEngine", "zero3": "DeepSpeedEngine", "fsdp2": "FSDPModule"}
+
+
+def conversion(first: str, second: str) -> tuple[str, str, str, int]:
+    """The segments of a conversion: the first engine's uninterrupted run, the second engine's resume of the converted
+    checkpoint, the second engine's own uninterrupted run, and the step the checkpoint was saved at."""
+    if first == "zero1":
+        return f"hf-ext-{first}-1", f"preempted-{first}-to-{second}-resumed", f"hf-ext-{second}-1", 2
+    return f"{first}-8", f"{first}-to-{second}-resumed", f"{second}-8", 4
 
 
 @pytest.mark.parametrize(("first", "second"), CONVERSIONS, ids=[f"{a}-to-{b}" for a, b in CONVERSIONS])
 def test_a_converted_checkpoint_resumes_as_the_uninterrupted_run(first, second, segments):
-    whole, resumed = segments[f"{first}-8"], segments[f"{first}-to-{second}-resumed"]
+    whole_name, resumed_name, same_engine_name, saved = conversion(first, second)
+    whole, resumed = segments[whole_name], segments[resumed_name]
     ran = "FSDPModule" if resumed["fsdp2"] else resumed["engine"]
     assert ENGINE_OF[first] != ENGINE_OF[second] and ran == ENGINE_OF[second]
-    assert whole["global_step"] == resumed["global_step"] == 8
-    # steps 1-4 come from the checkpoint's trainer state; 5-8 ran on the other engine from the converted state
+    assert resumed["global_step"] == whole["global_step"] == 2 * saved
+    # steps up to the checkpoint come from its trainer state; the rest ran on the other engine from the converted state
     assert resumed["losses"] == pytest.approx(whole["losses"], rel=LOSS_TOLERANCE)
-    assert resumed["grad_norms"][4:] == pytest.approx(whole["grad_norms"][4:], rel=GRAD_NORM_TOLERANCE)
+    assert resumed["grad_norms"][saved:] == pytest.approx(whole["grad_norms"][saved:], rel=GRAD_NORM_TOLERANCE)
     # the schedule went on where it was: as the second engine logs it in its own uninterrupted run
-    same_engine = segments[f"{second}-8"]
-    assert resumed["learning_rates"][4:] == pytest.approx(same_engine["learning_rates"][4:], rel=1e-12)
+    same_engine = segments[same_engine_name]
+    assert resumed["learning_rates"][saved:] == pytest.approx(same_engine["learning_rates"][saved:], rel=1e-12)
     assert resumed["weights_moved"] > 100 * WEIGHT_TOLERANCE
     assert resumed["max_weight_difference"] <= WEIGHT_TOLERANCE
 

@@ -15,7 +15,8 @@ Preempted segments (DDP, ZeRO-1, ZeRO-3 with CPU offload): rank 1 alone sends it
 hf-ext's preemption callback makes both ranks save the agreed step's checkpoint and stop (``train()`` returns; a
 script would then exit with status 75); the next segment resumes that checkpoint to step 4. Their results add each
 rank's saved step and the checkpoints left in the output directory, and the resumed run's weights are compared with
-the same layout's uninterrupted segment.
+the same layout's uninterrupted segment. ZeRO-1's checkpoint is also converted with ``hf-ext convert`` and resumed
+under FSDP2 to step 4.
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ SIGNAL_AT = 1
 #: state as ZeRO-2's, resumed on 2 ranks only
 ROUND_TRIPS = [("zero2", "fsdp2"), ("fsdp2", "zero2")]
 CONVERSIONS = [*ROUND_TRIPS, ("zero3", "fsdp2")]
+#: and a ZeRO-1 checkpoint: the preempted ZeRO-1 segment's checkpoint-2 converted, and resumed under FSDP2 to step 4
+CONVERTED_PREEMPTIONS = {"zero1": "fsdp2"}
 
 
 def rows(vocab: int) -> Dataset:
@@ -211,6 +214,17 @@ def main() -> None:
             whole = uninterrupted[layout]
             resumed["max_weight_difference"] = max((weights[k] - whole[k]).abs().max().item() for k in whole)
         results += [preempted, resumed]
+        if layout in CONVERTED_PREEMPTIONS:  # the same checkpoint converted, and resumed on the other engine
+            to = CONVERTED_PREEMPTIONS[layout]
+            converted = Path(out_dir) / f"{name}-to-{to}"
+            convert(checkpoint, converted, to)
+            resumed, weights = segment("hf-ext", to, 1, opts.model, out_dir, f"{name}-to-{to}-resumed",
+                                       resume=str(converted))  # fmt: skip
+            if weights:  # rank 0 (FSDP2 gathers there only)
+                whole = uninterrupted[layout]
+                resumed["max_weight_difference"] = max((weights[k] - whole[k]).abs().max().item() for k in whole)
+                resumed["weights_moved"] = max((weights[k] - initial[k]).abs().max().item() for k in initial)
+            results.append(resumed)
     for first, second in CONVERSIONS if opts.only in (None, "convert") else []:
         whole, whole_weights = segment("hf-ext", first, 1, opts.model, out_dir, f"{first}-8", 2 * STEPS, STEPS)
         converted = Path(out_dir) / f"{first}-to-{second}"
