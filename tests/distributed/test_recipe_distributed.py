@@ -130,23 +130,24 @@ def test_recipe_trains_saves_and_reloads(name, recipe_runs, tiny_model_no_dropou
 # two runs started side by side:
 # - SIGTERM to the launcher (SLURM's and Kubernetes' route), which passes it on to every rank (torchrun and accelerate
 #   at once; DeepSpeed's launcher one rank at a time) and exits with them: one checkpoint, every process gone within
-#   a minute, and every step before it the uninterrupted run's. ``--resume_from_checkpoint True`` of it then ends at
-#   the uninterrupted run's last step and weights.
+#   a minute, and every step before it the uninterrupted run's. ``--resume_from_checkpoint True`` of it (on plain
+#   ranks: the launcher is not this fact) then ends at the uninterrupted run's last step and weights.
 # - SIGTERM to rank 1 alone, under torchrun's elastic agent (accelerate's for FSDP2's YAML) with one restart allowed
 #   and ``--resume_from_checkpoint last`` (the launch docs/cluster.md gives): both ranks save checkpoint-9 and exit
 #   75, the agent starts them again, and they resume from checkpoint-9 to the uninterrupted run's last step and
 #   weights in the same launch.
 # (DDP, ZeRO-1 and ZeRO-3 with offload: a signal to one rank, its checkpoint and its resume in-process, in the engine
 # oracle's launch, tests/distributed/test_engines.py.)
-# name: (the uninterrupted run it must end as, engine flags, launcher of the first run, elastic launcher). The first
+# name: (the uninterrupted run it must end as, engine flags, launcher of the first run, elastic launcher, engine flags
+# on plain ranks, where accelerate's YAML gave the engine). The first
 # runs start under another launcher than their oracle: torchrun's ZeRO-2 against DeepSpeed's launcher, DeepSpeed's
 # launcher's ZeRO-3 and accelerate's FSDP YAML against plain ranks (--fsdp); their steps before the signal then show
 # that the launcher does not change the run.
 ACCELERATE_FSDP = f"accelerate:{ROOT / 'recipes/accelerate/fsdp.yaml'}"
 PREEMPTIONS = {
-    "zero2-under-torchrun": ("deepspeed-zero2", ["--deepspeed", "zero2"], "torchrun", "torchrun"),
-    "zero3-under-deepspeeds-launcher": ("ranks-zero3", ["--deepspeed", "zero3"], "deepspeed", "torchrun"),
-    "fsdp2-under-accelerate": ("ranks-fsdp", [], ACCELERATE_FSDP, ACCELERATE_FSDP),
+    "zero2-under-torchrun": ("deepspeed-zero2", ["--deepspeed", "zero2"], "torchrun", "torchrun", None),
+    "zero3-under-deepspeeds-launcher": ("ranks-zero3", ["--deepspeed", "zero3"], "deepspeed", "torchrun", None),
+    "fsdp2-under-accelerate": ("ranks-fsdp", [], ACCELERATE_FSDP, ACCELERATE_FSDP, ["--fsdp", "full_shard"]),
 }  # fmt: skip
 SIGNAL_STEP = 8
 # Tolerance of the resumed weights against the uninterrupted run's: a resume on the same ranks repeats the same
@@ -205,12 +206,13 @@ def launch_side_by_side(launches: list[tuple[list[str], dict]]) -> list[tuple[su
 def preempted_runs(tmp_path_factory, tiny_model_no_dropout_dir):
     """Each engine's two preempted runs (signal to the launcher, signal to one worker), launched side by side once
     and shared by the tests below: ``{"launcher": (out, log, exit status, seconds from signal to exit), "worker":
-    (out, log)}``."""
+    (out, log, exit status)}``; the worker run's ranks write their milestones to ``worker.clock`` beside its output
+    (tests/launched/step_clock.py)."""
     cache: dict[str, dict] = {}
 
     def get(name: str) -> dict:
         if name not in cache:
-            _, flags, first, elastic = PREEMPTIONS[name]
+            _, flags, first, elastic, _ = PREEMPTIONS[name]
             root = tmp_path_factory.mktemp(name)
 
             def args(out: Path) -> list[str]:
@@ -225,13 +227,14 @@ def preempted_runs(tmp_path_factory, tiny_model_no_dropout_dir):
                 (launcher_cmd(first, RECIPE, **restarts) + args(root / "launcher"),
                  {"HF_EXT_TEST_SIGNAL_AT": f"{SIGNAL_STEP}:SIGTERM:launcher"}),
                 (launcher_cmd(elastic, RECIPE, max_restarts=1) + args(root / "worker")
-                 + ["--resume_from_checkpoint", "last"], {"HF_EXT_TEST_SIGNAL_AT": f"{SIGNAL_STEP}:SIGTERM:self"}),
+                 + ["--resume_from_checkpoint", "last"], {"HF_EXT_TEST_SIGNAL_AT": f"{SIGNAL_STEP}:SIGTERM:self",
+                                                            "HF_EXT_TEST_CLOCK": str(root / "worker.clock")}),
             ])  # fmt: skip
             launcher_log = to_launcher.stdout + to_launcher.stderr
             cache[name] = {
                 "launcher": (root / "launcher", launcher_log, to_launcher.returncode, ended - signal_sent(launcher_log, "launcher")),
                 "worker": (root / "worker", to_worker.stdout + to_worker.stderr, to_worker.returncode),
-                "first": first, "restarts": bool(restarts), "args": args, "elastic": elastic,
+                "first": first, "restarts": bool(restarts), "args": args,
             }  # fmt: skip
         return cache[name]
 
@@ -268,8 +271,9 @@ def test_sigterm_to_the_launcher_saves_exits_and_resumes_to_the_uninterrupted_we
     assert sorted(before) == list(range(1, step + 1))
     assert before == pytest.approx({k: v for k, v in per_step_losses(oracle).items() if k in before}, rel=1e-6)
 
-    # --resume_from_checkpoint True of it, under the elastic run's launcher
-    run(launcher_cmd(runs["elastic"], RECIPE) + runs["args"](out) + ["--resume_from_checkpoint", "True"])
+    # --resume_from_checkpoint True of it, on plain ranks
+    plain = PREEMPTIONS[name][4] or []
+    run(launcher_cmd(TRAIN_LAUNCHER, RECIPE) + runs["args"](out) + plain + ["--resume_from_checkpoint", "True"])
     assert checkpoints(out) == saved
     assert_ends_as(out, oracle)
 
@@ -280,10 +284,16 @@ def test_sigterm_to_one_worker_saves_and_the_restarted_workers_resume_to_the_uni
                                                                                                    recipe_runs):  # fmt: skip
     out, log, status = preempted_runs(name)["worker"]
     assert status == 0, log[-4000:]  # the restarted workers finished the run
-    signal_sent(log, "self")
     assert "resume_from_checkpoint='last': no checkpoint" in log  # the first workers started from scratch
     assert_preempted(log, SIGNAL_STEP + 1)  # the signal reached its rank at the end of step 8: the ranks agreed at 9
     assert checkpoints(out) == [f"checkpoint-{SIGNAL_STEP + 1}"]
+    # the first workers (the two that ran step 8) exited after checkpoint-9, within a minute of the signal
+    clock = [json.loads(line) for line in (out.parent / "worker.clock").read_text().splitlines()]
+    first = {e["pid"] for e in clock if e["event"] == "step" and e["step"] == SIGNAL_STEP}
+    exits = {e["pid"]: e for e in clock if e["event"] == "exit" and e["pid"] in first}
+    assert len(first) == 2 and exits.keys() == first, clock
+    assert {e["step"] for e in exits.values()} == {SIGNAL_STEP + 1}
+    assert max(e["time"] for e in exits.values()) - signal_sent(log, "self") < 60
     # the workers that exited after checkpoint-9 were started again in the same launch; with a store per attempt
     # hf-ext has nothing to say of the restart
     assert "restarts failed workers" not in log

@@ -2,13 +2,15 @@
 
 ``HF_EXT_TEST_CLOCK=PATH`` in a process's environment (``sitecustomize`` installs it): every ``Trainer`` of a process
 that imports ``transformers.trainer`` appends one JSON line per event to PATH: ``train_begin`` (the Trainer's
-``on_train_begin``: the checkpoint, if any, is loaded) and ``step`` (every optimizer step's end), each with the rank,
+``on_train_begin``: the checkpoint, if any, is loaded), ``step`` (every optimizer step's end) and ``exit`` (the
+process's interpreter exits, ``sys.exit`` included; not recorded by a process that is killed), each with the rank,
 the step and ``time.time()``. Lines are appended with one ``write`` each, so processes can share the file. Processes
 that never import the Trainer (launchers, Ray's daemons) import nothing for it.
 """
 
 from __future__ import annotations
 
+import atexit
 import importlib.abc
 import json
 import os
@@ -30,6 +32,7 @@ def step_clock():
     class StepClock(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
             record("train_begin", args.process_index, state.global_step)
+            atexit.register(lambda: record("exit", args.process_index, state.global_step))
 
         def on_step_end(self, args, state, control, **kwargs):
             record("step", args.process_index, state.global_step)
@@ -56,5 +59,10 @@ class _AfterTrainerImport(importlib.abc.MetaPathFinder):
 
 
 def install_from_env() -> None:
-    if os.environ.get(ENV):
+    if not os.environ.get(ENV):
+        return
+    trainer = sys.modules.get("transformers.trainer")  # imported already (signal_at.py imports it at start-up)
+    if trainer is not None:
+        trainer.DEFAULT_CALLBACKS.append(step_clock())
+    else:
         sys.meta_path.insert(0, _AfterTrainerImport())
