@@ -1,8 +1,8 @@
 """``hf-ext convert``: what it refuses, in one line and before anything is written, and a resume that needs it.
 
-The conversions themselves (ZeRO-2 -> FSDP2 and back, ZeRO-3 -> FSDP2, each resumed against the uninterrupted run)
-run on real ranks in tests/distributed/test_engines.py; a real ZeRO-3 checkpoint whose schedule is DeepSpeed's own is refused in
-tests/distributed/test_resume_world_size.py. The checkpoints below are directories laid out as the engines write
+The conversions themselves (ZeRO-2 -> FSDP2 and back, ZeRO-3 and ZeRO-1 -> FSDP2, each resumed against the
+uninterrupted run) run on real ranks in tests/distributed/test_engines.py; a real ZeRO-3 checkpoint whose schedule is
+DeepSpeed's own is refused in tests/distributed/test_resume_world_size.py. The checkpoints below are directories laid out as the engines write
 them, with the one file each refusal reads.
 """
 
@@ -72,6 +72,11 @@ def test_what_cannot_be_converted_is_refused_in_one_line(tmp_path, capsys):
 
     zero = _zero_checkpoint(tmp_path / "zero", None)
     assert "is already a deepspeed checkpoint" in refusal(capsys, zero, out, "deepspeed")
+    # ZeRO stage 0 (DeepSpeed's fp32 engine without ZeRO): the optimizer state sits in the model-state file, and no
+    # partition is written for DeepSpeed's universal converter to read
+    stage0 = _zero_checkpoint(tmp_path / "zero0", None)
+    (stage0 / "global_step4" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").unlink()
+    assert "only ZeRO stage 1, 2 or 3 checkpoints convert" in refusal(capsys, stage0, out, "fsdp2")
     existing = tmp_path / "existing"
     existing.mkdir()
     (existing / "kept").write_text("mine")
