@@ -456,22 +456,32 @@ def load_dialogue_dataset(args: DataArguments) -> datasets.DatasetDict:
     )
 
 
+class _EncodeBatch:
+    """``Dataset.map``'s function for :func:`tokenize_dataset`: an instance of a module-level class, which ``datasets``
+    fingerprints by its settings (the tokenizer, the lengths, the family). A closure would be fingerprinted by value:
+    dill disassembles its code (``dill.detect.nestedglobals`` prints ``dis.dis`` into a captured stdout), and under Ray
+    Train, whose print patch logs captured prints too, every worker's log would get thousands of bytecode lines."""
+
+    def __init__(self, tokenizer, max_source_length: int, max_target_length: int, family: str):
+        self.tokenizer, self.family = tokenizer, family
+        self.max_source_length, self.max_target_length = max_source_length, max_target_length
+
+    def __call__(self, batch: dict) -> dict:
+        rows = [
+            encode_example(self.tokenizer, t, r, self.max_source_length, self.max_target_length, self.family)
+            for t, r in zip(batch["texts"], batch["labels"])
+        ]
+        return {key: [row[key] for row in rows] for key in ("input_ids", "attention_mask", "labels")}
+
+
 def tokenize_dataset(
     ds: datasets.Dataset, tokenizer, args: DataArguments, desc: str = "Tokenizing", family: str = "seq2seq"
 ):
     """``input_ids``/``attention_mask`` (left-truncated contexts) and ``labels``, in ``family``'s rendering
     (:func:`chat_e.data.dialogue.encode_example`): the response ids for an encoder-decoder; for a decoder-only model the
     chat-template prompt followed by the reply, with the loss on the reply only."""
-
-    def encode(batch):
-        rows = [
-            encode_example(tokenizer, t, r, args.max_source_length, args.max_target_length, family)
-            for t, r in zip(batch["texts"], batch["labels"])
-        ]
-        return {key: [row[key] for row in rows] for key in ("input_ids", "attention_mask", "labels")}
-
     return ds.map(
-        encode,
+        _EncodeBatch(tokenizer, args.max_source_length, args.max_target_length, family),
         batched=True,
         remove_columns=ds.column_names,
         num_proc=args.preprocessing_num_workers,
