@@ -190,29 +190,24 @@ def assert_ends_as(out: Path, oracle: Path) -> None:
     assert max((expected[k] - got[k]).abs().max().item() for k in expected) <= RESUME_TOLERANCE
 
 
-def launch_side_by_side(launches: list[tuple[list[str], dict]]) -> list[tuple[subprocess.CompletedProcess, float]]:
-    """Independent launches ``(command, extra environment)`` at once: each result with the time its launcher exited."""
-
-    def one(launch):
-        cmd, env = launch
-        proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(**env), capture_output=True, text=True, timeout=600)
-        return proc, time.time()
-
-    with ThreadPoolExecutor(max_workers=len(launches)) as pool:
-        return list(pool.map(one, launches))
+def launch(cmd: list[str], env: dict) -> tuple[subprocess.CompletedProcess, float]:
+    """``cmd`` run to its end with ``env`` added, output captured, not checked; and the time it exited."""
+    proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(**env), capture_output=True, text=True, timeout=600)
+    return proc, time.time()
 
 
 @pytest.fixture(scope="module")
 def preempted_runs(tmp_path_factory, tiny_model_no_dropout_dir):
-    """Each engine's two preempted runs (signal to the launcher, signal to one worker), launched side by side once
-    and shared by the tests below: ``{"launcher": (out, log, exit status, seconds from signal to exit), "worker":
-    (out, log, exit status)}``; the worker run's ranks write their milestones to ``worker.clock`` beside its output
-    (tests/launched/step_clock.py)."""
+    """Each engine's two preempted runs (signal to the launcher, signal to one worker), started side by side once and
+    shared by the tests below; as soon as the first has exited, ``--resume_from_checkpoint True`` of its checkpoint
+    (on plain ranks: the launcher is not this fact) runs beside the second. ``{"launcher": (out, log, exit status,
+    seconds from signal to exit), "resumed": the resume's result, "worker": (out, log, exit status)}``; the worker
+    run's ranks write their milestones to ``worker.clock`` beside its output (tests/launched/step_clock.py)."""
     cache: dict[str, dict] = {}
 
     def get(name: str) -> dict:
         if name not in cache:
-            _, flags, first, elastic, _ = PREEMPTIONS[name]
+            _, flags, first, elastic, plain = PREEMPTIONS[name]
             root = tmp_path_factory.mktemp(name)
 
             def args(out: Path) -> list[str]:
@@ -223,18 +218,26 @@ def preempted_runs(tmp_path_factory, tiny_model_no_dropout_dir):
             # torchrun and accelerate are started as most launches are, with their own rendezvous, and allowed a
             # restart: hf-ext says that a restarted group could not reconnect through it
             restarts = {} if first == "deepspeed" else {"max_restarts": 1, "store_per_attempt": False}
-            (to_launcher, ended), (to_worker, _) = launch_side_by_side([
-                (launcher_cmd(first, RECIPE, **restarts) + args(root / "launcher"),
-                 {"HF_EXT_TEST_SIGNAL_AT": f"{SIGNAL_STEP}:SIGTERM:launcher"}),
-                (launcher_cmd(elastic, RECIPE, max_restarts=1) + args(root / "worker")
-                 + ["--resume_from_checkpoint", "last"], {"HF_EXT_TEST_SIGNAL_AT": f"{SIGNAL_STEP}:SIGTERM:self",
-                                                            "HF_EXT_TEST_CLOCK": str(root / "worker.clock")}),
-            ])  # fmt: skip
-            launcher_log = to_launcher.stdout + to_launcher.stderr
+
+            def signalled_then_resumed():
+                signalled = launch(launcher_cmd(first, RECIPE, **restarts) + args(root / "launcher"),
+                                   {"HF_EXT_TEST_SIGNAL_AT": f"{SIGNAL_STEP}:SIGTERM:launcher"})  # fmt: skip
+                resume = launcher_cmd(TRAIN_LAUNCHER, RECIPE) + args(root / "launcher") + (plain or [])
+                return signalled, launch(resume + ["--resume_from_checkpoint", "True"], {})[0]
+
+            with ThreadPoolExecutor(max_workers=2) as pool:
+                to_launcher = pool.submit(signalled_then_resumed)
+                to_worker = pool.submit(launch, launcher_cmd(elastic, RECIPE, max_restarts=1) + args(root / "worker")
+                                        + ["--resume_from_checkpoint", "last"],
+                                        {"HF_EXT_TEST_SIGNAL_AT": f"{SIGNAL_STEP}:SIGTERM:self",
+                                         "HF_EXT_TEST_CLOCK": str(root / "worker.clock")})  # fmt: skip
+                (signalled, ended), resumed = to_launcher.result()
+                worker = to_worker.result()[0]
+            log = signalled.stdout + signalled.stderr
             cache[name] = {
-                "launcher": (root / "launcher", launcher_log, to_launcher.returncode, ended - signal_sent(launcher_log, "launcher")),
-                "worker": (root / "worker", to_worker.stdout + to_worker.stderr, to_worker.returncode),
-                "first": first, "restarts": bool(restarts), "args": args,
+                "launcher": (root / "launcher", log, signalled.returncode, ended - signal_sent(log, "launcher")),
+                "resumed": resumed, "worker": (root / "worker", worker.stdout + worker.stderr, worker.returncode),
+                "first": first, "restarts": bool(restarts),
             }  # fmt: skip
         return cache[name]
 
@@ -271,9 +274,9 @@ def test_sigterm_to_the_launcher_saves_exits_and_resumes_to_the_uninterrupted_we
     assert sorted(before) == list(range(1, step + 1))
     assert before == pytest.approx({k: v for k, v in per_step_losses(oracle).items() if k in before}, rel=1e-6)
 
-    # --resume_from_checkpoint True of it, on plain ranks
-    plain = PREEMPTIONS[name][4] or []
-    run(launcher_cmd(TRAIN_LAUNCHER, RECIPE) + runs["args"](out) + plain + ["--resume_from_checkpoint", "True"])
+    # --resume_from_checkpoint True of it
+    resumed = runs["resumed"]
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
     assert checkpoints(out) == saved
     assert_ends_as(out, oracle)
 
