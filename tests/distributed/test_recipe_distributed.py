@@ -145,8 +145,8 @@ def test_recipe_trains_saves_and_reloads(name, recipe_runs, tiny_model_no_dropou
 # that the launcher does not change the run.
 ACCELERATE_FSDP = f"accelerate:{ROOT / 'recipes/accelerate/fsdp.yaml'}"
 PREEMPTIONS = {
-    "zero2-under-torchrun": ("deepspeed-zero2", ["--deepspeed", "zero2"], "torchrun", "torchrun", None),
-    "zero3-under-deepspeeds-launcher": ("ranks-zero3", ["--deepspeed", "zero3"], "deepspeed", "torchrun", None),
+    "zero2-under-torchrun": ("deepspeed-zero2", ["--deepspeed", "zero2"], "torchrun", "torchrun", []),
+    "zero3-under-deepspeeds-launcher": ("ranks-zero3", ["--deepspeed", "zero3"], "deepspeed", "torchrun", []),
     "fsdp2-under-accelerate": ("ranks-fsdp", [], ACCELERATE_FSDP, ACCELERATE_FSDP, ["--fsdp", "full_shard"]),
 }  # fmt: skip
 SIGNAL_STEP = 8
@@ -222,7 +222,7 @@ def preempted_runs(tmp_path_factory, tiny_model_no_dropout_dir):
             def signalled_then_resumed():
                 signalled = launch(launcher_cmd(first, RECIPE, **restarts) + args(root / "launcher"),
                                    {"HF_EXT_TEST_SIGNAL_AT": f"{SIGNAL_STEP}:SIGTERM:launcher"})  # fmt: skip
-                resume = launcher_cmd(TRAIN_LAUNCHER, RECIPE) + args(root / "launcher") + (plain or [])
+                resume = launcher_cmd(TRAIN_LAUNCHER, RECIPE) + args(root / "launcher") + plain
                 return signalled, launch(resume + ["--resume_from_checkpoint", "True"], {})[0]
 
             with ThreadPoolExecutor(max_workers=2) as pool:

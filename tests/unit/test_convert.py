@@ -2,8 +2,8 @@
 
 The conversions themselves (ZeRO-2 -> FSDP2 and back, ZeRO-3 and ZeRO-1 -> FSDP2, each resumed against the
 uninterrupted run) run on real ranks in tests/distributed/test_engines.py; a real ZeRO-3 checkpoint whose schedule is
-DeepSpeed's own is refused in tests/distributed/test_resume_world_size.py. The checkpoints below are directories laid out as the engines write
-them, with the one file each refusal reads.
+DeepSpeed's own is refused in tests/distributed/test_resume_world_size.py. The checkpoints below are directories laid
+out as the engines write them, with the one file each refusal reads.
 """
 
 from __future__ import annotations

@@ -169,6 +169,11 @@ def segment(
     return result | {"env_set": restore_environment(LAUNCH_ENV)}, weights
 
 
+def largest_difference(weights: dict, reference: dict) -> float:
+    """The largest absolute difference between ``weights`` and ``reference``, over ``reference``'s tensors."""
+    return max((weights[k] - reference[k]).abs().max().item() for k in reference)
+
+
 def convert(checkpoint: Path, out: Path, to: str) -> None:
     """``hf-ext convert``'s work on rank 0 (tests/unit/test_convert.py runs the command itself); every rank raises if
     it failed."""
@@ -200,8 +205,8 @@ def main() -> None:
         result, weights = segment(path, layout, accumulation, opts.model, out_dir)
         if weights:  # rank 0 (FSDP2 gathers there only)
             reference = reference or weights
-            result["max_weight_difference"] = max((weights[k] - reference[k]).abs().max().item() for k in reference)
-            result["weights_moved"] = max((weights[k] - initial[k]).abs().max().item() for k in initial)
+            result["max_weight_difference"] = largest_difference(weights, reference)
+            result["weights_moved"] = largest_difference(weights, initial)
             if path == "hf-ext" and accumulation == 1:
                 uninterrupted[layout] = weights
         results.append(result)
@@ -212,7 +217,7 @@ def main() -> None:
         resumed, weights = segment("hf-ext", layout, 1, opts.model, out_dir, f"{name}-resumed", resume=str(checkpoint))
         if weights:
             whole = uninterrupted[layout]
-            resumed["max_weight_difference"] = max((weights[k] - whole[k]).abs().max().item() for k in whole)
+            resumed["max_weight_difference"] = largest_difference(weights, whole)
         results += [preempted, resumed]
         if layout in CONVERTED_PREEMPTIONS:  # the same checkpoint converted, and resumed on the other engine
             to = CONVERTED_PREEMPTIONS[layout]
@@ -222,8 +227,8 @@ def main() -> None:
                                        resume=str(converted))  # fmt: skip
             if weights:  # rank 0 (FSDP2 gathers there only)
                 whole = uninterrupted[layout]
-                resumed["max_weight_difference"] = max((weights[k] - whole[k]).abs().max().item() for k in whole)
-                resumed["weights_moved"] = max((weights[k] - initial[k]).abs().max().item() for k in initial)
+                resumed["max_weight_difference"] = largest_difference(weights, whole)
+                resumed["weights_moved"] = largest_difference(weights, initial)
             results.append(resumed)
     for first, second in CONVERSIONS if opts.only in (None, "convert") else []:
         whole, whole_weights = segment("hf-ext", first, 1, opts.model, out_dir, f"{first}-8", 2 * STEPS, STEPS)
@@ -236,9 +241,8 @@ def main() -> None:
         resumed, weights = segment("hf-ext", second, 1, opts.model, out_dir, f"{first}-to-{second}-resumed",
                                    2 * STEPS, resume=str(converted))  # fmt: skip
         if weights and whole_weights:  # rank 0 (FSDP2 gathers there only)
-            resumed["max_weight_difference"] = max((weights[k] - whole_weights[k]).abs().max().item()
-                                                   for k in whole_weights)  # fmt: skip
-            resumed["weights_moved"] = max((weights[k] - initial[k]).abs().max().item() for k in initial)
+            resumed["max_weight_difference"] = largest_difference(weights, whole_weights)
+            resumed["weights_moved"] = largest_difference(weights, initial)
         if whole_weights:  # the oracle of the resumes on another world size (--only resume)
             torch.save(whole_weights, Path(out_dir) / f"{first}-8.pt")
         results += [whole, resumed]
@@ -247,8 +251,7 @@ def main() -> None:
         resumed, weights = segment("hf-ext", second, 1, opts.model, out_dir, f"{first}-to-{second}-on-1",
                                    2 * STEPS, resume=str(Path(out_dir) / f"{first}-to-{second}"))  # fmt: skip
         whole_weights = torch.load(Path(out_dir) / f"{first}-8.pt")
-        resumed["max_weight_difference"] = max((weights[k] - whole_weights[k]).abs().max().item()
-                                               for k in whole_weights)  # fmt: skip
+        resumed["max_weight_difference"] = largest_difference(weights, whole_weights)
         resumed["world_size"] = torch.distributed.get_world_size()
         results.append(resumed)
     if torch.distributed.get_rank() == 0:
