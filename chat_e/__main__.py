@@ -20,7 +20,7 @@ from hf_ext.saving.model_dir import ModelDirError as ModelLoadError
 from hf_ext.saving.model_dir import describe_model_dir
 
 from .data.limits import ChatLimits
-from .data.settings import SETTINGS, setting_type
+from .data.settings import SETTINGS, resolve_quantize, setting_type
 from .engines.remote import BACKEND_API_KEY_ENV
 from .feedback.cli import DESCRIPTION as FEEDBACK_DESCRIPTION
 from .feedback.cli import add_db_argument, add_feedback_commands
@@ -28,6 +28,9 @@ from .feedback.cli import run as run_feedback
 from .feedback.store import DEFAULT_RUN_DIR, FeedbackStore, default_url
 from .http.guard import ADMIN_ENV, API_KEY_ENV, AUTH_ENV, exposure_warning, parse_auth
 from .server import bind
+from .training.eval_cli import DESCRIPTION as EVAL_DESCRIPTION
+from .training.eval_cli import add_eval_arguments
+from .training.eval_cli import run as run_eval
 from .training.launch import DESCRIPTION as TRAIN_DESCRIPTION
 from .training.launch import add_train_arguments
 from .training.launch import run as run_training
@@ -53,7 +56,7 @@ SERVE_DESCRIPTION = (
     "server (--backend)."
 )
 #: ``chat-e``'s subcommands; ``chat-e --model DIR`` (no subcommand) is ``chat-e serve --model DIR``
-COMMANDS = ("serve", "arena", "feedback", "train")
+COMMANDS = ("serve", "arena", "feedback", "train", "eval")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,7 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="Train a model: dialogue fine-tuning (sft), DPO or KTO.",
                                 description=TRAIN_DESCRIPTION)  # fmt: skip
     add_train_arguments(train)
-    for command in (serve, arena, feedback, train):
+    evaluate = commands.add_parser("eval", help="An offline adherence report of one model, or two side by side.",
+                                   description=EVAL_DESCRIPTION)  # fmt: skip
+    add_eval_arguments(evaluate)
+    for command in (serve, arena, feedback, train, evaluate):
         command.set_defaults(command_parser=command)  # its own errors say "chat-e COMMAND: error: ..."
     return parser
 
@@ -198,13 +204,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser, arena: bool = False) ->
             group.add_argument(*flags, type=setting_type(f), default=None, help=f.metadata["help"])
 
 
-def resolve_quantize(choice: str, dtype: str) -> str:
-    """``--quantize auto``: int8 when the weights are fp32 (the CLI serves on the CPU), else none."""
-    if choice != "auto":
-        return choice
-    return "int8" if dtype == "fp32" else "none"
-
-
 def torch_threads(requested: int | None, concurrency: int) -> int:
     """Threads per generation: as asked, else OMP_NUM_THREADS, else the cores split between concurrent replies."""
     if requested:
@@ -263,11 +262,14 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, argparse.ArgumentParser]
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, parser = parse(sys.argv[1:] if argv is None else list(argv))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, parser = parse(argv)
     if args.command == "feedback":
         return run_feedback(args)
     if args.command == "train":
         return run_training(args, parser)
+    if args.command == "eval":
+        return run_eval(args, parser, argv[1:])
     arena = args.command == "arena"
     models = list(dict.fromkeys(args.model)) if arena else [args.model]
     if arena and len(models) < 2:

@@ -88,6 +88,14 @@ def setting_ranges(model_limit: int) -> dict[str, tuple[float, float]]:
     }
 
 
+def resolve_quantize(choice: str, dtype: str) -> str:
+    """``--quantize auto`` (``chat-e serve``'s and ``chat-e eval``'s default): int8 when the weights are fp32 (the CLI
+    serves on the CPU), else none."""
+    if choice != "auto":
+        return choice
+    return "int8" if dtype == "fp32" else "none"
+
+
 #: why a reply ended, in OpenAI's words: the model said it was done, or it reached the reply's length limit
 STOP, LENGTH = "stop", "length"
 

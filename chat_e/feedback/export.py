@@ -15,7 +15,8 @@ The rules, each applied once (a row dropped says why, and the counts are printed
 * A row identical to an earlier one (same prompt and replies) is a duplicate and dropped; so is a pair or a rating
   with an empty reply (a model can end its turn at once), which no recipe takes.
 
-DPO and KTO rows are TRL's conversational rows (``prompt``/``chosen``/``rejected``, ``prompt``/``completion``/``label``),
+DPO and KTO rows are TRL's conversational rows (``prompt``/``chosen``/``rejected``, ``prompt``/``completion``/``label``,
+with the chat's ``session_id``, so that the training holds out whole sessions),
 the prompt rendered by :func:`chat_e.data.dialogue.chat_messages` -- the system message and turns Chat-E's decoder-only
 engine puts through the chat template -- so ``recipes/preference.py --data_file rows.jsonl`` trains on exactly what
 the model saw. SFT rows are the dialogue recipe's ``texts``/``labels`` (MuDoConv's format,
@@ -45,6 +46,11 @@ def _prompt(row: Mapping[str, Any]) -> list[dict]:
 
 def _texts(row: Mapping[str, Any]) -> str:
     return format_context([*row["history"], row["message"]], row["mode"], row["context"])
+
+
+def _session(row: Mapping[str, Any]) -> dict:
+    """The row's chat session, which the training's hold-out keeps on one side (never split by row)."""
+    return {"session_id": row["session_id"]} if row.get("session_id") else {}
 
 
 def _assistant(text: str) -> list[dict]:
@@ -130,20 +136,25 @@ class Examples:
         """The rows of format ``fmt`` (``dpo``, ``kto`` or ``sft``), duplicates dropped (and counted)."""
         if fmt == "dpo":
             rows = [
-                {"prompt": _prompt(r), "chosen": _assistant(c), "rejected": _assistant(x)} for r, c, x in self.pairs
+                {"prompt": _prompt(r), "chosen": _assistant(c), "rejected": _assistant(x), **_session(r)}
+                for r, c, x in self.pairs
             ]
         elif fmt == "kto":
             labelled = [(r, reply, liked) for r, reply, liked in self.ratings]
             labelled += [(r, c, True) for r, c, _ in self.pairs] + [(r, x, False) for r, _, x in self.pairs]
             labelled += [(r, reply, False) for r, reply in self.undesirable]
-            rows = [{"prompt": _prompt(r), "completion": _assistant(c), "label": ok} for r, c, ok in labelled]
+            rows = [
+                {"prompt": _prompt(r), "completion": _assistant(c), "label": ok, **_session(r)}
+                for r, c, ok in labelled
+            ]
         elif fmt == "sft":
             rows = [{"texts": _texts(r), "labels": clean_turn(reply)} for r, reply in self.endorsed]
         else:
             raise ValueError(f"--format {fmt!r}: choose one of {', '.join(FORMATS)}.")
         unique, seen = [], set()
         for row in rows:
-            key = json.dumps(row, sort_keys=True)
+            # the same prompt and replies from another session is a duplicate too
+            key = json.dumps({k: v for k, v in row.items() if k != "session_id"}, sort_keys=True)
             if key in seen:
                 self.dropped["duplicate"] += 1
                 continue

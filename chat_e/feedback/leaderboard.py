@@ -30,16 +30,13 @@ from scipy import stats
 
 from hf_ext.atomic import write_bytes_atomically
 
+from ..data.stats import CONFIDENCE, SHARE_METHOD, share
 from .store import WINNERS
 
 #: the vote kinds (:data:`chat_e.feedback.store.WINNERS`, FastChat's) that have a winner
 DECISIVE = ("model_a", "model_b")
-CONFIDENCE = 0.95
-#: the confidence interval of a win rate: Wilson's score interval. With the few votes an arena gathers it keeps close
-#: to its nominal 95 % coverage on average (Brown, Cai & DasGupta 2001, "Interval estimation for a binomial
-#: proportion"), where Clopper-Pearson's "exact" interval is conservative and wider, and unlike the Wald interval it
-#: never shrinks to a point at 0 or n wins.
-CI_METHOD = "wilson"
+#: the confidence interval of a win rate: a share's (chat_e.data.stats: Wilson's score interval)
+CI_METHOD = SHARE_METHOD
 #: the preferences (win rates) :func:`votes_needed` sizes a two-model comparison for
 PREFERENCES = (0.55, 0.60)
 ALPHA = 0.05  # two-sided significance level of the test against a coin
@@ -171,9 +168,8 @@ def two_model_summary(votes: Iterable[Any], model: str, other: str) -> TwoModelS
     decisive = wins + losses
     win_rate = ci = p_value = None
     if decisive:
-        test = stats.binomtest(wins, decisive, 0.5)
-        interval = test.proportion_ci(confidence_level=CONFIDENCE, method=CI_METHOD)
-        win_rate, ci, p_value = wins / decisive, (float(interval.low), float(interval.high)), float(test.pvalue)
+        rate = share(wins, decisive)
+        win_rate, ci, p_value = rate.rate, (rate.low, rate.high), float(stats.binomtest(wins, decisive, 0.5).pvalue)
     needed = [Needed(p, votes_needed(p), max(0, votes_needed(p) - decisive)) for p in PREFERENCES]
     return TwoModelSummary(model, other, wins, losses, ties, bothbad, win_rate, ci, p_value, needed)
 

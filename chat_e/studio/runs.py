@@ -34,9 +34,30 @@ from hf_ext.deepspeed.load import PRESETS
 
 from ..data.progress import ENV as PROGRESS_ENV
 from ..data.progress import NICENESS_ENV, read_progress
+from ..data.stats import Share
 from ..feedback.export import export
 from ..feedback.store import DONE, FAILED, QUEUED, RUNNING, STOPPED, FeedbackStore, utcnow
-from ..training.launch import LAUNCHERS, command
+from ..training.launch import LAUNCHERS, PREFERRED_PER_TOKEN, PREFERRED_SUM, REPLY_NLL, command
+
+#: the held-out scores a done run shows, before → after (the training's report: chat_e.training.heldout)
+HEADLINE = ((PREFERRED_SUM, "prefers chosen"), (PREFERRED_PER_TOKEN, "per token"))
+
+
+def share_text(value: dict | None) -> str:
+    """A reported share (:meth:`chat_e.data.stats.Share.as_dict`) as text: rate, 95 % interval and counts."""
+    return Share(**value).text() if value else "—"
+
+
+def held_out_line(before: dict, after: dict) -> str:
+    """A done run's held-out scores, before → after: the model's own preference for the chosen (desirable) reply,
+    summed and per token, each with its 95 % interval and counts, and the preferred replies' NLL per token."""
+    shown = [f"{label} {share_text(before.get(key))} → {share_text(after.get(key))}" for key, label in HEADLINE]
+    nll_before, nll_after = before.get(REPLY_NLL), after.get(REPLY_NLL)
+    if nll_after is not None:
+        was = "—" if nll_before is None else f"{nll_before:.3f}"
+        shown.append(f"preferred reply NLL/token {was} → {nll_after:.3f}")
+    return f"Held-out ({after.get('rows', 0)} rows; {after.get('pairing', 'pairs')}): " + "; ".join(shown)
+
 
 #: the methods the app trains from its feedback (SFT from endorsed replies is ``chat-e train --method sft``)
 APP_METHODS = ("dpo", "kto")

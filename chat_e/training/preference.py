@@ -22,10 +22,12 @@ Data, in this order of choice:
   becomes two rows: the human reply labelled True, the model's False. Prompts and replies are rendered by
   chat_e.data.dialogue, so the text trained on is the text Chat-E serves.
 
-Held-out pairs (the corpus's validation split by conversation, or a seeded split of the rows) are evaluated before
-and after training: TRL's own eval metrics (DPO: reward accuracy and mean margin of the implicit reward
-beta * (logp_policy - logp_ref); KTO: the mean rewards of desirable and undesirable replies) and the NLL per token of
-the held-out preferred (human) replies. The table is printed and written to OUTPUT_DIR/preference_metrics.json.
+Held-out rows (the corpus's validation split by conversation; for a data file, whole conversations: every row of a
+``session_id``, else of a conversation's opening, on one side) are scored by the model itself before and after
+training (:mod:`chat_e.training.heldout`): the share of pairs whose chosen (desirable) reply it finds likelier than
+the rejected (undesirable) one, summed and per token, each with its row count and 95 % interval, and the NLL per token
+of the held-out preferred replies. TRL's implicit reward, 0 for every pair before training by construction, stays in
+the training log. The table is printed and written to OUTPUT_DIR/preference_metrics.json.
 
 Reads top to bottom: parse args -> model files -> data (SPIN pairs generated or read from the cache) -> trainer ->
 evaluate -> train -> evaluate -> save -> report.
@@ -37,7 +39,7 @@ import argparse
 import hashlib
 import json
 import logging
-import math
+import random
 import sys
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -51,12 +53,16 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, set_se
 
 from hf_ext.atomic import write_text_atomically
 from hf_ext.config_args import parse_args_with_config
+from hf_ext.gather import gathered
 from hf_ext.runtime import end_distributed, prepare_run, run_summary
 
 from ..data.corpora import OFFLINE_DATASETS, load_offline, sample
 from ..data.dialogue import chat_reply_ids, encode_chat_prompt, family_of, parse_texts
 from ..data.lora import LoraArguments
 from ..data.models import BUILDERS, build_model
+from ..data.stats import share
+from .heldout import heldout_metrics
+from .launch import PREFERRED_PER_TOKEN, PREFERRED_SUM, REPLY_NLL
 from .progress import join_run_niceness, progress_callbacks
 
 logger = logging.getLogger(__name__)
@@ -102,7 +108,10 @@ class PreferenceDataArguments:
     dataset_config_name: str | None = field(default=None, metadata={"help": "Hub dataset configuration name."})
     dataset_split: str = field(default="train", metadata={"help": "Split of the hub dataset to read."})
     n_train: int | None = field(default=None, metadata={"help": "Training pairs (a seeded sample)."})
-    n_eval: int = field(default=64, metadata={"help": "Held-out pairs evaluated before and after training."})
+    n_eval: int = field(
+        default=64,
+        metadata={"help": "Held-out rows scored before and after training (whole conversations, so about this many)."},
+    )
     data_seed_split: int = field(
         default=42, metadata={"help": "Seed of the corpus split, the sampling and the hold-out."}
     )
@@ -194,7 +203,7 @@ def clean_preference_rows(rows, loss: str, source: str, unparsable: int = 0) -> 
         if problem:
             problems[problem] += 1
         else:
-            kept.append({name: row[name] for name in FIELDS[loss]})
+            kept.append({name: row[name] for name in (*FIELDS[loss], "session_id") if name in row})
     if problems:
         skipped = sum(problems.values())
         detail = ", ".join(f"{n} {what}" for what, n in problems.most_common())
@@ -230,6 +239,41 @@ def to_unpaired(rows: list[dict]) -> list[dict]:
     return out
 
 
+def without_groups(rows: list[dict]) -> list[dict]:
+    """``rows`` without the conversation key the hold-out used (TRL's rows carry only their format's fields)."""
+    return [{k: v for k, v in row.items() if k != "session_id"} for row in rows]
+
+
+def conversation_of(row: dict) -> str:
+    """The conversation a row belongs to, which the hold-out keeps whole: its ``session_id`` (``chat-e feedback
+    export`` writes it), else its prompt's system message and first user turn (a plain-text prompt: the prompt)."""
+    if row.get("session_id"):
+        return f"session {row['session_id']}"
+    prompt = row["prompt"]
+    if isinstance(prompt, str):
+        return prompt
+    system = [m["content"] for m in prompt if m["role"] == "system"][:1]
+    first = [m["content"] for m in prompt if m["role"] == "user"][:1]
+    return json.dumps([system, first])
+
+
+def split_by_conversation(rows: list, groups: list[str], n_eval: int, seed: int) -> tuple[list, list]:
+    """``(train, held_out)``: whole conversations, drawn in a seeded order, held out until they hold at least
+    ``n_eval`` rows (at most half of the rows; at least one conversation stays for training)."""
+    order = list(dict.fromkeys(groups))
+    random.Random(seed).shuffle(order)
+    members: dict[str, list[int]] = {}
+    for i, group in enumerate(groups):
+        members.setdefault(group, []).append(i)
+    target, held = min(n_eval, len(rows) // 2), []
+    for group in order[:-1]:
+        if len(held) >= target:
+            break
+        held += members[group]
+    held_set = set(held)
+    return [r for i, r in enumerate(rows) if i not in held_set], [rows[i] for i in sorted(held)]
+
+
 def load_rows(data_args: PreferenceDataArguments) -> tuple[list[dict], list[dict]]:
     """Training and held-out rows of a data file or a hub dataset (a seeded hold-out of ``n_eval`` rows)."""
     if data_args.data_file:
@@ -245,9 +289,10 @@ def load_rows(data_args: PreferenceDataArguments) -> tuple[list[dict], list[dict
     rows = clean_preference_rows(rows, "dpo" if paired else "kto", source, unparsable)
     if not rows:
         raise ValueError(f"{source}: no usable rows (see the log line above).")
-    ds = datasets.Dataset.from_list(rows).shuffle(seed=data_args.data_seed_split)
-    n_eval = min(data_args.n_eval, len(ds) // 2)
-    held_out, train = ds.select(range(n_eval)).to_list(), ds.select(range(n_eval, len(ds))).to_list()
+    groups = [conversation_of(r) for r in rows]
+    train, held_out = split_by_conversation(rows, groups, data_args.n_eval, data_args.data_seed_split)
+    if not held_out:
+        logger.warning(f"{source}: every row is from one conversation, so none can be held out: no before/after.")
     train = sample(datasets.Dataset.from_list(train), data_args.n_train, data_args.data_seed_split).to_list()
     if paired and data_args.loss == "kto":
         train, held_out = to_unpaired(train), to_unpaired(held_out)
@@ -373,86 +418,41 @@ def load_spin(data_args, model_path: str, tokenizer, training_args) -> tuple[lis
     return out["train"], out["eval"]
 
 
-# ---------------------------------------------------------------------------------------------- held-out NLL
-def reply_rows(trainer, loss: str) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, reply ids) of the held-out preferred replies, as TRL tokenized them for its evaluation."""
-    ds = trainer.eval_dataset
-    if loss == "dpo":
-        return list(zip(ds["prompt_ids"], ds["chosen_ids"]))
-    return [(p, c) for p, c, good in zip(ds["prompt_ids"], ds["completion_ids"], ds["label"]) if good]
-
-
-def reply_nll(trainer, rows: list[tuple[list[int], list[int]]], batch_size: int) -> float:
-    """Mean negative log-likelihood per token of the replies given their prompts: the rows sharded over the ranks,
-    the sums added across them (every rank runs the same number of forward passes, as ZeRO-3 needs)."""
-    model = trainer.model
-    rank, world = trainer.args.process_index, trainer.args.world_size
-    mine = rows[rank::world]
-    steps = math.ceil(math.ceil(len(rows) / world) / batch_size)
-    pad = trainer.processing_class.pad_token_id
-    total = torch.zeros(2, dtype=torch.float64)
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        for step in range(steps):
-            batch = mine[step * batch_size : (step + 1) * batch_size]
-            counted = bool(batch)
-            batch = batch or rows[:1]  # a step taken so that the other ranks' forward passes have a partner
-            width = max(len(p) + len(c) for p, c in batch)
-            ids = torch.full((len(batch), width), pad, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            labels = torch.full_like(ids, -100)
-            for i, (prompt, reply) in enumerate(batch):
-                n = len(prompt) + len(reply)
-                ids[i, :n] = torch.tensor(prompt + reply)
-                mask[i, :n] = 1
-                labels[i, len(prompt) : n] = torch.tensor(reply)
-            device = trainer.args.device
-            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
-            shift_labels = labels[:, 1:].to(device)
-            nll = torch.nn.functional.cross_entropy(
-                logits[:, :-1].reshape(-1, logits.size(-1)), shift_labels.reshape(-1), reduction="sum"
-            )
-            if counted:
-                total += torch.tensor([nll.item(), (shift_labels != -100).sum().item()], dtype=torch.float64)
-    model.train(was_training)
-    if world > 1:
-        total = total.to(trainer.args.device)
-        torch.distributed.all_reduce(total)
-    return float(total[0] / total[1])
-
-
-#: the eval metrics of each loss in the table: (key in TRL's logs, label)
-REPORTED = {
-    "dpo": [
-        ("eval_rewards/accuracies", "reward accuracy"),
-        ("eval_rewards/margins", "reward margin"),
-        ("eval_rewards/chosen", "reward chosen"),
-        ("eval_rewards/rejected", "reward rejected"),
-        ("eval_loss", "loss (TRL's eval_loss)"),
-    ],
-    "kto": [
-        ("eval_rewards/chosen", "reward desirable"),
-        ("eval_rewards/rejected", "reward undesirable"),
-        ("eval_rewards/margins", "reward margin"),
-        ("eval_kl", "KL estimate"),
-        ("eval_loss", "loss (TRL's eval_loss)"),
-    ],
-}
+# ---------------------------------------------------------------------------------------------- held-out scores
+#: the report's before/after rows: (key, label); the shares come with their interval and row count
+REPORTED = [
+    (PREFERRED_SUM, "prefers chosen (summed)"),
+    (PREFERRED_PER_TOKEN, "prefers chosen (per token)"),
+    (REPLY_NLL, "preferred reply NLL/token"),
+]
 
 
 def evaluate(trainer, loss: str, batch_size: int) -> dict:
-    metrics = trainer.evaluate()
-    metrics["eval_reply_nll"] = reply_nll(trainer, reply_rows(trainer, loss), batch_size)
-    return metrics
+    """The model's own scores of the held-out rows (:func:`chat_e.training.heldout.heldout_metrics`), its
+    parameters gathered where ZeRO-3 partitioned them."""
+    if trainer.eval_dataset is None:
+        return {"rows": 0}
+    model = trainer.model
+    with gathered(list(model.parameters())):
+        return heldout_metrics(
+            model, trainer.eval_dataset, loss, batch_size, trainer.processing_class.pad_token_id, trainer.args.device
+        )
+
+
+def _cell(value) -> str:
+    if isinstance(value, dict):
+        return share(value["k"], value["n"]).text()
+    return "—" if value is None else f"{value:.4f}"
 
 
 def format_table(before: dict, after: dict, loss: str) -> str:
-    rows = [*REPORTED[loss], ("eval_reply_nll", "human reply NLL/token")]
-    lines = [f"{'held-out':<24} {'before':>10} {'after':>10}"]
-    for key, label in rows:
-        if key in before or key in after:
-            lines.append(f"{label:<24} {before.get(key, float('nan')):>10.4f} {after.get(key, float('nan')):>10.4f}")
+    """The before/after table (a share: its percentage, 95 % interval and counts)."""
+    label = {"dpo": "", "kto": " (desirable)"}[loss]
+    lines = [f"{'held-out':<34} {'before':>32} {'after':>32}"]
+    for key, name in REPORTED:
+        name = name.replace("chosen", "chosen" + label) if label else name
+        lines.append(f"{name:<34} {_cell(before.get(key)):>32} {_cell(after.get(key)):>32}")
+    lines.append(f"pairs: {before.get('pairing', '')}")
     return "\n".join(lines)
 
 
@@ -498,8 +498,8 @@ def main(argv: list[str] | None = None) -> dict:
         train_rows, eval_rows = load_spin(data_args, model_path, tokenizer, training_args)
         source = f"SPIN pairs of {data_args.dataset_name}"
     logger.info(f"{source}: {len(train_rows)} training rows, {len(eval_rows)} held-out rows ({loss.upper()})")
-    train_dataset = datasets.Dataset.from_list(train_rows)
-    eval_dataset = datasets.Dataset.from_list(eval_rows)
+    train_dataset = datasets.Dataset.from_list(without_groups(train_rows))
+    eval_dataset = datasets.Dataset.from_list(without_groups(eval_rows)) if eval_rows else None
 
     # 4. model: loaded after the arguments, so ZeRO-3 partitions it while loading; TRL adds the adapter
     model = AutoModelForCausalLM.from_pretrained(model_path)

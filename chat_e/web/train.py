@@ -20,7 +20,7 @@ from hf_ext.deepspeed.load import PRESETS
 
 from ..data.limits import ChatLimits, Refused, check_request
 from ..feedback.export import FORMATS, Examples
-from ..studio.runs import APP_METHODS, RunForm, RunManager
+from ..studio.runs import APP_METHODS, PREFERRED_SUM, RunForm, RunManager, held_out_line, share_text
 from ..studio.serving import ServingDesk
 from .ui import import_gradio, theme
 
@@ -28,10 +28,11 @@ logger = logging.getLogger(__name__)
 
 TITLE = "Chat-E · Train"
 #: the runs table's columns
-RUN_COLUMNS = ["run", "method", "status", "rows", "steps", "started", "ended", "accuracy before", "accuracy after"]
+RUN_COLUMNS = ["run", "method", "status", "rows", "steps", "started", "ended", "prefers chosen before",
+               "prefers chosen after"]  # fmt: skip
+#: the training log's series plotted while a run goes on (TRL's implicit reward stays there: it is 0 before training
+#: by construction, so it is no before/after)
 SERIES = {"loss": "loss", "rewards/margins": "reward margin", "rewards/accuracies": "reward accuracy"}
-#: the held-out metrics shown when a run is done (the preference training's report: TRL's eval metrics)
-HELD_OUT = {"eval_rewards/accuracies": "reward accuracy", "eval_rewards/margins": "reward margin"}
 
 
 def data_summary(store) -> str:
@@ -48,8 +49,8 @@ def data_summary(store) -> str:
 
 def runs_table(runs: list[dict[str, Any]]) -> list[list[Any]]:
     def accuracy(metrics):
-        value = (metrics or {}).get("eval_rewards/accuracies")
-        return "" if value is None else f"{value:.3f}"
+        value = (metrics or {}).get(PREFERRED_SUM)
+        return share_text(value) if value else ""
 
     return [[r["id"], r["method"], r["status"], r["rows"], r["settings"]["form"]["max_steps"],
              f"{r['started_at']:%Y-%m-%d %H:%M:%S}" if r["started_at"] else "",
@@ -70,10 +71,7 @@ def status_view(manager: RunManager) -> tuple[str, str, list[list[Any]], str, li
     if eta is not None and newest["status"] == "running":
         line += f", about {eta:.0f} s left"
     if newest["status"] == "done" and newest["metrics_after"]:
-        before, after = newest["metrics_before"] or {}, newest["metrics_after"]
-        shown = [f"{label} {before.get(key, float('nan')):.3f} → {after[key]:.3f}"
-                 for key, label in HELD_OUT.items() if key in after]  # fmt: skip
-        line += ". Held-out: " + "; ".join(shown)
+        line += ". " + held_out_line(newest["metrics_before"] or {}, newest["metrics_after"])
     if newest["status"] == "failed" and newest["detail"]:
         line += f". {newest['detail'].splitlines()[0]}"
     bar = f'<progress value="{step}" max="{max(total, 1)}" style="width:100%"></progress>'

@@ -258,11 +258,12 @@ def test_the_operator_turns_feedback_into_a_served_model_in_the_browser(tiny_cha
         assert len(list(Path(store.run(run["id"])["output_dir"]).glob("checkpoint-*"))) == 1
         page.locator("#train-resume").click()
         done = wait_shown(page, "#train-status", "done")
-        assert re.search(r"Held-out: reward accuracy [\d.]+ → [\d.]+; reward margin", done), done
+        share = r"[\d.]+% \[[\d.]+%, [\d.]+%\] \(\d+/\d+\)"
+        assert re.search(rf"Held-out \(\d+ rows; chosen against rejected\): prefers chosen {share} → {share}; per "
+                         rf"token {share} → {share}; preferred reply NLL/token [\d.]+ → [\d.]+", done), done  # fmt: skip
         record = store.run(run["id"])
-        assert {"eval_rewards/accuracies", "eval_rewards/margins"} <= set(record["metrics_before"]) & set(
-            record["metrics_after"]
-        )
+        for metrics in (record["metrics_before"], record["metrics_after"]):
+            assert metrics["preferred_sum"]["n"] == metrics["rows"] > 0
         assert {"config.json", "adapter_config.json"} & {p.name for p in Path(record["output_dir"]).iterdir()}
         assert f"step {STEPS} of {STEPS}" in done
         screenshot(page, tmp_path, "chat-e-train-done.png")

@@ -145,7 +145,7 @@ def test_ui_controls_are_the_declared_settings():
 
 def test_chat_e_lists_its_subcommands_and_serves_by_default():
     help_text = build_parser().format_help()
-    assert "{serve,arena,feedback,train}" in help_text and "Serve a model (the default command)." in help_text
+    assert "{serve,arena,feedback,train,eval}" in help_text and "Serve a model (the default command)." in help_text
     assert parse(["--model", "m"])[0].command == "serve"  # chat-e --model DIR, as the docs write it
     args, parser = parse(["arena", "--model", "a", "--model", "b", "--seed", "3"])
     assert (args.command, args.model, args.seed, parser.prog) == ("arena", ["a", "b"], 3, "chat-e arena")

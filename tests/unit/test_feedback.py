@@ -157,10 +157,12 @@ VOTE_PROMPT = [{"role": "user", "content": "hey"}]
 
 def test_dpo_rows_follow_the_rules():
     examples = Examples(FEEDBACK, VOTES)
+    # each row names its chat session, which the training's hold-out keeps whole
+    s1 = {"session_id": "s1"}
     assert examples.rows("dpo") == [
-        {"prompt": PROMPT, "chosen": assistant("I am well, and you?"), "rejected": assistant("Bad reply.")},
-        {"prompt": PROMPT, "chosen": assistant("First try."), "rejected": assistant("Second try.")},
-        {"prompt": VOTE_PROMPT, "chosen": assistant("I am a cat."), "rejected": assistant("Fine, thanks.")},
+        {"prompt": PROMPT, "chosen": assistant("I am well, and you?"), "rejected": assistant("Bad reply."), **s1},
+        {"prompt": PROMPT, "chosen": assistant("First try."), "rejected": assistant("Second try."), **s1},
+        {"prompt": VOTE_PROMPT, "chosen": assistant("I am a cat."), "rejected": assistant("Fine, thanks."), **s1},
     ]
     assert examples.dropped == {
         "rating taken back": 1,
@@ -187,6 +189,7 @@ def test_kto_rows_are_the_ratings_and_the_pairs_unpaired():
         ("I am a cat.", False),  # both bad: "Fine, thanks." is already there
     ]
     assert all(r["prompt"] in (PROMPT, VOTE_PROMPT) for r in rows)
+    assert [r["session_id"] for r in rows] == ["s1", "s2", *["s1"] * 6]
 
 
 def test_sft_rows_never_take_a_disliked_or_losing_reply():

@@ -221,14 +221,14 @@ DOC = ROOT / "docs" / "architecture.md"
 BEGIN, END = "<!-- import-graph: begin (written by tests/unit/test_import_graph.py) -->", "<!-- import-graph: end -->"
 
 
-#: the product's units: Chat-E, and its training (chat_e.training's trainings; its ``launch``, which names them as
-#: strings, is ``chat-e``'s), which uses hf-ext's trainer and settings as any user's script does
+#: the product's units: Chat-E, and its training (chat_e.training's trainings and its eval; its ``launch`` and
+#: ``eval_cli``, which name them as strings or import them when run, are ``chat-e``'s), which uses hf-ext's trainer and settings as any user's script does
 PRODUCT = {"chat_e", "chat_e.training"}
 
 
 def unit_of(module: str) -> str:
     parts = module.split(".")
-    if parts[:2] == ["chat_e", "training"] and len(parts) > 2 and parts[2] != "launch":
+    if parts[:2] == ["chat_e", "training"] and len(parts) > 2 and parts[2] not in ("launch", "eval_cli"):
         return "chat_e.training"
     return parts[1] if parts[0] == "hf_ext" and len(parts) > 1 else parts[0]
 
