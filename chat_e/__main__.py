@@ -115,6 +115,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser, arena: bool = False) ->
             help='Flags every run\'s training gets first, in one string (e.g. "--config my.yaml").',
         )
         train.add_argument(
+            "--eval_args",
+            "--eval-args",
+            default="",
+            metavar="FLAGS",
+            help='Flags the eval of every done run gets (chat-e eval\'s, in one string, e.g. "--n_nll 64").',
+        )
+        train.add_argument(
             "--train_dir",
             "--train-dir",
             default=str(DEFAULT_RUN_DIR / "train"),
@@ -377,7 +384,9 @@ def main(argv: list[str] | None = None) -> int:
         from .web.arena import Arena, arena_blocks  # noqa: PLC0415 (heavy: scipy and choix)
         from .web.train import build_train_app  # noqa: PLC0415 (heavy: the operator's page only)
 
-        manager = RunManager(store, args.model, args.train_dir, shlex.split(args.train_args))
+        manager = RunManager(
+            store, args.model, args.train_dir, shlex.split(args.train_args), shlex.split(args.eval_args)
+        )
         # the app's own blind arena (at /arena, behind the chat's login), opened by the Train page
         in_app = Arena({}, record_vote=lambda vote: store.add_vote(**vote), load_votes=store.vote_outcomes,
                        limits=limits, closed=True)  # fmt: skip

@@ -9,6 +9,10 @@ feedback database (:class:`chat_e.feedback.store.TrainingRun`).
 * **Cancel** sends SIGTERM to the run's ranks (not to its launcher, which would kill them 30 s later): hf-ext's preemption (``save_on_preemption``) has every rank save one
   checkpoint at the next step boundary and exit with status 75; the run is then ``stopped``. **Resume** starts the
   same command with ``--resume_from_checkpoint True``.
+* **Eval**: once a run is done, ``chat-e eval`` (:mod:`chat_e.training.evaluate`) compares its model with the model
+  it was trained from (the served one when it started), niced like the training, its report in the run's folder
+  (``eval/eval.json``, ``eval/eval.md``, ``eval/eval.png``). Promote asks for confirmation while that report is
+  missing or says the run's model is worse beyond the 95 % interval on any score (:meth:`RunManager.promotion_doubt`).
 * **Refresh** decides what a ``running`` record is now: its process still running (the pid *and* the process's start
   time, so that a later process given the same pid is not taken for it); else, from the exit status where this
   manager started the process, or from what the run left where another (an app restarted mid-run) did: the training's
@@ -37,6 +41,7 @@ from ..data.progress import NICENESS_ENV, read_progress
 from ..data.stats import Share
 from ..feedback.export import export
 from ..feedback.store import DONE, FAILED, QUEUED, RUNNING, STOPPED, FeedbackStore, utcnow
+from ..training.eval_cli import command as eval_command
 from ..training.launch import LAUNCHERS, PREFERRED_PER_TOKEN, PREFERRED_SUM, REPLY_NLL, command
 
 #: the held-out scores a done run shows, before → after (the training's report: chat_e.training.heldout)
@@ -72,6 +77,8 @@ LOG_TAIL_LINES = 20
 #: the line the manager writes into a run's log before each launch (start, resume)
 LAUNCH_MARK = "=== chat-e: launch of run"
 MAX_STEPS = 100_000
+#: a run's eval report (chat-e eval's output dir in the run's folder) and its log
+EVAL_DIR, EVAL_LOG = "eval", "eval.log"
 
 
 @dataclass
@@ -115,12 +122,14 @@ class RunManager:
     """Runs of ``chat-e train`` on ``base_model``, recorded in ``store``, each in a folder of ``run_dir``.
     ``train_args`` go before the form's flags (a ``--config`` YAML, say)."""
 
-    def __init__(self, store: FeedbackStore, base_model: str, run_dir: str | Path, train_args: list[str] = ()):
+    def __init__(self, store: FeedbackStore, base_model: str, run_dir: str | Path, train_args: list[str] = (),
+                 eval_args: list[str] = ()):  # fmt: skip
         self.store, self.base_model, self.run_dir = store, str(base_model), Path(run_dir)
-        self.train_args = list(train_args)
+        self.train_args, self.eval_args = list(train_args), list(eval_args)
         #: how nice the runs are (NICENESS; 0 leaves their priority as the server's)
         self.niceness = NICENESS
         self._procs: dict[int, subprocess.Popen] = {}
+        self._evals: dict[int, subprocess.Popen] = {}
 
     # ---- starting --------------------------------------------------------------------------------------------
 
@@ -172,11 +181,14 @@ class RunManager:
             args += ["--deepspeed", form.preset]
         return args
 
+    def _niced(self) -> list[str]:
+        nice = shutil.which("nice")
+        return [nice, "-n", str(self.niceness)] if nice and self.niceness else []
+
     def _launch(self, run_id: int, cmd: list[str]) -> None:
         run = self._get(run_id)
         folder = Path(run["log_path"]).parent
-        nice = shutil.which("nice")
-        niced = [nice, "-n", str(self.niceness)] if nice and self.niceness else []
+        niced = self._niced()
         # each rank gives its own session the same niceness (chat_e.data.progress says why)
         env = {**os.environ, PROGRESS_ENV: str(folder / "progress.jsonl"), NICENESS_ENV: str(self.niceness)}
         with open(run["log_path"], "ab") as log:
@@ -223,7 +235,75 @@ class RunManager:
                 continue
             self._procs.pop(run["id"], None)
             self._settle(run, code)
-        return self.store.runs()
+        runs = self.store.runs()
+        for run in runs:
+            if run["status"] == DONE and not (Path(run["log_path"]).parent / EVAL_LOG).exists():
+                self._start_eval(run)
+        return runs
+
+    # ---- the eval of a done run --------------------------------------------------------------------------------
+
+    def _start_eval(self, run: dict[str, Any]) -> None:
+        """``chat-e eval`` of run ``run``'s model beside the model it was trained from, niced, logged beside it."""
+        folder = Path(run["log_path"]).parent
+        cmd = eval_command(["--model", run["settings"]["base_model"], "--model", run["output_dir"],
+                            "--output_dir", str(folder / EVAL_DIR), *self.eval_args])  # fmt: skip
+        with open(folder / EVAL_LOG, "ab") as log:
+            log.write(
+                f"{LAUNCH_MARK} #{run['id']}'s eval at {utcnow():%Y-%m-%d %H:%M:%S} UTC: {' '.join(cmd)}\n".encode()
+            )
+            log.flush()
+            self._evals[run["id"]] = subprocess.Popen([*self._niced(), *cmd], stdout=log, stderr=subprocess.STDOUT,
+                                                      start_new_session=True)  # fmt: skip
+
+    def eval_report(self, run: dict[str, Any]) -> dict[str, Any] | None:
+        """Run ``run``'s eval report (chat-e eval's JSON), None while there is none."""
+        path = Path(run["log_path"]).parent / EVAL_DIR / "eval.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def eval_state(self, run: dict[str, Any]) -> str:
+        """``none`` (not started), ``running``, ``done`` or ``failed`` (ended without a report: its log says why)."""
+        folder = Path(run["log_path"]).parent
+        if (folder / EVAL_DIR / "eval.json").is_file():
+            return "done"
+        if not (folder / EVAL_LOG).exists():
+            return "none"
+        proc = self._evals.get(run["id"])
+        return "running" if proc is not None and proc.poll() is None else "failed"
+
+    def eval_markdown(self, run: dict[str, Any]) -> str:
+        """What the Train page shows of run ``run``'s eval."""
+        state = self.eval_state(run)
+        folder = Path(run["log_path"]).parent
+        if state == "running":
+            return f"Evaluating run #{run['id']}'s model beside `{run['settings']['base_model']}` (chat-e eval)…"
+        if state == "failed":
+            tail = "\n".join(_tail(folder / EVAL_LOG, 3))
+            return f"Run #{run['id']}'s eval ended without a report; its log ({folder / EVAL_LOG}) ends:\n```\n{tail}\n```"
+        if state == "none":
+            return ""
+        report = self.eval_report(run)
+        worse = report["worse"]
+        verdict = (f"**Worse beyond the 95 % interval on: {', '.join(worse)}.**" if worse
+                   else "Worse beyond the 95 % interval on no score.")  # fmt: skip
+        table = (folder / EVAL_DIR / "eval.md").read_text()
+        return f"Run #{run['id']}'s model (2nd) beside `{run['settings']['base_model']}` (1st): {verdict}\n\n{table}"
+
+    def promotion_doubt(self, run_id: int) -> str | None:
+        """Why promoting run ``run_id``'s model needs a confirmation (None: it needs none): its eval is not there yet,
+        or says it is worse than the model it was trained from beyond the 95 % interval on some score."""
+        run = self._get(run_id)
+        state = self.eval_state(run)
+        if state != "done":
+            return (f"Run #{run_id}'s eval is {'still running' if state == 'running' else 'missing'}, so nobody "
+                    f"knows whether its model is worse")  # fmt: skip
+        worse = self.eval_report(run)["worse"]
+        if worse:
+            return (
+                f"Run #{run_id}'s model is worse than the model it was trained from beyond the 95 % interval on "
+                + (", ".join(worse))
+            )
+        return None
 
     def _settle(self, run: dict[str, Any], code: int | None) -> None:
         """Record how ``run`` ended: ``code`` is its exit status, None when another process started it."""

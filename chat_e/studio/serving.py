@@ -109,9 +109,13 @@ class ServingDesk:
         logger.info("arena opened: %s against %s", served.name, engine.name)
         return self.arena_pair
 
-    def promote(self, run_id: int) -> str:
-        """Serve run ``run_id``'s model from the next reply on; its name."""
+    def promote(self, run_id: int, confirmed: bool = False) -> str:
+        """Serve run ``run_id``'s model from the next reply on; its name. Unless ``confirmed``, a ``ValueError`` in one
+        line when its eval is missing or says it is worse (:meth:`RunManager.promotion_doubt`)."""
         loaded, _ = self.candidate(run_id)
+        doubt = None if confirmed else self.manager.promotion_doubt(run_id)
+        if doubt:
+            raise ValueError(f"{doubt}: tick 'promote anyway' to promote it all the same.")
         with self._lock:
             if loaded[0].name == self._serving[0].name:
                 raise ValueError(f"Run #{run_id}'s model is already served.")

@@ -58,12 +58,12 @@ def runs_table(runs: list[dict[str, Any]]) -> list[list[Any]]:
              accuracy(r["metrics_before"]), accuracy(r["metrics_after"])] for r in runs]  # fmt: skip
 
 
-def status_view(manager: RunManager) -> tuple[str, str, list[list[Any]], str, list[list[Any]]]:
+def status_view(manager: RunManager) -> tuple[str, str, list[list[Any]], str, list[list[Any]], str]:
     """The newest run's status line, progress bar (HTML), plotted points ``[step, value, series]``, last log lines,
-    and the runs table."""
+    the runs table, and the newest done run's eval beside the model it was trained from."""
     runs = manager.refresh()
     if not runs:
-        return "No run yet.", "", [], "", []
+        return "No run yet.", "", [], "", [], ""
     newest = runs[0]
     progress = manager.progress(newest["id"])
     step, total, eta = progress["step"], progress["max_steps"], progress["eta_s"]
@@ -77,7 +77,8 @@ def status_view(manager: RunManager) -> tuple[str, str, list[list[Any]], str, li
     bar = f'<progress value="{step}" max="{max(total, 1)}" style="width:100%"></progress>'
     points = [[s, float(v), SERIES[key]] for key, series in progress["series"].items() for s, v in series]
     log = "\n".join(progress["log_tail"])
-    return line, bar, points, log, runs_table(runs)
+    done = next((r for r in runs if r["status"] == "done"), None)
+    return line, bar, points, log, runs_table(runs), manager.eval_markdown(done) if done else ""
 
 
 def serving_view(desk: ServingDesk | None) -> str:
@@ -109,8 +110,8 @@ def build_train_app(manager: RunManager, store, desk: ServingDesk | None = None,
         return pd.DataFrame(points or [], columns=["step", "value", "series"])
 
     def view():
-        line, bar, points, log, table = status_view(manager)
-        return line, bar, points_frame(points), log, table, data_summary(store)
+        line, bar, points, log, table, evaluation = status_view(manager)
+        return line, bar, points_frame(points), log, table, data_summary(store), evaluation
 
     def start(method, max_steps, lora_rank, learning_rate, launcher, nproc, preset):
         try:
@@ -166,7 +167,8 @@ def build_train_app(manager: RunManager, store, desk: ServingDesk | None = None,
         )
         log = gr.Textbox(label="last log lines", lines=10, max_lines=20, interactive=False, elem_id="train-log")
         table = gr.Dataframe(headers=RUN_COLUMNS, value=[], label="runs", interactive=False, elem_id="train-runs")
-        outputs = [status, bar, plot, log, table, summary]
+        evaluation = gr.Markdown("", elem_id="train-eval")
+        outputs = [status, bar, plot, log, table, summary, evaluation]
         form = [method, max_steps, lora_rank, learning_rate, launcher, nproc, preset]
         start_button.click(start, form, outputs, api_name="start")
         cancel_button.click(act(manager.cancel), None, outputs, api_name="cancel")
@@ -184,7 +186,7 @@ def build_train_app(manager: RunManager, store, desk: ServingDesk | None = None,
 def served_section(gr, desk: ServingDesk, limits: ChatLimits) -> None:
     """The Train page's "Served model" section: a finished run's model against the served one in the app's blind
     arena, Promote, Roll back, and both models' replies side by side (named). Endpoints: ``/open_arena``,
-    ``/promote`` (each takes the run's number), ``/rollback`` and ``/side_by_side`` (the run's number, a
+    ``/promote`` (each takes the run's number; ``/promote`` also whether to promote anyway), ``/rollback`` and ``/side_by_side`` (the run's number, a
     message)."""
 
     def refused(err: ValueError):
@@ -197,9 +199,9 @@ def served_section(gr, desk: ServingDesk, limits: ChatLimits) -> None:
         return number
 
     def acting(action):
-        def handler(run):
+        def handler(run, *flags):
             try:
-                action(run_number(run))
+                action(run_number(run), *flags)
             except ValueError as err:
                 raise refused(err) from None
             return serving_view(desk)
@@ -241,13 +243,15 @@ def served_section(gr, desk: ServingDesk, limits: ChatLimits) -> None:
         run = gr.Number(None, precision=0, label="run (a done run's number)", elem_id="served-run")
         arena_button = gr.Button("Open a blind arena: served vs this run", elem_id="open-arena")
         promote_button = gr.Button("Promote this run's model", variant="primary", elem_id="promote")
+        anyway = gr.Checkbox(False, label="promote anyway (its eval is missing, or says it is worse)",
+                             elem_id="promote-anyway")  # fmt: skip
         rollback_button = gr.Button("Roll back", elem_id="rollback")
     with gr.Row():
         message = gr.Textbox(label="message for both (side by side, named)", scale=4, elem_id="side-message")
         compare = gr.Button("Side by side", scale=1, elem_id="side-by-side")
     replies = gr.Markdown(elem_id="side-replies")
     arena_button.click(acting(desk.open_arena), run, serving, api_name="open_arena")
-    promote_button.click(acting(desk.promote), run, serving, api_name="promote")
+    promote_button.click(acting(desk.promote), [run, anyway], serving, api_name="promote")
     rollback_button.click(rollback, None, serving, api_name="rollback")
     compare.click(side_by_side, [run, message], replies, api_name="side_by_side")
     gr.Timer(2.0).tick(lambda: serving_view(desk), None, serving, api_name=False, show_progress="hidden")

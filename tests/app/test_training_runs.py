@@ -5,6 +5,7 @@ time; bad form values refused in one line before anything starts."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -16,7 +17,7 @@ import psutil
 import pytest
 
 from chat_e.data.progress import AUTOGROUP
-from chat_e.feedback.store import RUNNING, FeedbackStore
+from chat_e.feedback.store import DONE, RUNNING, FeedbackStore
 from chat_e.studio.runs import RunForm, RunManager, run_processes, signal_run
 
 from ..conftest import ROOT
@@ -27,6 +28,8 @@ pytestmark = pytest.mark.slow
 
 PREFERENCE_TINY = ROOT / "recipes" / "configs" / "preference_tiny.yaml"
 TRAIN_ARGS = ["--config", str(PREFERENCE_TINY), "--n_eval", "4", "--per_device_train_batch_size", "4"]
+#: a done run's eval beside the served model, kept short (its report is tested in tests/integration/test_chat_eval.py)
+EVAL_ARGS = ["--n_nll", "8", "--max_new_tokens", "8"]
 
 
 def choice(i: int) -> dict:
@@ -34,6 +37,24 @@ def choice(i: int) -> dict:
     return dict(kind="choice", reply_id=f"r{i}", model="tiny", reply=f"I like apples number {i}.",
                 other_reply_id=f"o{i}", other_reply=f"no {i}", session_id=f"s{i}", mode="none", context="",
                 history=["hello", "hi there"], message=f"What do you like, {i}?", settings={})  # fmt: skip
+
+
+def test_promote_asks_for_confirmation_while_the_eval_is_missing_or_says_worse(store, tmp_path):
+    folder = tmp_path / "run-1"
+    (folder / "eval").mkdir(parents=True)
+    settings = {"form": {}, "command": [], "base_model": "served"}
+    run_id = store.add_run(method="dpo", settings=settings, rows=1, rows_sha256="", status=DONE,
+                           output_dir=str(folder / "out"), log_path=str(folder / "train.log"))  # fmt: skip
+    manager = RunManager(store, "served", tmp_path)
+    assert manager.promotion_doubt(run_id).startswith(f"Run #{run_id}'s eval is missing")
+    report = folder / "eval" / "eval.json"
+    report.write_text(json.dumps({"worse": ["instructions (strict)", "human-reply NLL/token"]}))
+    assert manager.promotion_doubt(run_id) == (
+        f"Run #{run_id}'s model is worse than the model it was trained from beyond the 95 % interval on "
+        "instructions (strict), human-reply NLL/token"
+    )
+    report.write_text(json.dumps({"worse": []}))
+    assert manager.promotion_doubt(run_id) is None
 
 
 @pytest.fixture
@@ -87,9 +108,10 @@ def train_page(server: ChatEServer):
 
 def newest(client) -> dict:
     """The Train page's newest run, as its ``/status`` endpoint shows it (the status line and the runs table)."""
-    line, bar, plot, log, table, summary = client.predict(api_name="/status")
+    line, bar, plot, log, table, summary, evaluation = client.predict(api_name="/status")
     rows = table["data"] if isinstance(table, dict) else table
-    return {"line": line, "bar": bar, "plot": plot, "log": log, "row": rows[0] if rows else None, "summary": summary}
+    return {"line": line, "bar": bar, "plot": plot, "log": log, "row": rows[0] if rows else None, "summary": summary,
+            "eval": evaluation}  # fmt: skip
 
 
 def served_id(server: ChatEServer) -> tuple[str, str]:
@@ -180,16 +202,20 @@ def test_the_operator_turns_feedback_into_a_served_model_in_the_browser(tiny_cha
         Path(chosen).resolve() if chosen else make_sensitive_model(tiny_chat_model_dir, tmp_path / "model", std=0.5)
     )
     base = str(Path(model).resolve())
-    args = ("--admin", ":".join(ADMIN), "--train_args", " ".join(TRAIN_ARGS), "--train_dir", str(tmp_path / "train"))
+    args = ("--admin", ":".join(ADMIN), "--train_args", " ".join(TRAIN_ARGS), "--train_dir", str(tmp_path / "train"),
+            "--eval_args", " ".join(EVAL_ARGS))  # fmt: skip
     first = ChatEServer(model, tmp_path / "first.log", *args, feedback_db=url)
     with serving(first):
         # a chat user's feedback: 10 replies, each liked and corrected
         page.goto(first.url)
         page.wait_for_selector("#chatbot")
         for i in range(10):
+            if i and i % 2 == 0:  # five users' chats of two messages each: the run holds out whole sessions
+                page.reload()
+                page.wait_for_selector("#chatbot")
             page.locator("#message textarea").fill(f"What do you like, number {i}?")
             page.locator("#send").click()
-            wait_for_reply(page, i + 1)
+            wait_for_reply(page, i % 2 + 1)
             page.locator(BOT).last.hover()
             page.locator("#chatbot").get_by_label("Like", exact=True).last.click()
             wait_for(lambda n=2 * i + 1: len(store.feedback()) == n)
@@ -198,6 +224,7 @@ def test_the_operator_turns_feedback_into_a_served_model_in_the_browser(tiny_cha
             wait_for(lambda n=2 * i + 2: len(store.feedback()) == n)
         kinds = [row["kind"] for row in store.feedback()]
         assert kinds.count("rating") == 10 and kinds.count("edit") == 10
+        assert len({row["session_id"] for row in store.feedback()}) == 5
         screenshot(page, tmp_path, "chat-e-feedback-10.png")
 
         # the Train page: the rows, a refused value, Start
@@ -307,10 +334,16 @@ def test_the_operator_turns_feedback_into_a_served_model_in_the_browser(tiny_cha
         wait_shown(page, "#board-text", "95% CI")
         screenshot(page, tmp_path, "chat-e-arena-leaderboard.png")
 
-        # Promote, and chat with the new model: no restart
+        # the run's eval beside the served model, then Promote (confirmed: the tiny random-init models may differ
+        # either way), and chat with the new model: no restart
         assert served_id(second) == (base, base)
         log_in(page, f"{second.url}admin/")
+        shown_eval = wait_shown(page, "#train-eval", "95 % interval")
+        assert f"Run #{run['id']}'s model (2nd) beside" in shown_eval and "instructions, strict" in shown_eval
+        report = json.loads((Path(run["log_path"]).parent / "eval" / "eval.json").read_text())
+        assert [str(Path(m["model"]).resolve()) for m in report["models"]] == [base, trained]
         page.locator("#served-run input").fill(str(run["id"]))
+        page.locator("#promote-anyway input").check()
         page.locator("#promote").click()
         assert "Roll back returns to" in wait_shown(page, "#serving", f"promoted from run #{run['id']}")
         assert served_id(second) == (trained, trained)
