@@ -56,11 +56,17 @@ GENERATE_LINE = re.compile(r"chat_e\.engines\.local: generate: .* new_tokens=(\d
 
 # ---------------------------------------------------------------------------------------------- the server
 class Server:
-    """``python -m chat_e --model DIR`` on a free loopback port with greedy fixed-length replies, its output in
-    ``log_path``, its feedback in a SQLite file beside the log."""
+    """``python -m chat_e --model DIR`` on a free loopback port with greedy replies of exactly ``new_tokens`` tokens
+    (None: the model's own generation defaults), its output in ``log_path``, its feedback in a SQLite file beside the
+    log."""
 
     def __init__(
-        self, model: str | Path, log_path: Path, threads: int = 1, new_tokens: int = 32, extra: Sequence[str] = ()
+        self,
+        model: str | Path,
+        log_path: Path,
+        threads: int = 1,
+        new_tokens: int | None = 32,
+        extra: Sequence[str] = (),
     ):
         self.port = harness.free_port()
         self.url = f"http://127.0.0.1:{self.port}/"
@@ -68,10 +74,11 @@ class Server:
         feedback_db = f"sqlite:///{log_path.with_suffix('.feedback.db')}"
         self.cmd = [
             sys.executable, "-m", "chat_e", "--model", str(model), "--port", str(self.port),
-            "--threads", str(threads), "--feedback_db", feedback_db,
-            "--num_beams", "1", "--no-do_sample",
-            "--max_new_tokens", str(new_tokens), "--min_new_tokens", str(new_tokens), *extra,
+            "--threads", str(threads), "--feedback_db", feedback_db, *extra,
         ]  # fmt: skip
+        if new_tokens is not None:  # None: the model's own generation defaults
+            self.cmd += ["--num_beams", "1", "--no-do_sample", "--max_new_tokens", str(new_tokens),
+                         "--min_new_tokens", str(new_tokens)]  # fmt: skip
         env = harness.launch_env({"GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1"})
         self._log = log_path.open("w")
         self.proc = subprocess.Popen(self.cmd, cwd=harness.ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)

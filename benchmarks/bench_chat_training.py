@@ -10,8 +10,8 @@ exactly ``--new_tokens`` tokens; the server's default threads for this machine):
 2. **Idle**: one user's reply latency (``POST /v1/chat/completions``, ``--requests`` replies one after another).
 3. **The Train page's run** (``/admin/``, ``/start``: DPO, LoRA rank ``--lora_rank``, ``--steps`` steps, torchrun
    with ``--nproc`` ranks, as the operator starts it, niced by the app): the same latency measured once the run has
-   logged its first step. Then the run is left to finish: its wall time, and its held-out reward accuracy and margin
-   before and after training (the run's record).
+   logged its first step. Then the run is left to finish: its wall time, and its held-out before/after (the run's
+   record: the model's own preference for the chosen reply, with its 95 % interval).
 4. **The control**: the same run started without the app's lowering of its priority (``RunManager.niceness = 0``),
    the same latency, then the run is stopped.
 
@@ -37,7 +37,7 @@ from benchmarks.bench_api import Server
 from chat_e.data.corpora import DataArguments, load_dialogue_dataset
 from chat_e.data.dialogue import parse_texts
 from chat_e.feedback.store import DONE, RUNNING, FeedbackStore
-from chat_e.studio.runs import RunForm, RunManager, run_processes, signal_run
+from chat_e.studio.runs import RunForm, RunManager, run_processes, share_text, signal_run
 from hf_ext.runtime import usable_cores
 
 MESSAGE = "I finally got the job! What should I do to celebrate?"
@@ -162,8 +162,8 @@ def main(argv: list[str] | None = None) -> dict:
             run_report.update(
                 run_id=run_id, rows=record["rows"], steps=args.steps, lora_rank=args.lora_rank, nproc=args.nproc,
                 wall_s=round((record["ended_at"] - record["started_at"]).total_seconds(), 1),
-                reward_accuracy=[before["eval_rewards/accuracies"], after["eval_rewards/accuracies"]],
-                reward_margin=[before["eval_rewards/margins"], after["eval_rewards/margins"]],
+                prefers_chosen=[before.get("preferred_sum"), after.get("preferred_sum")],
+                reply_nll=[before.get("reply_nll"), after.get("reply_nll")],
             )  # fmt: skip
 
             control = RunManager(store, str(model), tmp / "control", TRAIN_ARGS)
@@ -190,11 +190,11 @@ def main(argv: list[str] | None = None) -> dict:
         ["phase", "p50 (s)", "p95 (s)", "p50 / idle", "p95 / idle"],
         [[name, r["p50_s"], r["p95_s"], r.get("p50_ratio", 1.0), r.get("p95_ratio", 1.0)] for name, r in rows.items()],
     )
-    acc, margin = run_report["reward_accuracy"], run_report["reward_margin"]
+    pref, nll = run_report["prefers_chosen"], run_report["reply_nll"]
     run_table = harness.markdown_table(
-        ["feedback rows", "DPO rows", "run wall time (s)", "held-out reward accuracy", "held-out reward margin"],
+        ["feedback rows", "DPO rows", "run wall time (s)", "held-out: prefers chosen", "held-out chosen NLL/token"],
         [[run_report["feedback_rows"], run_report["rows"], run_report["wall_s"],
-          f"{acc[0]:.3f} → {acc[1]:.3f}", f"{margin[0]:.3f} → {margin[1]:.3f}"]],
+          f"{share_text(pref[0])} → {share_text(pref[1])}", f"{nll[0]:.3f} → {nll[1]:.3f}"]],
     )  # fmt: skip
     note = (f"`{model}` served by `chat-e` ({threads} torch thread(s) per reply) on {usable_cores()} cores. "
             f"{args.rows} replies corrected through the chat UI with the chit-chat corpus's human replies, then the "

@@ -31,7 +31,16 @@ from ..data.limits import ChatLimits
 from ..data.settings import GenerationSettings
 from ..feedback.leaderboard import DECISIVE, Leaderboard, as_vote, leaderboard, matrix_png
 from ..feedback.store import WINNERS, utcnow
-from .ui import APOLOGY, GENERATE_GROUP, Handlers, checked_request, context_controls, import_gradio, to_display
+from .ui import (
+    APOLOGY,
+    EMPTY_REPLY,
+    GENERATE_GROUP,
+    Handlers,
+    checked_request,
+    context_controls,
+    import_gradio,
+    to_display,
+)
 
 if TYPE_CHECKING:
     from ..engines.base import ChatEngine
@@ -250,7 +259,7 @@ class Arena:
         finally:
             for stream in streams.values():
                 stream.close()  # a reader that went away stops the generation
-        shown = [APOLOGY if failed[i] else replies[i] or "…" for i in range(2)]
+        shown = [APOLOGY if failed[i] else replies[i] or EMPTY_REPLY for i in range(2)]
         for i in range(2):
             chats[i][-1]["content"] = APOLOGY if failed[i] else to_display(shown[i])
         battle = dataclasses.replace(
@@ -261,7 +270,7 @@ class Arena:
             history_a=tuple(histories[0]),
             history_b=tuple(histories[1]),
             message=checked.message,
-            reply_a=replies[0],  # as the model made them (an empty one is shown as "…")
+            reply_a=replies[0],  # as the model made them (an empty one is shown as EMPTY_REPLY)
             reply_b=replies[1],
             mode=checked.mode,
             context=checked.context,

@@ -48,6 +48,8 @@ APOLOGY = "Sorry, something went wrong while I was thinking of a reply. Please t
 NOT_SAVED = "Chat-E could not save your feedback just now. Please try again."
 #: the choice offered after a regeneration (the ``prefer`` endpoint takes one of them)
 PREVIOUS_REPLY, NEW_REPLY = "previous reply", "new reply"
+#: what the chat window shows for an empty reply (a model can end its turn at once)
+EMPTY_REPLY = "…"
 #: a rating as the ``rate`` endpoint takes it -> the stored rating (Gradio's like event: True, False, else taken back)
 RATINGS = {"like": 1, "dislike": -1, "none": 0}
 #: generation runs share this queue group, limited by ``concurrency_limit``
@@ -223,7 +225,7 @@ class Handlers:
             chat[-1]["content"] = APOLOGY
             failed = True
         if not chat[-1]["content"]:
-            chat[-1]["content"] = to_display(reply) or "…"
+            chat[-1]["content"] = to_display(reply) or EMPTY_REPLY
         yield chat, (None if failed else self.record(checked, settings, reply, done.model))
 
     def record(
