@@ -9,7 +9,7 @@ feedback database (:class:`chat_e.feedback.store.TrainingRun`).
 * **Cancel** sends SIGTERM to the run's ranks (not to its launcher, which would kill them 30 s later): hf-ext's preemption (``save_on_preemption``) has every rank save one
   checkpoint at the next step boundary and exit with status 75; the run is then ``stopped``. **Resume** starts the
   same command with ``--resume_from_checkpoint True``.
-* **Eval**: once a run is done, ``chat-e eval`` (:mod:`chat_e.training.evaluate`) compares its model with the model
+* **Eval**: once a run is done (the newest done run, one at a time), ``chat-e eval`` (:mod:`chat_e.training.evaluate`) compares its model with the model
   it was trained from (the served one when it started), niced like the training, its report in the run's folder
   (``eval/eval.json``, ``eval/eval.md``, ``eval/eval.png``). Promote asks for confirmation while that report is
   missing or says the run's model is worse beyond the 95 % interval on any score (:meth:`RunManager.promotion_doubt`).
@@ -34,6 +34,7 @@ from typing import Any
 
 import psutil
 
+from hf_ext.atomic import write_text_atomically
 from hf_ext.deepspeed.load import PRESETS
 
 from ..data.progress import ENV as PROGRESS_ENV
@@ -78,7 +79,7 @@ LOG_TAIL_LINES = 20
 LAUNCH_MARK = "=== chat-e: launch of run"
 MAX_STEPS = 100_000
 #: a run's eval report (chat-e eval's output dir in the run's folder) and its log
-EVAL_DIR, EVAL_LOG = "eval", "eval.log"
+EVAL_DIR, EVAL_LOG, EVAL_PID = "eval", "eval.log", "eval.pid"
 
 
 @dataclass
@@ -236,9 +237,9 @@ class RunManager:
             self._procs.pop(run["id"], None)
             self._settle(run, code)
         runs = self.store.runs()
-        for run in runs:
-            if run["status"] == DONE and not (Path(run["log_path"]).parent / EVAL_LOG).exists():
-                self._start_eval(run)
+        done = next((r for r in runs if r["status"] == DONE), None)  # the newest done run: one eval at a time
+        if done and not (Path(done["log_path"]).parent / EVAL_LOG).exists():
+            self._start_eval(done)
         return runs
 
     # ---- the eval of a done run --------------------------------------------------------------------------------
@@ -253,8 +254,12 @@ class RunManager:
                 f"{LAUNCH_MARK} #{run['id']}'s eval at {utcnow():%Y-%m-%d %H:%M:%S} UTC: {' '.join(cmd)}\n".encode()
             )
             log.flush()
-            self._evals[run["id"]] = subprocess.Popen([*self._niced(), *cmd], stdout=log, stderr=subprocess.STDOUT,
-                                                      start_new_session=True)  # fmt: skip
+            proc = subprocess.Popen([*self._niced(), *cmd], stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)  # fmt: skip
+        self._evals[run["id"]] = proc
+        # its process, for a manager that did not start it (a restarted server, a watcher): pid and start time
+        started = psutil.Process(proc.pid).create_time()
+        write_text_atomically(folder / EVAL_PID, json.dumps({"pid": proc.pid, "pid_started": started}))
 
     def eval_report(self, run: dict[str, Any]) -> dict[str, Any] | None:
         """Run ``run``'s eval report (chat-e eval's JSON), None while there is none."""
@@ -269,7 +274,11 @@ class RunManager:
         if not (folder / EVAL_LOG).exists():
             return "none"
         proc = self._evals.get(run["id"])
-        return "running" if proc is not None and proc.poll() is None else "failed"
+        if proc is not None:
+            return "running" if proc.poll() is None else "failed"
+        pid_file = folder / EVAL_PID
+        started_by_another = json.loads(pid_file.read_text()) if pid_file.is_file() else {}
+        return "running" if started_by_another and self._alive(started_by_another) else "failed"
 
     def eval_markdown(self, run: dict[str, Any]) -> str:
         """What the Train page shows of run ``run``'s eval."""

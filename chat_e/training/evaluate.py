@@ -90,7 +90,7 @@ def evaluate_model(path: str, args) -> dict:
     gen_kwargs = {"max_new_tokens": args.max_new_tokens, "do_sample": False, "num_beams": 1}
     with torch.no_grad():
         replies, lengths, _ = generate_in_order(engine.model, tokenizer, probe_inputs(engine), gen_kwargs,
-                                                args.batch_size, device="cpu")  # fmt: skip
+                                                args.batch_size)  # fmt: skip
     generated = time.perf_counter() - started
     n_prompts = len(adherence.PROMPTS)
     instructions = adherence.score_instructions(replies[:n_prompts])
@@ -98,7 +98,7 @@ def evaluate_model(path: str, args) -> dict:
     hit = [n >= args.max_new_tokens for n in lengths]
     stats = adherence.reply_stats(replies, hit)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    table = reply_logprobs(engine.model, human_rows(engine, args), args.batch_size, pad, device="cpu")
+    table = reply_logprobs(engine.model, human_rows(engine, args), args.batch_size, pad)
     nll_rows = (-table[:, 0] / table[:, 1].clamp(min=1)).tolist()
     items = {
         "mode": [float(p["passed"]) for p in modes["probes"]],
