@@ -25,6 +25,7 @@ second minus the first) with a paired-bootstrap 95 % interval, and McNemar's exa
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import logging
 import time
@@ -32,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from hf_ext.atomic import write_text_atomically
+from hf_ext.atomic import write_bytes_atomically, write_text_atomically
 from hf_ext.evaluation.bleu import generate_in_order
 
 from ..data import adherence
@@ -219,10 +220,10 @@ def plot(results: list[dict], path: Path) -> None:
     ax.grid(axis="y", alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
     plt.close(fig)
-    tmp.replace(path)
+    write_bytes_atomically(path, png.getvalue())
 
 
 def run_eval(args) -> dict:

@@ -7,7 +7,7 @@ work; a refusal (a bad value, no rows, a run already running) is one line (``gr.
 
 Endpoints (gradio_client, logged in as the operator): ``/start`` (the form's values, in the form's order), ``/cancel``,
 ``/resume`` and ``/status`` (each takes nothing: the newest run), which give the status line, the progress bar's HTML,
-the plotted points, the log lines and the runs table.
+the plotted points, the log lines, the runs table, the data summary and the newest done run's eval.
 """
 
 from __future__ import annotations
@@ -185,9 +185,9 @@ def build_train_app(manager: RunManager, store, desk: ServingDesk | None = None,
 
 def served_section(gr, desk: ServingDesk, limits: ChatLimits) -> None:
     """The Train page's "Served model" section: a finished run's model against the served one in the app's blind
-    arena, Promote, Roll back, and both models' replies side by side (named). Endpoints: ``/open_arena``,
-    ``/promote`` (each takes the run's number; ``/promote`` also whether to promote anyway), ``/rollback`` and ``/side_by_side`` (the run's number, a
-    message)."""
+    arena, Promote, Roll back, and both models' replies side by side (named). Endpoints: ``/open_arena`` (the run's
+    number), ``/promote`` (the run's number, and whether to promote anyway), ``/rollback`` and ``/side_by_side`` (the
+    run's number, a message)."""
 
     def refused(err: ValueError):
         return gr.Error(str(err), print_exception=False)
