@@ -417,7 +417,7 @@ def test_python_dash_m_app_help():
         for args in ([], ["serve"])
     )
     assert top.returncode == 0 and serve.returncode == 0
-    assert "{serve,arena,feedback,train}" in top.stdout and "usage: chat-e serve" in serve.stdout
+    assert "{serve,arena,feedback,train,eval}" in top.stdout and "usage: chat-e serve" in serve.stdout
     for flag in ("--model", "--host", "--port", "--share", "--dtype", "--quantize", "--concurrency"):
         assert flag in serve.stdout
     assert "127.0.0.1" in serve.stdout
