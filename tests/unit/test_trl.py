@@ -6,7 +6,6 @@ import warnings
 from dataclasses import dataclass
 
 import pytest
-import torch
 import transformers
 import trl
 from datasets import Dataset
@@ -27,12 +26,14 @@ def preference_rows() -> Dataset:
     return Dataset.from_list([{"prompt": "Hi", "chosen": " Hello!", "rejected": " No."}] * 4)
 
 
-def test_configs_take_trls_bf16_default_and_checkpointing_without_a_deprecation(tmp_path):
+def test_configs_default_to_the_hardwares_precision_and_checkpointing_without_a_deprecation(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # stock TRL's configs warn about their own `gradient_checkpointing` default
-        ours = hf_ext.trl.DPOConfig(output_dir=str(tmp_path), report_to=[])
-    stock = trl.DPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=not torch.cuda.is_available())
-    assert ours.bf16 is stock.bf16 is True  # TRL's default: bf16 unless fp16
+        ours = hf_ext.trl.DPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    stock = trl.DPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    # TRL's default is bf16 unless fp16, on a CPU too, where bf16 autocast trains far slower: hf-ext's is fp32 there
+    assert stock.bf16 is True and ours.bf16 is False
+    assert hf_ext.trl.DPOConfig(output_dir=str(tmp_path), report_to=[], bf16=True, use_cpu=True).bf16 is True
     assert ours.activation_checkpointing == stock.activation_checkpointing is True
     assert hf_ext.trl.DPOConfig(output_dir=str(tmp_path), report_to=[], fp16=True, use_cpu=True).bf16 is False
     # the TRL fields and the hf-ext fields, on one class
