@@ -36,7 +36,7 @@ from benchmarks.simulated_users import HELD_OUT_MESSAGES, give_feedback, populat
 from chat_e.data.stats import paired_difference, share
 from chat_e.feedback.leaderboard import two_model_summary
 from chat_e.feedback.store import DONE, RUNNING, FeedbackStore
-from chat_e.studio.runs import RunForm, RunManager, share_text
+from chat_e.studio.runs import APP_METHODS, RunForm, RunManager, share_text
 from hf_ext.runtime import usable_cores
 
 ADMIN = ("operator", "bench-only-password")
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--messages", type=int, default=4, help="Feedback messages per user (default 4).")
     parser.add_argument("--votes", type=int, default=4, help="Blind arena battles per user (default 4).")
     parser.add_argument("--max_rows", type=int, default=200, help="Refuse a population giving more feedback rows.")
-    parser.add_argument("--method", default="dpo", choices=("dpo", "kto"), help="The Train page's method.")
+    parser.add_argument("--method", default="dpo", choices=APP_METHODS, help="The Train page's method.")
     parser.add_argument("--steps", type=int, default=30, help="The run's steps (default 30).")
     parser.add_argument("--lora_rank", type=int, default=16, help="The run's LoRA rank (default 16).")
     parser.add_argument("--learning_rate", type=float, default=5e-4, help="The run's learning rate (default 5e-4).")

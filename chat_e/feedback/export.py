@@ -121,7 +121,7 @@ class Examples:
         return Counter(
             {
                 "dpo": {
-                    "rating (KTO and SFT only)": len(self.ratings),
+                    "rating (no pair)": len(self.ratings),
                     "arena both bad (KTO only)": self.both_bad,
                 },
                 "kto": {},

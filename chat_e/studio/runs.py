@@ -2,7 +2,8 @@
 its log on disk, its progress read back, cancelled with a checkpoint and resumed, and every run a record in the
 feedback database (:class:`chat_e.feedback.store.TrainingRun`).
 
-* **Start** exports the database's rows of the run's format (DPO pairs or KTO labels) into the run's folder, then
+* **Start** exports the database's rows of the run's method (:data:`METHOD_RUNS`: DPO pairs, KTO labels, or DPO
+  pairs for SFT on their chosen replies) into the run's folder, then
   starts ``chat-e train`` (:mod:`chat_e.training.launch`) under ``nice`` (the ranks inherit it), in a new session
   (so that it outlives a restarted server), with ``CHAT_E_PROGRESS_FILE`` set (:mod:`chat_e.data.progress`). One run at a
   time: a second Start while one runs is refused in one line.
@@ -65,8 +66,17 @@ def held_out_line(before: dict, after: dict) -> str:
     return f"Held-out ({after.get('rows', 0)} rows; {after.get('pairing', 'pairs')}): " + "; ".join(shown)
 
 
-#: the methods the app trains from its feedback (SFT from endorsed replies is ``chat-e train --method sft``)
-APP_METHODS = ("dpo", "kto")
+#: the methods the app trains from its feedback: each one's rows (a chat_e.feedback.export format), its ``chat-e
+#: train`` method and the flags it adds. SFT learns the chosen reply of each pair (corrections, choices after
+#: Regenerate, arena winners) with TRL's DPO trainer and its ``sft`` loss, so that it holds out the same sessions
+#: and reports the same before/after as DPO (the model's own preference on held-out pairs). SFT on every endorsed
+#: reply, thumbs up included, is the dialogue recipe's: ``chat-e feedback export --format sft``.
+METHOD_RUNS = {
+    "dpo": ("dpo", "dpo", []),
+    "kto": ("kto", "kto", []),
+    "sft": ("dpo", "dpo", ["--loss_type", "sft"]),
+}
+APP_METHODS = tuple(METHOD_RUNS)
 #: the exit status of a run that saved a preemption checkpoint (hf_ext.preemption.PREEMPTED_EXIT_CODE)
 PREEMPTED = 75
 #: the report the preference training writes when it finished (chat_e.training.preference)
@@ -99,7 +109,7 @@ class RunForm:
     def check(self) -> None:
         """A ``ValueError`` naming the first bad value and a fix, before anything starts."""
         if self.method not in APP_METHODS:
-            raise ValueError(f"method={self.method!r}: choose {' or '.join(APP_METHODS)}.")
+            raise ValueError(f"method={self.method!r}: choose one of {', '.join(APP_METHODS)}.")
         if not isinstance(self.max_steps, int) or not 1 <= self.max_steps <= MAX_STEPS:
             raise ValueError(f"steps={self.max_steps!r}: choose a whole number from 1 to {MAX_STEPS:,}.")
         if not isinstance(self.lora_rank, int) or not 0 <= self.lora_rank <= 1024:
@@ -117,6 +127,14 @@ class RunForm:
             raise ValueError(f"preset={self.preset!r}: choose none or one of {', '.join(PRESETS)}.")
         if self.preset != "none" and self.launcher == "python":
             raise ValueError(f"preset={self.preset!r} needs a distributed launcher: choose torchrun or deepspeed.")
+
+
+def method_rows(method: str) -> str:
+    """What the app's ``method`` trains on, in words: "DPO rows", "KTO rows", "SFT rows (the chosen reply of each DPO
+    pair)"."""
+    rows_format = METHOD_RUNS[method][1]
+    return f"{method.upper()} rows" + (f" (the chosen reply of each {rows_format.upper()} pair)"
+                                       if rows_format != method else "")  # fmt: skip
 
 
 class RunManager:
@@ -142,13 +160,15 @@ class RunManager:
         feedback, votes = self.store.feedback(), self.store.votes()
         folder = self.run_dir / f"run-{utcnow():%Y%m%d-%H%M%S-%f}"
         folder.mkdir(parents=True)
-        rows_file = folder / f"{form.method}.jsonl"
-        count, unused = export(feedback, votes, form.method, rows_file)
+        trainer, rows_format, flags = METHOD_RUNS[form.method]
+        rows_file = folder / f"{rows_format}.jsonl"
+        count, unused = export(feedback, votes, rows_format, rows_file)
         if count == 0:
             shutil.rmtree(folder, ignore_errors=True)
             reasons = ", ".join(f"{n} {why}" for why, n in unused.most_common()) or "no feedback yet"
-            raise ValueError(f"The database has no {form.method.upper()} rows yet ({reasons}): collect more feedback.")
-        cmd = command(form.method, form.launcher, form.nproc, self._training_args(form, rows_file, folder / "out"))
+            raise ValueError(f"The database has no {method_rows(form.method)} yet ({reasons}): collect more feedback.")
+        args = [*self._training_args(form, rows_file, folder / "out"), *flags]
+        cmd = command(trainer, form.launcher, form.nproc, args)
         run_id = self.store.add_run(
             method=form.method, settings={"form": asdict(form), "command": cmd, "base_model": self.base_model},
             rows=count, rows_sha256=hashlib.sha256(rows_file.read_bytes()).hexdigest(), status=QUEUED,

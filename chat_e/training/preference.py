@@ -533,8 +533,12 @@ def main(argv: list[str] | None = None) -> dict:
     trainer.save_state()
 
     # 8. report: before/after on the held-out rows
+    # DPO's loss_type may be TRL's sft (the chosen replies' NLL: the Train page's SFT) or a mix (sigmoid + sft)
+    loss_types = training_args.loss_type  # DPO: a list; KTO: one name
+    loss_types = [loss_types] if isinstance(loss_types, str) else list(loss_types)
     report = {
         "loss": loss,
+        "loss_type": loss_types,
         "data": source,
         "model": model_path,
         "train_rows": len(train_rows),
@@ -548,7 +552,10 @@ def main(argv: list[str] | None = None) -> dict:
     }
     if trainer.is_world_process_zero():
         write_text_atomically(out / "preference_metrics.json", json.dumps(report, indent=1, default=str) + "\n")
-        print(f"\n=== {loss.upper()} on {source}: {len(eval_rows)} held-out rows ===")
+        trained = loss.upper() + (
+            f" (loss {' + '.join(loss_types)})" if loss_types != ["sigmoid"] and loss == "dpo" else ""
+        )
+        print(f"\n=== {trained} on {source}: {len(eval_rows)} held-out rows ===")
         print(format_table(before, after, loss))
         print(f"\nChat with it: chat-e --model {out}")
     return report

@@ -19,8 +19,17 @@ from typing import Any
 from hf_ext.deepspeed.load import PRESETS
 
 from ..data.limits import ChatLimits, Refused, check_request
-from ..feedback.export import FORMATS, Examples
-from ..studio.runs import APP_METHODS, PREFERRED_SUM, RunForm, RunManager, held_out_line, share_text
+from ..feedback.export import Examples
+from ..studio.runs import (
+    APP_METHODS,
+    METHOD_RUNS,
+    PREFERRED_SUM,
+    RunForm,
+    RunManager,
+    held_out_line,
+    method_rows,
+    share_text,
+)
 from ..studio.serving import ServingDesk
 from .ui import import_gradio, theme
 
@@ -36,14 +45,15 @@ SERIES = {"loss": "loss", "rewards/margins": "reward margin", "rewards/accuracie
 
 
 def data_summary(store) -> str:
-    """Rows per training format the database holds now, with what made no row and why (Markdown)."""
+    """Rows each method trains on that the database holds now, with what made no row and why (Markdown)."""
     examples = Examples(store.feedback(), store.votes())
-    lines = ["| format | rows | not used, and why |", "|---|---|---|"]
-    for fmt in FORMATS:
-        rows = examples.rows(fmt)
-        why = examples.dropped + examples.unused(fmt)
+    lines = ["| method | rows | not used, and why |", "|---|---|---|"]
+    for method in APP_METHODS:
+        rows_format = METHOD_RUNS[method][1]
+        rows = examples.rows(rows_format)
+        why = examples.dropped + examples.unused(rows_format)
         reasons = ", ".join(f"{n} {reason}" for reason, n in why.most_common() if n) or "—"
-        lines.append(f"| {fmt.upper()} | {len(rows)} | {reasons} |")
+        lines.append(f"| {method_rows(method)} | {len(rows)} | {reasons} |")
     return "\n".join(lines)
 
 

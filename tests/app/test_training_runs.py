@@ -65,7 +65,7 @@ def store(tmp_path):
 
 
 @pytest.mark.parametrize("form, says", [
-    (RunForm(method="sft"), "method='sft': choose dpo or kto"),
+    (RunForm(method="orpo"), "method='orpo': choose one of dpo, kto, sft"),
     (RunForm(max_steps=0), "steps=0: choose a whole number from 1 to 100,000"),
     (RunForm(lora_rank=-1), "LoRA rank=-1"),
     (RunForm(learning_rate=0), "learning rate=0"),
@@ -83,9 +83,35 @@ def test_bad_form_values_are_refused_in_one_line_before_anything_starts(form, sa
 
 def test_no_rows_of_the_format_is_refused_with_the_reasons(store, tmp_path):
     store.add_feedback(**{**choice(0), "kind": "rating", "rating": 1})
-    with pytest.raises(ValueError, match=r"no DPO rows yet \(1 rating \(KTO and SFT only\)\)"):
+    with pytest.raises(ValueError, match=r"no DPO rows yet \(1 rating \(no pair\)\)"):
         RunManager(store, "unused", tmp_path / "runs").start(RunForm())
     assert store.runs() == []
+
+
+def test_corrections_train_sft_with_a_held_out_before_after(tiny_chat_model_dir, store, tmp_path):
+    """SFT from the page's form on 16 corrections of 8 sessions: the run trains the corrected replies (TRL's DPO
+    trainer with its sft loss, the rows exported as DPO pairs) and reports the same held-out before/after as DPO: on
+    the corrections of sessions it never trained on, their NLL falls (the corrections share their wording, which
+    the original replies do not) and the model prefers them over the replies they corrected."""
+    for i in range(16):
+        store.add_feedback(**{**choice(i), "kind": "edit", "session_id": f"s{i // 2}", "reply": f"no {i}, maybe.",
+                              "edited": f"I like apples, number {i}. And you?"})  # fmt: skip
+    manager = RunManager(store, str(tiny_chat_model_dir), tmp_path / "runs", TRAIN_ARGS, EVAL_ARGS)
+    manager.niceness = 0
+    run_id = manager.start(RunForm(method="sft", max_steps=10, learning_rate=1e-2, launcher="python"))
+    run = wait_for(lambda: manager.refresh() and (r := store.run(run_id))["status"] != RUNNING and r, timeout=300)
+    assert run["status"] == DONE, run["detail"]
+    assert run["settings"]["command"][-4:] == ["--loss_type", "sft", "--loss", "dpo"]
+    folder = Path(run["log_path"]).parent
+    assert sorted(p.name for p in folder.glob("*.jsonl")) == ["dpo.jsonl", "progress.jsonl"]
+    report = json.loads((Path(run["output_dir"]) / "preference_metrics.json").read_text())
+    assert report["loss_type"] == ["sft"] and report["eval_rows"] == run["metrics_after"]["rows"] >= 4
+    before, after = run["metrics_before"], run["metrics_after"]
+    assert after["reply_nll"] < before["reply_nll"] - 1.0
+    assert after["preferred_sum"]["k"] == after["preferred_sum"]["n"] > before["preferred_sum"]["k"]
+    for proc in manager._evals.values():  # the done run's eval (tested with the browser's run) is not waited for
+        proc.kill()
+        proc.wait()
 
 
 def wait_for(what, timeout: float = 180):
@@ -229,7 +255,7 @@ def test_the_operator_turns_feedback_into_a_served_model_in_the_browser(tiny_cha
 
         # the Train page: the rows, a refused value, Start
         log_in(page, f"{first.url}admin/")
-        wait_for(lambda: re.search(r"DPO\s+10\s", page.locator("#train-data").inner_text()))
+        wait_for(lambda: re.search(r"DPO rows\s+10\s", page.locator("#train-data").inner_text()))
         client = train_page(first)
         for bad, says in (({"max_steps": 0}, "steps=0"), ({"learning_rate": 0}, "learning rate=0")):
             with pytest.raises(Exception, match=says):

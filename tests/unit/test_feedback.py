@@ -224,6 +224,6 @@ def test_exported_rows_pass_the_recipes_own_row_checks(tmp_path, store, capsys):
         if fmt == "dpo":  # what made no row, and why, in one line
             assert capsys.readouterr().out.strip() == (
                 f"Wrote 3 dpo rows to {out}; no row from: 1 arena both bad (KTO only), 1 arena tie, 1 arena vote "
-                "after the first turn, 1 correction equal to the reply, 1 duplicate, 1 empty reply, 2 rating (KTO and "
-                "SFT only), 1 rating taken back."
+                "after the first turn, 1 correction equal to the reply, 1 duplicate, 1 empty reply, 2 rating (no pair), "
+                "1 rating taken back."
             )
