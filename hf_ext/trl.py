@@ -13,8 +13,8 @@ What TRL needs beyond the plain Trainer (docs/trl.md):
   accelerator is created (``TrainerMixin.create_accelerator_and_postprocess``), before TRL copies it.
 * TRL's configs decide ``bf16`` in their own ``__post_init__`` (on unless ``fp16``); hf-ext resolves the DeepSpeed
   config before that, so its default is applied first here: bf16 unless ``fp16`` where the hardware's default
-  precision is bf16 (:meth:`hf_ext.runtime.Hardware.default_precision`), fp32 on a CPU, where bf16 autocast trains a
-  SmolLM2-135M DPO step 15x slower than fp32 (docs/trl.md). ``bf16=True`` given is kept.
+  precision is bf16 (:meth:`hf_ext.runtime.Hardware.default_precision`), fp32 on a CPU, where bf16 autocast runs
+  matmuls through torch's fallback kernel, many times slower (docs/benchmarks.md). ``bf16=True`` given is kept.
 * TRL's trainers add a model card to every checkpoint in their ``_save_checkpoint``, which hf-ext's replaces: the
   card is written here, then hf-ext's atomic checkpoint.
 

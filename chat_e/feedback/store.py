@@ -51,10 +51,15 @@ RATING, EDIT, CHOICE = "rating", "edit", "choice"
 FEEDBACK_KINDS = (RATING, EDIT, CHOICE)
 #: a vote's winner, FastChat's kinds: model A (the left side) better, model B better, a tie, both bad
 WINNERS = ("model_a", "model_b", "tie", "bothbad")
-#: a training run's states: accepted and not started yet; its process running; cancelled with a checkpoint (it can be
-#: resumed); its process ended with an error or vanished; finished with its model saved
-QUEUED, RUNNING, STOPPED, FAILED, DONE = "queued", "running", "stopped", "failed", "done"
-RUN_STATES = (QUEUED, RUNNING, STOPPED, FAILED, DONE)
+#: a training run's states: accepted and not started yet; its process running; asked to stop (saving a checkpoint);
+#: cancelled with a checkpoint (it can be resumed); cancelled before a step had a checkpoint to keep (nothing to
+#: resume); its process ended with an error or vanished; finished with its model saved
+QUEUED, RUNNING, CANCELLING, STOPPED, CANCELLED, FAILED, DONE = (
+    "queued", "running", "cancelling", "stopped", "cancelled", "failed", "done"
+)  # fmt: skip
+RUN_STATES = (QUEUED, RUNNING, CANCELLING, STOPPED, CANCELLED, FAILED, DONE)
+#: the states of a run whose process may still be alive
+ACTIVE_STATES = (RUNNING, CANCELLING)
 #: how long SQLite waits for another writer's lock before it gives up (seconds)
 SQLITE_BUSY_SECONDS = 30
 

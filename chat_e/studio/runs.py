@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -42,9 +43,22 @@ from ..data.progress import ENV as PROGRESS_ENV
 from ..data.progress import NICENESS_ENV, read_progress
 from ..data.stats import Share
 from ..feedback.export import export
-from ..feedback.store import DONE, FAILED, QUEUED, RUNNING, STOPPED, FeedbackStore, utcnow
+from ..feedback.store import (
+    ACTIVE_STATES,
+    CANCELLED,
+    CANCELLING,
+    DONE,
+    FAILED,
+    QUEUED,
+    RUNNING,
+    STOPPED,
+    FeedbackStore,
+    utcnow,
+)
 from ..training.eval_cli import command as eval_command
-from ..training.launch import LAUNCHERS, PREFERRED_PER_TOKEN, PREFERRED_SUM, REPLY_NLL, command
+from ..training.launch import LAUNCHERS, PREFERRED_PER_TOKEN, PREFERRED_SUM, REPLY_NLL, STOP_MARK, command
+
+logger = logging.getLogger(__name__)
 
 #: the held-out scores a done run shows, before → after (the training's report: chat_e.training.heldout)
 HEADLINE = ((PREFERRED_SUM, "prefers chosen"), (PREFERRED_PER_TOKEN, "per token"))
@@ -98,9 +112,10 @@ class RunForm:
 
     method: str = "dpo"
     max_steps: int = 20
-    #: LoRA rank; 0 trains every weight
-    lora_rank: int = 0
-    learning_rate: float = 1e-3
+    #: LoRA rank; 0 trains every weight. The defaults are an adapter and its learning rate: a 135M model's every
+    #: weight at 1e-3 forgets what it knew in a few steps
+    lora_rank: int = 16
+    learning_rate: float = 5e-4
     launcher: str = "python"
     nproc: int = 1
     #: a DeepSpeed preset name (zero2, zero3...), or none
@@ -184,12 +199,19 @@ class RunManager:
             raise ValueError(f"Run #{run_id} is {run['status']}: only a stopped run resumes.")
         self._refuse_if_running()
         self._launch(run_id, [*run["settings"]["command"], "--resume_from_checkpoint", "True"])
+        logger.info("run #%d resumed from its checkpoint", run_id)
 
     def cancel(self, run_id: int) -> None:
-        """Ask running run ``run_id`` to save a checkpoint and stop: SIGTERM to its ranks (:func:`signal_ranks`)."""
+        """Ask running run ``run_id`` to save a checkpoint and stop: the run is ``cancelling`` until its process ends,
+        and SIGTERM goes to its ranks (:func:`signal_ranks`) once. A second Cancel sends nothing (hf-ext's
+        preemption takes a second signal as "exit now", which would lose the checkpoint being saved)."""
         run = self._get(run_id)
+        if run["status"] == CANCELLING:
+            raise ValueError(f"Run #{run_id} is cancelling already: it saves a checkpoint and stops.")
         if run["status"] != RUNNING or not self._alive(run):
             raise ValueError(f"Run #{run_id} is not running.")
+        self.store.update_run(run_id, status=CANCELLING)
+        logger.info("run #%d: cancel requested (SIGTERM to its ranks)", run_id)
         signal_ranks(run["pid"], signal.SIGTERM)
 
     def _training_args(self, form: RunForm, rows_file: Path, out: Path) -> list[str]:
@@ -223,7 +245,7 @@ class RunManager:
                               started_at=run["started_at"] or utcnow(), detail=None)  # fmt: skip
 
     def _refuse_if_running(self) -> None:
-        running = [r for r in self.refresh() if r["status"] == RUNNING]
+        running = [r for r in self.refresh() if r["status"] in ACTIVE_STATES]
         if running:
             raise ValueError(f"Run #{running[0]['id']} is running: cancel it or wait for it to end (one at a time).")
 
@@ -248,7 +270,7 @@ class RunManager:
     def refresh(self) -> list[dict[str, Any]]:
         """Settle every ``running`` record whose process ended; every run, newest first."""
         for run in self.store.runs():
-            if run["status"] != RUNNING:
+            if run["status"] not in ACTIVE_STATES:
                 continue
             proc = self._procs.get(run["id"])
             code = proc.poll() if proc is not None else None
@@ -351,10 +373,18 @@ class RunManager:
         elif preempted and list(out.glob("checkpoint-*")):
             how = f"exit status {code}" if code is not None else "its log says so"
             fields.update(status=STOPPED, detail=f"stopped with a checkpoint ({how})\n{tail}")
+        elif run["status"] == CANCELLING and list(out.glob("checkpoint-*")):  # a resumed run, before a new step
+            fields.update(status=STOPPED, detail=f"stopped before a new step: its last checkpoint is kept\n{tail}")
+        elif run["status"] == CANCELLING:  # cancelled before a step ran (start-up, the evaluation before)
+            fields.update(status=CANCELLED, detail=f"cancelled before its first step: nothing to resume\n{tail}")
         else:
             status = "its process is gone" if code is None else f"exit status {code}"
-            fields.update(status=FAILED, detail=f"failed: {status}\n{tail}")
+            reasons = [line.split(STOP_MARK, 1)[1] for line in _lines(text) if STOP_MARK in line]
+            why = f"{reasons[-1]} ({status})" if reasons else status  # the training's own line, where it gave one
+            fields.update(status=FAILED, detail=f"failed: {why}\n{tail}")
         self.store.update_run(run["id"], **fields)
+        logger.info("run #%d ended %s (%s)", run["id"], fields["status"], f"exit status {code}" if code is not None
+                    else "started by another process")  # fmt: skip
 
     def progress(self, run_id: int) -> dict[str, Any]:
         """Run ``run_id``'s step, steps, ETA (seconds), logged series and last log lines."""

@@ -85,6 +85,10 @@ class ServingDesk:
                 return self._candidate[1], self._candidate[2]
         run = next((r for r in self.finished_runs() if r["id"] == run_id), None)
         if run is None:
+            if self.manager.store.run(run_id) is None:
+                raise ValueError(
+                    f"There is no run #{run_id}: choose a done run's number (the runs table's first column)."
+                )
             raise ValueError(f"Run #{run_id} has no model to serve: choose a run that is done.")
         with self._lock:  # served now, or the model a Roll back returns to: loaded already
             known = [m for m in (self._serving, self._previous) if m and _is_dir_of(m[0], run["output_dir"])]

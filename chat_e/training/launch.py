@@ -30,6 +30,15 @@ LAUNCHERS = ("torchrun", "deepspeed", "python")
 #: the held-out report's keys (chat_e.training.heldout writes them, the app's Train page reads them): the shares of
 #: pairs whose preferred reply the model finds likelier, summed and per token, and the preferred replies' NLL/token
 PREFERRED_SUM, PREFERRED_PER_TOKEN, REPLY_NLL = "preferred_sum", "preferred_per_token", "reply_nll"
+#: how the training says why it stopped early, in one line of its log (the app's Train page shows that line)
+STOP_MARK = "chat-e training stopped: "
+
+
+def stop(reason: str) -> SystemExit:
+    """The exception that ends a training with ``reason`` as its one line (exit status 1): ``raise stop(...)``."""
+    return SystemExit(STOP_MARK + reason)
+
+
 DESCRIPTION = (
     "Train a model with Chat-E's installed training: dialogue fine-tuning (sft) or preference tuning (dpo, kto), "
     "under torchrun, DeepSpeed's launcher or one plain process. The training's own flags follow '--'."

@@ -62,7 +62,7 @@ from ..data.lora import LoraArguments
 from ..data.models import BUILDERS, build_model
 from ..data.stats import share
 from .heldout import heldout_metrics
-from .launch import PREFERRED_PER_TOKEN, PREFERRED_SUM, REPLY_NLL
+from .launch import PREFERRED_PER_TOKEN, PREFERRED_SUM, REPLY_NLL, stop
 from .progress import join_run_niceness, progress_callbacks
 
 logger = logging.getLogger(__name__)
@@ -456,6 +456,16 @@ def format_table(before: dict, after: dict, loss: str) -> str:
     return "\n".join(lines)
 
 
+def check_rows_left(trainer, train_rows: int, eval_rows: int, max_length: int | None) -> None:
+    """``SystemExit`` naming the fix when TRL's tokenization left no training row, or no held-out row of the
+    ``eval_rows`` given (it drops a row whose prompt alone fills ``max_length`` tokens)."""
+    fix = f"every prompt is at least max_length={max_length} tokens long: raise --max_length"
+    if len(trainer.train_dataset) == 0:
+        raise stop(f"no training row left of {train_rows}: {fix}.")
+    if eval_rows and (trainer.eval_dataset is None or len(trainer.eval_dataset) == 0):
+        raise stop(f"no held-out row left of {eval_rows}, so nothing can be measured: {fix}.")
+
+
 def main(argv: list[str] | None = None) -> dict:
     # TRL and the exporter are imported here: the row functions above are imported by the unit tests
     from hf_ext.saving.export import export  # noqa: PLC0415 (see above)
@@ -485,7 +495,7 @@ def main(argv: list[str] | None = None) -> dict:
                 build_model(model_path, model_args.build_model, seed=training_args.seed)
     config = AutoConfig.from_pretrained(model_path)
     if family_of(config) != "causal":
-        raise SystemExit(f"{model_path} is an encoder-decoder model; preference tuning here needs a chat model.")
+        raise stop(f"{model_path} is an encoder-decoder model; preference tuning here needs a chat model.")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -515,6 +525,10 @@ def main(argv: list[str] | None = None) -> dict:
         peft_config=peft_config,
         callbacks=progress_callbacks(),
     )
+
+    # TRL drops rows whose prompt alone fills max_length: a run left with nothing to train or to measure stops here,
+    # in one line, rather than ending "done" with nothing measured
+    check_rows_left(trainer, len(train_rows), len(eval_rows), training_args.max_length)
 
     # 6. evaluate, train, evaluate, 7. save
     out = Path(training_args.output_dir)

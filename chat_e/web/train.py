@@ -82,7 +82,7 @@ def status_view(manager: RunManager) -> tuple[str, str, list[list[Any]], str, li
         line += f", about {eta:.0f} s left"
     if newest["status"] == "done" and newest["metrics_after"]:
         line += ". " + held_out_line(newest["metrics_before"] or {}, newest["metrics_after"])
-    if newest["status"] == "failed" and newest["detail"]:
+    if newest["status"] in ("failed", "stopped", "cancelled") and newest["detail"]:
         line += f". {newest['detail'].splitlines()[0]}"
     bar = f'<progress value="{step}" max="{max(total, 1)}" style="width:100%"></progress>'
     points = [[s, float(v), SERIES[key]] for key, series in progress["series"].items() for s, v in series]
@@ -268,6 +268,8 @@ def served_section(gr, desk: ServingDesk, limits: ChatLimits) -> None:
 
 
 def _int(value, name: str) -> int:
+    if value is None or str(value).strip() == "":
+        raise ValueError(f"{name} is empty: give a whole number.")
     try:
         number = float(value)
     except (TypeError, ValueError):
@@ -278,6 +280,8 @@ def _int(value, name: str) -> int:
 
 
 def _float(value, name: str) -> float:
+    if value is None or str(value).strip() == "":
+        raise ValueError(f"{name} is empty: give a number.")
     try:
         return float(value)
     except (TypeError, ValueError):

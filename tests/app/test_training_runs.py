@@ -114,6 +114,45 @@ def test_corrections_train_sft_with_a_held_out_before_after(tiny_chat_model_dir,
         proc.wait()
 
 
+def test_cancel_before_the_first_step_ends_cancelled_and_a_second_cancel_sends_nothing(tiny_chat_model_dir, store,
+                                                                                      tmp_path):  # fmt: skip
+    """Cancel while the run is starting (no step, no checkpoint): ``cancelling`` at once, a second Cancel refused
+    without a signal, then ``cancelled`` with the reason (not ``failed``), and nothing to resume."""
+    store.add_feedback(**choice(0))
+    store.add_feedback(**choice(1))
+    manager = RunManager(store, str(tiny_chat_model_dir), tmp_path / "runs", TRAIN_ARGS)
+    manager.niceness = 0
+    run_id = manager.start(RunForm(max_steps=5, lora_rank=0, launcher="python"))
+    manager.cancel(run_id)
+    assert store.run(run_id)["status"] == "cancelling"
+    with pytest.raises(ValueError, match=f"Run #{run_id} is cancelling already: it saves a checkpoint and stops"):
+        manager.cancel(run_id)
+    run = wait_for(lambda: manager.refresh() and (r := store.run(run_id))["status"] != "cancelling" and r)
+    assert run["status"] == "cancelled"
+    assert run["detail"].startswith("cancelled before its first step: nothing to resume")
+    with pytest.raises(ValueError, match=f"Run #{run_id} is cancelled: only a stopped run resumes"):
+        manager.resume(run_id)
+    assert manager._procs == {} and manager.start(RunForm(max_steps=5, lora_rank=0, launcher="python")) > run_id
+    manager.cancel(store.runs()[0]["id"])
+    wait_for(lambda: manager.refresh() and store.runs()[0]["status"] == "cancelled")
+
+
+def test_a_run_left_with_no_rows_after_truncation_fails_with_its_reason(tiny_chat_model_dir, store, tmp_path):
+    """Every prompt longer than --max_length: TRL drops every row, and the run ends ``failed`` with the training's
+    own line naming the fix (not ``done`` with nothing measured)."""
+    for i in range(4):
+        store.add_feedback(**choice(i))
+    manager = RunManager(store, str(tiny_chat_model_dir), tmp_path / "runs", [*TRAIN_ARGS, "--max_length", "4"])
+    manager.niceness = 0
+    run_id = manager.start(RunForm(max_steps=2, lora_rank=0, launcher="python"))
+    run = wait_for(lambda: manager.refresh() and (r := store.run(run_id))["status"] != RUNNING and r)
+    assert run["status"] == "failed"
+    assert run["detail"].splitlines()[0] == (
+        "failed: no training row left of 2: every prompt is at least max_length=4 tokens long: raise --max_length. "
+        "(exit status 1)"
+    )
+
+
 def wait_for(what, timeout: float = 180):
     deadline = time.monotonic() + timeout
     while not (value := what()):
@@ -124,7 +163,7 @@ def wait_for(what, timeout: float = 180):
 
 ADMIN = ("op", "s3cret")
 STEPS = 30
-FORM = {"method": "dpo", "max_steps": STEPS, "lora_rank": 0, "learning_rate": 1e-3, "launcher": "torchrun", "nproc": 2,
+FORM = {"method": "dpo", "max_steps": STEPS, "lora_rank": 0, "learning_rate": 5e-4, "launcher": "torchrun", "nproc": 2,
         "preset": "none"}  # fmt: skip
 
 
@@ -257,7 +296,11 @@ def test_the_operator_turns_feedback_into_a_served_model_in_the_browser(tiny_cha
         log_in(page, f"{first.url}admin/")
         wait_for(lambda: re.search(r"DPO rows\s+10\s", page.locator("#train-data").inner_text()))
         client = train_page(first)
-        for bad, says in (({"max_steps": 0}, "steps=0"), ({"learning_rate": 0}, "learning rate=0")):
+        for bad, says in (
+            ({"max_steps": 0}, "steps=0"),
+            ({"learning_rate": 0}, "learning rate=0"),
+            ({"learning_rate": None}, "learning rate is empty: give a number"),
+        ):
             with pytest.raises(Exception, match=says):
                 client.predict(*{**FORM, **bad}.values(), api_name="/start")
         lora = 16 if chosen else 0  # a real model trains its LoRA adapter, in minutes
@@ -324,7 +367,7 @@ def test_the_operator_turns_feedback_into_a_served_model_in_the_browser(tiny_cha
 
         # the app's blind arena between the served model and the run's
         client = train_page(second)
-        with pytest.raises(Exception, match=r"Run #999 has no model to serve: choose a run that is done"):
+        with pytest.raises(Exception, match=r"There is no run #999: choose a done run's number"):
             client.predict(999, api_name="/open_arena")
         page.locator("#served-run input").fill(str(run["id"]))
         arena = gradio_client(f"{second.url}arena/")

@@ -128,3 +128,19 @@ def test_kto_rows_of_spin_pairs_label_the_human_reply_true(recipe):
         {"prompt": "p", "completion": "human", "label": True},
         {"prompt": "p", "completion": "model", "label": False},
     ]
+
+
+def test_a_held_out_set_truncated_away_stops_the_run_in_one_line(recipe):
+    """TRL drops a row whose prompt fills max_length; a run with training rows left but no held-out row stops (it
+    could measure nothing), and so does one with no training row; rows on both sides go on."""
+    from types import SimpleNamespace
+
+    trainer = SimpleNamespace(train_dataset=[{}] * 3, eval_dataset=[])
+    with pytest.raises(SystemExit, match=r"^chat-e training stopped: no held-out row left of 4, so nothing can be "
+                                         r"measured: every prompt is at least max_length=64 tokens long: raise "
+                                         r"--max_length\.$"):  # fmt: skip
+        recipe.check_rows_left(trainer, 5, 4, 64)
+    with pytest.raises(SystemExit, match="no training row left of 5"):
+        recipe.check_rows_left(SimpleNamespace(train_dataset=[], eval_dataset=[{}]), 5, 4, 64)
+    recipe.check_rows_left(SimpleNamespace(train_dataset=[{}], eval_dataset=[{}]), 5, 4, 64)
+    recipe.check_rows_left(SimpleNamespace(train_dataset=[{}], eval_dataset=None), 5, 0, 64)  # nothing held out
