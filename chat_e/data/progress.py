@@ -7,8 +7,9 @@ whoever watches it from another process (the app's training runs, :mod:`chat_e.s
 ``CHAT_E_PROGRESS_FILE`` names the file (the environment reaches every rank under any launcher); rank 0 appends one
 line per event: ``{"event": "begin", ...}``, then ``{"event": "log", ...}`` with what the Trainer logged (loss,
 learning rate; DPO's ``rewards/margins`` and ``rewards/accuracies``), then ``{"event": "end", ...}``, each with
-``step``, ``max_steps`` and ``time``. Each line is written whole with one ``write``; a reader skips a last line cut
-short by a kill.
+``step``, ``max_steps`` and ``time``; and ``{"event": "phase", "phase": ..., "time": ...}`` as the run enters each
+part outside the training loop (:data:`PHASES`; the rows' split comes with the evaluation before). Each line is
+written whole with one ``write``; a reader skips a last line cut short by a kill.
 
 The niceness: ``CHAT_E_RUN_NICENESS`` is the nice value the app gives a run (the launcher starts niced; its ranks
 inherit it). Linux's autogroup scheduling (``/proc/sys/kernel/sched_autogroup_enabled``, on in many kernels) first
@@ -23,6 +24,12 @@ import json
 from pathlib import Path
 
 ENV = "CHAT_E_PROGRESS_FILE"
+#: a run's parts, in order: the training loop is TRAINING (its steps are the "begin" and "log" events)
+PREPARING, EVAL_BEFORE, TRAINING, EVAL_AFTER, SAVING = (
+    "preparing the data and the model", "evaluating before training", "training", "evaluating after training",
+    "saving the model",
+)  # fmt: skip
+PHASES = (PREPARING, EVAL_BEFORE, TRAINING, EVAL_AFTER, SAVING)
 NICENESS_ENV = "CHAT_E_RUN_NICENESS"
 #: this process's session's scheduling group and its nice value (Linux)
 AUTOGROUP = Path("/proc/self/autogroup")

@@ -40,7 +40,7 @@ from hf_ext.atomic import write_text_atomically
 from hf_ext.deepspeed.load import PRESETS
 
 from ..data.progress import ENV as PROGRESS_ENV
-from ..data.progress import NICENESS_ENV, read_progress
+from ..data.progress import NICENESS_ENV, PREPARING, TRAINING, read_progress
 from ..data.stats import Share
 from ..feedback.export import export
 from ..feedback.store import (
@@ -403,7 +403,23 @@ class RunManager:
         series = {key: [(r["step"], r[key]) for r in logs if key in r]
                   for key in ("loss", "rewards/margins", "rewards/accuracies")}  # fmt: skip
         return {"run": run, "step": step, "max_steps": total, "eta_s": eta, "series": series,
-                "log_tail": _tail(Path(run["log_path"]), LOG_TAIL_LINES)}  # fmt: skip
+                "log_tail": _tail(Path(run["log_path"]), LOG_TAIL_LINES), **current_phase(records)}  # fmt: skip
+
+
+def current_phase(records: list[dict]) -> dict[str, Any]:
+    """The part of its newest launch a run is in (:data:`chat_e.data.progress.PHASES`; None before the training
+    wrote any), since when (a timestamp), and the rows' split as the training kept them (``training_rows``,
+    ``held_out_rows``; {} until known)."""
+    starts = [i for i, r in enumerate(records) if r.get("event") == "phase" and r.get("phase") == PREPARING]
+    launch = records[starts[-1] :] if starts else records
+    split = next(({k: r[k] for k in ("training_rows", "held_out_rows")} for r in reversed(launch)
+                  if r.get("event") == "phase" and "held_out_rows" in r), {})  # fmt: skip
+    marks = [r for r in launch if r.get("event") in ("phase", "begin")]
+    if not marks:
+        return {"phase": None, "phase_since": None, "split": split}
+    last = marks[-1]
+    name = TRAINING if last["event"] == "begin" else last["phase"]
+    return {"phase": name, "phase_since": last["time"], "split": split}
 
 
 def run_processes(pid: int) -> list[psutil.Process]:

@@ -60,10 +60,11 @@ from ..data.corpora import OFFLINE_DATASETS, load_offline, sample
 from ..data.dialogue import chat_reply_ids, encode_chat_prompt, family_of, parse_texts
 from ..data.lora import LoraArguments
 from ..data.models import BUILDERS, build_model
+from ..data.progress import EVAL_AFTER, EVAL_BEFORE, PREPARING, SAVING
 from ..data.stats import share
 from .heldout import heldout_metrics
 from .launch import PREFERRED_PER_TOKEN, PREFERRED_SUM, REPLY_NLL, stop
-from .progress import join_run_niceness, progress_callbacks
+from .progress import join_run_niceness, phase, progress_callbacks
 
 logger = logging.getLogger(__name__)
 
@@ -486,6 +487,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     prepare_run(training_args)
     set_seed(training_args.seed)
+    is_main = training_args.process_index == 0
+    phase(PREPARING, is_main)
 
     # 2. model files (a model is built once, by the main process, when asked and missing)
     model_path = model_args.model_name_or_path
@@ -533,9 +536,14 @@ def main(argv: list[str] | None = None) -> dict:
     # 6. evaluate, train, evaluate, 7. save
     out = Path(training_args.output_dir)
     batch = training_args.per_device_eval_batch_size
+    # the rows as TRL kept them (the page shows the split while the evaluation runs)
+    phase(EVAL_BEFORE, is_main, training_rows=len(trainer.train_dataset),
+          held_out_rows=len(trainer.eval_dataset) if trainer.eval_dataset is not None else 0)  # fmt: skip
     before = evaluate(trainer, loss, batch)
     result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    phase(EVAL_AFTER, is_main)
     after = evaluate(trainer, loss, batch)
+    phase(SAVING, is_main)
     merge = model_args.use_peft and model_args.merge_adapter
     trainer.save_model(str(out / "adapter") if merge else None)
     if merge and trainer.is_world_process_zero():

@@ -37,6 +37,17 @@ class ProgressFile(TrainerCallback):
         self._append(state, {"event": "end"})
 
 
+def phase(name: str, is_main: bool, **detail) -> None:
+    """Rank 0 (``is_main``) appends ``{"event": "phase", "phase": name, ...detail}`` when ``CHAT_E_PROGRESS_FILE``
+    is set: the parts of a run outside the training loop (:data:`chat_e.data.progress.PHASES`), which the Train
+    page shows."""
+    path = os.environ.get(ENV)
+    if not path or not is_main:
+        return
+    with Path(path).open("a") as f:
+        f.write(json.dumps({"event": "phase", "phase": name, **detail, "time": time.time()}) + "\n")
+
+
 def progress_callbacks() -> list[TrainerCallback]:
     """``[ProgressFile]`` when ``CHAT_E_PROGRESS_FILE`` is set, else none."""
     return [ProgressFile(os.environ[ENV])] if os.environ.get(ENV) else []

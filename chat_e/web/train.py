@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import html
 import logging
+import time
 from typing import Any
 
 from hf_ext.deepspeed.load import PRESETS
 
 from ..data.limits import ChatLimits, Refused, check_request
+from ..data.progress import TRAINING
 from ..feedback.export import Examples
 from ..studio.runs import (
     APP_METHODS,
@@ -77,9 +79,15 @@ def status_view(manager: RunManager) -> tuple[str, str, list[list[Any]], str, li
     newest = runs[0]
     progress = manager.progress(newest["id"])
     step, total, eta = progress["step"], progress["max_steps"], progress["eta_s"]
-    line = f"Run #{newest['id']} ({newest['method']}): **{newest['status']}**, step {step} of {total}"
-    if eta is not None and newest["status"] == "running":
+    line = f"Run #{newest['id']} ({newest['method']}): **{newest['status']}**"
+    if newest["status"] in ("running", "cancelling") and progress["phase"]:
+        line += f" — {progress['phase']} for {max(0.0, time.time() - progress['phase_since']):.0f} s"
+    line += f", step {step} of {total}"
+    if eta is not None and newest["status"] == "running" and progress["phase"] == TRAINING:
         line += f", about {eta:.0f} s left"
+    split = progress["split"]
+    if split:
+        line += f" ({split['training_rows']} training rows, {split['held_out_rows']} held out)"
     if newest["status"] == "done" and newest["metrics_after"]:
         line += ". " + held_out_line(newest["metrics_before"] or {}, newest["metrics_after"])
     if newest["status"] in ("failed", "stopped", "cancelled") and newest["detail"]:

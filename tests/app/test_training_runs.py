@@ -16,9 +16,9 @@ import httpx
 import psutil
 import pytest
 
-from chat_e.data.progress import AUTOGROUP
+from chat_e.data.progress import AUTOGROUP, EVAL_AFTER, EVAL_BEFORE, PREPARING, SAVING, TRAINING, read_progress
 from chat_e.feedback.store import DONE, RUNNING, FeedbackStore
-from chat_e.studio.runs import RunForm, RunManager, run_processes, signal_run
+from chat_e.studio.runs import RunForm, RunManager, current_phase, run_processes, signal_run
 
 from ..conftest import ROOT
 from .browser import BOT, keep_screenshot, needs_chromium, wait_for_reply
@@ -98,7 +98,7 @@ def test_corrections_train_sft_with_a_held_out_before_after(tiny_chat_model_dir,
                               "edited": f"I like apples, number {i}. And you?"})  # fmt: skip
     manager = RunManager(store, str(tiny_chat_model_dir), tmp_path / "runs", TRAIN_ARGS, EVAL_ARGS)
     manager.niceness = 0
-    run_id = manager.start(RunForm(method="sft", max_steps=10, learning_rate=1e-2, launcher="python"))
+    run_id = manager.start(RunForm(method="sft", max_steps=10, lora_rank=0, learning_rate=1e-2, launcher="python"))
     run = wait_for(lambda: manager.refresh() and (r := store.run(run_id))["status"] != RUNNING and r, timeout=300)
     assert run["status"] == DONE, run["detail"]
     assert run["settings"]["command"][-4:] == ["--loss_type", "sft", "--loss", "dpo"]
@@ -109,6 +109,16 @@ def test_corrections_train_sft_with_a_held_out_before_after(tiny_chat_model_dir,
     before, after = run["metrics_before"], run["metrics_after"]
     assert after["reply_nll"] < before["reply_nll"] - 1.0
     assert after["preferred_sum"]["k"] == after["preferred_sum"]["n"] > before["preferred_sum"]["k"]
+    # every part of the run outside the training loop, in order, the split with the evaluation before
+    records = read_progress(folder / "progress.jsonl")
+    parts = [r["phase"] if r["event"] == "phase" else r["event"] for r in records if r["event"] != "log"]
+    assert parts == [PREPARING, EVAL_BEFORE, "begin", "end", EVAL_AFTER, SAVING]
+    assert records[1]["training_rows"] == report["train_rows"] == 12 and records[1]["held_out_rows"] == 4
+    assert current_phase(records)["phase"] == SAVING
+    assert current_phase(records[:3])["phase"] == TRAINING and current_phase(records[:3])["split"] == {
+        "training_rows": 12,
+        "held_out_rows": 4,
+    }
     for proc in manager._evals.values():  # the done run's eval (tested with the browser's run) is not waited for
         proc.kill()
         proc.wait()
