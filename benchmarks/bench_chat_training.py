@@ -28,6 +28,7 @@ import signal
 import statistics
 import tempfile
 import time
+from dataclasses import astuple
 from pathlib import Path
 
 import httpx
@@ -43,7 +44,8 @@ from hf_ext.runtime import usable_cores
 MESSAGE = "I finally got the job! What should I do to celebrate?"
 ADMIN = ("operator", "bench-only-password")
 #: what every run's training gets first (the Train page's --train_args)
-TRAIN_ARGS = ["--per_device_train_batch_size", "4", "--max_length", "160", "--n_eval", "8"]
+#: the Train page's run: held-out rows, batch, max length (the form's fields)
+HELD_OUT, BATCH, MAX_LENGTH = 8, 4, 160
 
 
 def feedback_rows(url: str, n: int) -> float:
@@ -129,11 +131,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     threads = max(1, usable_cores() // 2)  # chat-e's default: the cores over --concurrency 2
     form = RunForm(method="dpo", max_steps=args.steps, lora_rank=args.lora_rank, learning_rate=1e-3,
-                   launcher="torchrun", nproc=args.nproc)  # fmt: skip
+                   launcher="torchrun", nproc=args.nproc, held_out=HELD_OUT, batch=BATCH, max_length=MAX_LENGTH)  # fmt: skip
     phases, run_report = {}, {}
     with tempfile.TemporaryDirectory(prefix="bench-chat-training-") as tmp:
         tmp = Path(tmp)
-        extra = ["--admin", ":".join(ADMIN), "--train_dir", str(tmp / "train"), "--train_args", " ".join(TRAIN_ARGS)]
+        extra = ["--admin", ":".join(ADMIN), "--train_dir", str(tmp / "train")]
         server = Server(model, tmp / "chat-e.log", threads=threads, new_tokens=args.new_tokens, extra=extra)
         store = FeedbackStore(f"sqlite:///{(tmp / 'chat-e.log').with_suffix('.feedback.db')}")
         try:
@@ -146,9 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
             phases["idle"] = (latencies(server.url, served, args.requests), None)
 
             page = Client(f"{server.url}admin/", auth=ADMIN, verbose=False, analytics_enabled=False, ssl_verify=False)
-            form_values = (form.method, form.max_steps, form.lora_rank, form.learning_rate, form.launcher,
-                           form.nproc, form.preset)  # fmt: skip
-            page.predict(*form_values, api_name="/start")
+            page.predict(*astuple(form), api_name="/start")  # the page's fields, in the form's order
             run_id = store.runs()[0]["id"]
             wait_for_step(store, run_id)
             latencies(server.url, served, args.warmup)
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
                 reply_nll=[before.get("reply_nll"), after.get("reply_nll")],
             )  # fmt: skip
 
-            control = RunManager(store, str(model), tmp / "control", TRAIN_ARGS)
+            control = RunManager(store, str(model), tmp / "control")
             control.niceness = 0
             control_id = control.start(form)
             try:
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
     note = (f"`{model}` served by `chat-e` ({threads} torch thread(s) per reply) on {usable_cores()} cores. "
             f"{args.rows} replies corrected through the chat UI with the chit-chat corpus's human replies, then the "
             f"Train page's DPO run on them ({args.steps} steps, LoRA rank {args.lora_rank}, {args.nproc} ranks under "
-            f"torchrun; {TRAIN_ARGS[-1]} rows held out). Latency: one user, {args.requests} replies of "
+            f"torchrun; {HELD_OUT} rows held out). Latency: one user, {args.requests} replies of "
             f"{args.new_tokens} tokens per phase, measured once the run has logged its first step.")  # fmt: skip
     report = {"model": str(model), "threads": threads, "phases": rows, "run": run_report,
               "latencies_s": {name: values for name, (values, _) in phases.items()}, "args": vars(args)}  # fmt: skip

@@ -28,6 +28,7 @@ import argparse
 import json
 import tempfile
 import time
+from dataclasses import astuple
 from pathlib import Path
 
 from benchmarks import harness
@@ -40,9 +41,6 @@ from chat_e.studio.runs import APP_METHODS, RunForm, RunManager, share_text
 from hf_ext.runtime import usable_cores
 
 ADMIN = ("operator", "bench-only-password")
-#: what every run's training gets first (the Train page's --train_args): whole sessions held out
-TRAIN_ARGS = ["--per_device_train_batch_size", "4", "--max_length", "192", "--n_eval", "24",
-              "--gradient_checkpointing", "false"]  # fmt: skip
 
 
 def wait_for_run(store: FeedbackStore, page, run_id: int, timeout: float = 7200) -> dict:
@@ -84,6 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--lora_rank", type=int, default=16, help="The run's LoRA rank (default 16).")
     parser.add_argument("--learning_rate", type=float, default=5e-4, help="The run's learning rate (default 5e-4).")
     parser.add_argument("--nproc", type=int, default=2, help="The run's ranks under torchrun (default 2).")
+    parser.add_argument("--held_out", type=int, default=24, help="The run's held-out rows (default 24).")
     parser.add_argument("--seed", type=int, default=0, help="The population's and their choices' seed.")
     parser.add_argument("--eval_args", nargs="*", default=[], help="Flags of the Train page's chat-e eval.")
     parser.add_argument("--out", default="runs/bench/loop.json", help="Where to write the JSON results.")
@@ -96,13 +95,19 @@ def main(argv: list[str] | None = None) -> dict:
     from gradio_client import Client  # noqa: PLC0415 (the app extra)
 
     users = population(args.users, args.seed)
-    form = RunForm(method=args.method, max_steps=args.steps, lora_rank=args.lora_rank,
-                   learning_rate=args.learning_rate, launcher="torchrun", nproc=args.nproc)  # fmt: skip
+    form = RunForm(method=args.method, max_steps=args.steps, lora_rank=args.lora_rank, learning_rate=args.learning_rate,
+                   launcher="torchrun", nproc=args.nproc, held_out=args.held_out, max_length=192)  # fmt: skip
     report: dict = {"users": args.users, "messages_per_user": args.messages, "votes_per_user": args.votes}
     with tempfile.TemporaryDirectory(prefix="bench-loop-") as tmp:
         tmp = Path(tmp)
-        extra = ["--admin", ":".join(ADMIN), "--train_dir", str(tmp / "train"), "--train_args", " ".join(TRAIN_ARGS),
-                 "--eval_args", " ".join(args.eval_args)]  # fmt: skip
+        extra = [
+            "--admin",
+            ":".join(ADMIN),
+            "--train_dir",
+            str(tmp / "train"),
+            "--eval_args",
+            " ".join(args.eval_args),
+        ]
         server = Server(model, tmp / "chat-e.log", threads=max(1, usable_cores() // 2), new_tokens=None, extra=extra)
         store = FeedbackStore(f"sqlite:///{(tmp / 'chat-e.log').with_suffix('.feedback.db')}")
         try:
@@ -124,9 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
             ).as_dict()
 
             page = Client(f"{server.url}admin/", auth=ADMIN, verbose=False, analytics_enabled=False, ssl_verify=False)
-            values = (form.method, form.max_steps, form.lora_rank, form.learning_rate, form.launcher, form.nproc,
-                      form.preset)  # fmt: skip
-            page.predict(*values, api_name="/start")
+            page.predict(*astuple(form), api_name="/start")  # the page's fields, in the form's order
             run_id = store.runs()[0]["id"]
             record = wait_for_run(store, page, run_id)
             if record["status"] != DONE:

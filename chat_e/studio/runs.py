@@ -120,6 +120,12 @@ class RunForm:
     nproc: int = 1
     #: a DeepSpeed preset name (zero2, zero3...), or none
     preset: str = "none"
+    #: rows held out for the before/after (whole sessions, so about this many; at most half of the rows)
+    held_out: int = 16
+    #: rows per rank and step (training), and twice as many in the evaluations
+    batch: int = 4
+    #: tokens of prompt and reply kept (TRL's max_length; a row whose prompt alone fills it is dropped)
+    max_length: int = 256
 
     def check(self) -> None:
         """A ``ValueError`` naming the first bad value and a fix, before anything starts."""
@@ -138,6 +144,10 @@ class RunForm:
             raise ValueError(f"ranks={self.nproc!r}: choose 1 to {cores} on this machine.")
         if self.launcher == "python" and self.nproc != 1:
             raise ValueError("The python launcher starts one rank: choose 1 rank, or torchrun / deepspeed.")
+        for name, value, low, high in (("held-out rows", self.held_out, 1, 1024), ("batch", self.batch, 1, 64),
+                                       ("max length", self.max_length, 32, 8192)):  # fmt: skip
+            if not isinstance(value, int) or not low <= value <= high:
+                raise ValueError(f"{name}={value!r}: choose a whole number from {low} to {high}.")
         if self.preset not in ("none", *PRESETS):
             raise ValueError(f"preset={self.preset!r}: choose none or one of {', '.join(PRESETS)}.")
         if self.preset != "none" and self.launcher == "python":
@@ -215,9 +225,14 @@ class RunManager:
         signal_ranks(run["pid"], signal.SIGTERM)
 
     def _training_args(self, form: RunForm, rows_file: Path, out: Path) -> list[str]:
-        args = [*self.train_args, "--model_name_or_path", self.base_model, "--data_file", str(rows_file),
-                "--output_dir", str(out), "--max_steps", str(form.max_steps), "--learning_rate",
-                str(form.learning_rate), "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none"]  # fmt: skip
+        # activation checkpointing off unless train_args turn it on (TRL's default is on: slower, and a chat model the
+        # app serves on a CPU fits without it)
+        args = ["--gradient_checkpointing", "false", *self.train_args, "--model_name_or_path", self.base_model,
+                "--data_file", str(rows_file), "--output_dir", str(out), "--max_steps", str(form.max_steps),
+                "--learning_rate", str(form.learning_rate), "--n_eval", str(form.held_out),
+                "--per_device_train_batch_size", str(form.batch), "--per_device_eval_batch_size", str(2 * form.batch),
+                "--max_length", str(form.max_length), "--logging_steps", "1", "--save_strategy", "no",
+                "--report_to", "none"]  # fmt: skip
         if form.lora_rank:
             args += ["--use_peft", "true", "--lora_r", str(form.lora_rank), "--lora_alpha", str(2 * form.lora_rank)]
         if form.preset != "none":

@@ -131,11 +131,12 @@ def build_train_app(manager: RunManager, store, desk: ServingDesk | None = None,
         line, bar, points, log, table, evaluation = status_view(manager)
         return line, bar, points_frame(points), log, table, data_summary(store), evaluation
 
-    def start(method, max_steps, lora_rank, learning_rate, launcher, nproc, preset):
+    def start(method, max_steps, lora_rank, learning_rate, launcher, nproc, preset, held_out, batch, max_length):
         try:
             form = RunForm(method=method, max_steps=_int(max_steps, "steps"), lora_rank=_int(lora_rank, "LoRA rank"),
                            learning_rate=_float(learning_rate, "learning rate"), launcher=launcher,
-                           nproc=_int(nproc, "ranks"), preset=preset)  # fmt: skip
+                           nproc=_int(nproc, "ranks"), preset=preset, held_out=_int(held_out, "held-out rows"),
+                           batch=_int(batch, "batch"), max_length=_int(max_length, "max length"))  # fmt: skip
             run_id = manager.start(form)
         except ValueError as err:
             raise gr.Error(str(err), print_exception=False) from None
@@ -175,6 +176,14 @@ def build_train_app(manager: RunManager, store, desk: ServingDesk | None = None,
             nproc = gr.Number(defaults.nproc, precision=0, label="ranks", elem_id="train-ranks")
             preset = gr.Dropdown(["none", *PRESETS], value=defaults.preset, label="DeepSpeed preset")
         with gr.Row():
+            held_out = gr.Number(defaults.held_out, precision=0, label="held-out rows (whole sessions, for the "
+                                 "before/after)", elem_id="train-held-out")  # fmt: skip
+            batch = gr.Number(
+                defaults.batch, precision=0, label="batch (rows per rank and step)", elem_id="train-batch"
+            )
+            max_length = gr.Number(defaults.max_length, precision=0, label="max length (tokens of prompt and reply)",
+                                   elem_id="train-max-length")  # fmt: skip
+        with gr.Row():
             start_button = gr.Button("Start", variant="primary", elem_id="train-start")
             cancel_button = gr.Button("Cancel (save a checkpoint and stop)", elem_id="train-cancel")
             resume_button = gr.Button("Resume", elem_id="train-resume")
@@ -187,7 +196,7 @@ def build_train_app(manager: RunManager, store, desk: ServingDesk | None = None,
         table = gr.Dataframe(headers=RUN_COLUMNS, value=[], label="runs", interactive=False, elem_id="train-runs")
         evaluation = gr.Markdown("", elem_id="train-eval")
         outputs = [status, bar, plot, log, table, summary, evaluation]
-        form = [method, max_steps, lora_rank, learning_rate, launcher, nproc, preset]
+        form = [method, max_steps, lora_rank, learning_rate, launcher, nproc, preset, held_out, batch, max_length]
         start_button.click(start, form, outputs, api_name="start")
         cancel_button.click(act(manager.cancel), None, outputs, api_name="cancel")
         resume_button.click(act(manager.resume), None, outputs, api_name="resume")

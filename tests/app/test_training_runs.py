@@ -27,7 +27,7 @@ from .support import ChatEServer, gradio_client, make_sensitive_model, serving
 pytestmark = pytest.mark.slow
 
 PREFERENCE_TINY = ROOT / "recipes" / "configs" / "preference_tiny.yaml"
-TRAIN_ARGS = ["--config", str(PREFERENCE_TINY), "--n_eval", "4", "--per_device_train_batch_size", "4"]
+TRAIN_ARGS = ["--config", str(PREFERENCE_TINY)]
 #: a done run's eval beside the served model, kept short (its report is tested in tests/integration/test_chat_eval.py)
 EVAL_ARGS = ["--n_nll", "8", "--max_new_tokens", "8"]
 
@@ -72,6 +72,8 @@ def store(tmp_path):
     (RunForm(nproc=1000, launcher="torchrun"), "ranks=1000: choose 1 to"),
     (RunForm(nproc=2), "The python launcher starts one rank"),
     (RunForm(preset="zero2"), "needs a distributed launcher"),
+    (RunForm(held_out=0), "held-out rows=0: choose a whole number from 1 to 1024"),
+    (RunForm(max_length=8), "max length=8: choose a whole number from 32 to 8192"),
 ])  # fmt: skip
 def test_bad_form_values_are_refused_in_one_line_before_anything_starts(form, says, store, tmp_path):
     store.add_feedback(**choice(0))
@@ -98,7 +100,7 @@ def test_corrections_train_sft_with_a_held_out_before_after(tiny_chat_model_dir,
                               "edited": f"I like apples, number {i}. And you?"})  # fmt: skip
     manager = RunManager(store, str(tiny_chat_model_dir), tmp_path / "runs", TRAIN_ARGS, EVAL_ARGS)
     manager.niceness = 0
-    run_id = manager.start(RunForm(method="sft", max_steps=10, lora_rank=0, learning_rate=1e-2, launcher="python"))
+    run_id = manager.start(RunForm(method="sft", max_steps=10, lora_rank=0, learning_rate=1e-2, launcher="python", held_out=4))
     run = wait_for(lambda: manager.refresh() and (r := store.run(run_id))["status"] != RUNNING and r, timeout=300)
     assert run["status"] == DONE, run["detail"]
     assert run["settings"]["command"][-4:] == ["--loss_type", "sft", "--loss", "dpo"]
@@ -152,13 +154,13 @@ def test_a_run_left_with_no_rows_after_truncation_fails_with_its_reason(tiny_cha
     own line naming the fix (not ``done`` with nothing measured)."""
     for i in range(4):
         store.add_feedback(**choice(i))
-    manager = RunManager(store, str(tiny_chat_model_dir), tmp_path / "runs", [*TRAIN_ARGS, "--max_length", "4"])
+    manager = RunManager(store, str(tiny_chat_model_dir), tmp_path / "runs", TRAIN_ARGS)
     manager.niceness = 0
-    run_id = manager.start(RunForm(max_steps=2, lora_rank=0, launcher="python"))
+    run_id = manager.start(RunForm(max_steps=2, lora_rank=0, launcher="python", max_length=32))
     run = wait_for(lambda: manager.refresh() and (r := store.run(run_id))["status"] != RUNNING and r)
     assert run["status"] == "failed"
     assert run["detail"].splitlines()[0] == (
-        "failed: no training row left of 2: every prompt is at least max_length=4 tokens long: raise --max_length. "
+        "failed: no training row left of 2: every prompt is at least max_length=32 tokens long: raise --max_length. "
         "(exit status 1)"
     )
 
@@ -174,7 +176,7 @@ def wait_for(what, timeout: float = 180):
 ADMIN = ("op", "s3cret")
 STEPS = 30
 FORM = {"method": "dpo", "max_steps": STEPS, "lora_rank": 0, "learning_rate": 5e-4, "launcher": "torchrun", "nproc": 2,
-        "preset": "none"}  # fmt: skip
+        "preset": "none", "held_out": 4, "batch": 4, "max_length": 128}  # fmt: skip
 
 
 def train_page(server: ChatEServer):
@@ -314,7 +316,8 @@ def test_the_operator_turns_feedback_into_a_served_model_in_the_browser(tiny_cha
             with pytest.raises(Exception, match=says):
                 client.predict(*{**FORM, **bad}.values(), api_name="/start")
         lora = 16 if chosen else 0  # a real model trains its LoRA adapter, in minutes
-        for field, value in (("#train-steps", STEPS), ("#train-lora", lora), ("#train-ranks", 2)):
+        for field, value in (("#train-steps", STEPS), ("#train-lora", lora), ("#train-ranks", 2),
+                             ("#train-held-out", 4), ("#train-max-length", 128)):  # fmt: skip
             page.locator(f"{field} input").fill(str(value))
             page.locator(f"{field} input").press("Tab")  # committed, as a user leaving the field
         page.locator("#train-launcher input").click()
