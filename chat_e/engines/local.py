@@ -189,8 +189,8 @@ class LocalEngine(ChatEngine):
 
     def describe(self) -> str:
         """One line saying which model is loaded, for the UI."""
-        info = self.info or {"path": self.name}
-        parts = [str(info.get("path"))]
+        info = self.info
+        parts = [self.name]  # the name it is served under (a run's model: its id, not the server's folder)
         if info.get("kind") == "base + adapter":
             parts.append(f"adapter on {info.get('base')}")
         if info.get("parameters"):

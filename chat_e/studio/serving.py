@@ -92,7 +92,11 @@ class ServingDesk:
             raise ValueError(f"Run #{run_id} has no model to serve: choose a run that is done.")
         with self._lock:  # served now, or the model a Roll back returns to: loaded already
             known = [m for m in (self._serving, self._previous) if m and _is_dir_of(m[0], run["output_dir"])]
-        loaded = known[0] if known else self.load(run["output_dir"])
+        if known:
+            loaded = known[0]
+        else:
+            loaded = self.load(run["output_dir"])
+            loaded[0].name = run_model_id(run)  # what the API, the arena and the feedback rows call it
         gated = GatedEngine(loaded[0], self.served.concurrency)
         with self._lock:
             self._candidate = (run_id, loaded, gated)
@@ -168,6 +172,12 @@ class ServingDesk:
                 "arena": self.arena_pair,
                 "history": list(self.history),
             }
+
+
+def run_model_id(run: dict[str, Any]) -> str:
+    """A run's model as the app names it everywhere outside the server (``/v1/models``, every answer's ``model``,
+    the arena, the feedback rows): ``run-<id>-<method>``, stable and readable; its folder stays on the server."""
+    return f"run-{run['id']}-{run['method']}"
 
 
 def _is_dir_of(engine: ChatEngine, output_dir: str) -> bool:

@@ -377,6 +377,7 @@ def test_the_operator_turns_feedback_into_a_served_model_in_the_browser(tiny_cha
         assert f"step {STEPS} of {STEPS}" in done
         screenshot(page, tmp_path, "chat-e-train-done.png")
         trained = str(Path(record["output_dir"]).resolve())
+        trained_id = f"run-{run['id']}-dpo"  # its name outside the server: the folder stays on the server
 
         # the app's blind arena between the served model and the run's
         client = train_page(second)
@@ -389,7 +390,7 @@ def test_the_operator_turns_feedback_into_a_served_model_in_the_browser(tiny_cha
         page.locator("#open-arena").click()
         wait_shown(page, "#serving", "Arena open")
         sides = client.predict(run["id"], "What do you like?", api_name="/side_by_side")
-        assert f"**served** `{base}`" in sides and f"`{trained}`" in sides
+        assert f"**served** `{base}`" in sides and f"`{trained_id}`" in sides
         page.goto(f"{second.url}arena/")
         page.wait_for_selector("#arena-message")
         for i, winner in enumerate(["model_a", "model_b", "tie", "model_a", "bothbad"]):
@@ -410,7 +411,7 @@ def test_the_operator_turns_feedback_into_a_served_model_in_the_browser(tiny_cha
             page.locator("#new-battle").click()
             page.wait_for_function("() => document.querySelector('#reveal').innerText.trim() === ''")
         votes = store.votes()
-        assert {v["model_a"] for v in votes} | {v["model_b"] for v in votes} == {base, trained}
+        assert {v["model_a"] for v in votes} | {v["model_b"] for v in votes} == {base, trained_id}
         assert [v["winner"] for v in votes] == ["model_a", "model_b", "tie", "model_a", "bothbad"]
         page.get_by_role("tab", name="Leaderboard").click()
         wait_shown(page, "#board-text", "95% CI")
@@ -428,19 +429,19 @@ def test_the_operator_turns_feedback_into_a_served_model_in_the_browser(tiny_cha
         page.locator("#promote-anyway input").check()
         page.locator("#promote").click()
         assert "Roll back returns to" in wait_shown(page, "#serving", f"promoted from run #{run['id']}")
-        assert served_id(second) == (trained, trained)
+        assert served_id(second) == (trained_id, trained_id)
         with pytest.raises(Exception, match="No arena is open now"):  # its pairing named the model served before
             arena.predict(api_name="/new_battle")
         arena.close()
         page.goto(second.url)
-        wait_shown(page, "#model-line", trained)
+        wait_shown(page, "#model-line", trained_id)
         page.locator("#message textarea").fill("hello, who are you now?")
         page.locator("#send").click()
         wait_for_reply(page, 1)
         page.locator(BOT).last.hover()
         page.locator("#chatbot").get_by_label("Like", exact=True).last.click()
         wait_for(lambda: len(store.feedback()) == 21)
-        assert store.feedback()[-1]["model"] == trained
+        assert store.feedback()[-1]["model"] == trained_id
         log_in(page, f"{second.url}admin/")
         page.locator("#rollback").click()
         wait_shown(page, "#serving", "rolled back")
