@@ -12,7 +12,7 @@ NPROC ?= 2
 # the environment's executables first: DeepSpeed's launcher and ninja (scripts/build_deepspeed_ops.py says why)
 ENV_PATH := PATH="$(CURDIR)/$(BIN):$$PATH"
 
-.PHONY: setup demo demo-preference demo-blenderbot serve space test test-fast test-peer test-gpu test-gpu-dryrun test-kernels check-wheel lint clean browser postgres
+.PHONY: setup demo demo-preference demo-loop demo-blenderbot serve space test test-fast test-peer test-gpu test-gpu-dryrun test-kernels check-wheel lint clean browser postgres
 
 setup: $(STAMP)
 
@@ -39,6 +39,13 @@ demo-preference: setup
 		--config recipes/configs/preference_demo.yaml --model_name_or_path $(DEMO_DIR) --output_dir runs/demo-preference
 	@echo
 	@echo "Chat with it:  $(BIN)/chat-e --model runs/demo-preference"
+
+# the feedback loop measured end to end on `make demo`'s model: 20 simulated users give feedback through the chat UI,
+# the Train page trains SFT on their corrections, and they vote blind in the app's arena (about 30 min on 2 cores)
+demo-loop: setup
+	@test -f $(DEMO_DIR)/config.json || { echo "$(DEMO_DIR) holds no model: run make demo first."; exit 1; }
+	$(ENV_PATH) $(BIN)/python -m benchmarks.bench_loop --model $(DEMO_DIR) --users 20 --messages 4 --votes 4 \
+		--method sft --steps 30 --out runs/bench/loop_sft.json
 
 # the offline machinery on a random-init small BlenderBot and the chatterbot corpus
 demo-blenderbot: setup
