@@ -202,7 +202,9 @@ def build_train_app(manager: RunManager, store, desk: ServingDesk | None = None,
         resume_button.click(act(manager.resume), None, outputs, api_name="resume")
         refresh = gr.Button("Refresh", visible=False)
         refresh.click(view, None, outputs, api_name="status")
-        gr.Timer(1.0).tick(view, None, outputs, api_name=False, show_progress="hidden")
+        gr.Timer(2.0).tick(
+            view, None, outputs, api_name=False, show_progress="hidden"
+        )  # every 2 s: each tick reads the database, the processes and the logs
         demo.load(view, None, outputs, api_name=False)
         if desk is not None:
             served_section(gr, desk, limits)
