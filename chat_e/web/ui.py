@@ -328,6 +328,20 @@ class Handlers:
         gr.Info("Thanks: your choice is saved.")
 
     @staticmethod
+    def continue_from(which: Any, chat: list | None, records: dict | None) -> tuple[list[dict], dict]:
+        """The chat and its records going on from the reply chosen: the previous reply (chosen over its
+        regeneration) takes the newest reply's place; a new reply chosen leaves both as they are."""
+        records = dict(records or {})
+        chat = chat_messages(chat)
+        index = max(records) if records else None
+        if which != PREVIOUS_REPLY or index is None or "previous" not in records[index] or index >= len(chat):
+            return chat, records
+        previous = records[index]["previous"]
+        chat[index]["content"] = to_display(previous["reply"]) or EMPTY_REPLY
+        records[index] = previous
+        return chat, records
+
+    @staticmethod
     def regenerate(chat: list | None) -> list[dict]:
         """Drop the bot's last reply so that :meth:`respond` answers the last user message again."""
         chat = chat_messages(chat)
@@ -522,9 +536,10 @@ class FeedbackControls:
         def on_correct(text, records, request):
             return handlers.correct(text, records, request.session_hash)
 
-        def on_prefer(which, records, request):
+        def on_prefer(which, records, chat, request):
             handlers.prefer(which, records, request.session_hash)
-            return gr.update(visible=False)
+            chat, records = handlers.continue_from(which, chat, records)
+            return gr.update(visible=False), chat, records
 
         on_like.__annotations__ = {"data": gr.LikeData, "request": gr.Request}
         for fn in (on_rate, on_correct, on_prefer):
@@ -532,13 +547,27 @@ class FeedbackControls:
         chatbot.like(on_like, [records], None, queue=False, api_visibility="undocumented")
         rate.click(on_rate, [index, rating, records], None, queue=False, api_name="rate")
         gr.on([save.click, correction.submit], on_correct, [correction, records], [correction], api_name="correct")
-        self.prefer.input(on_prefer, [self.prefer, records], [self.prefer], queue=False, api_name="prefer")
+        self.prefer.input(on_prefer, [self.prefer, records, chatbot], [self.prefer, chatbot, records], queue=False,
+                          api_name="prefer")  # fmt: skip
 
     @staticmethod
     def offer_choice(records):
-        """Show the choice when the newest reply is a regeneration."""
+        """Show the choice, with both replies' text, when the newest reply is a regeneration."""
         newest = records[max(records)] if records else {}
-        return import_gradio().update(visible="previous" in newest, value=None)
+        if "previous" not in newest:
+            return import_gradio().update(visible=False, value=None)
+        shown = [(f"{label}: {_clip(reply)}", label) for label, reply in
+                 ((PREVIOUS_REPLY, newest["previous"]["reply"]), (NEW_REPLY, newest["reply"]))]  # fmt: skip
+        return import_gradio().update(visible=True, value=None, choices=shown)
+
+
+#: how much of a reply the choice after a regeneration shows
+CHOICE_CHARS = 300
+
+
+def _clip(text: str) -> str:
+    text = " ".join(text.split()) or EMPTY_REPLY
+    return text if len(text) <= CHOICE_CHARS else text[: CHOICE_CHARS - 1] + "…"
 
 
 def same_prompt(record: dict | None, other) -> bool:

@@ -385,6 +385,36 @@ def test_generation_error_apologises_and_the_server_stays_up(broken_server):
 # ---- UI handlers (no server needed) ------------------------------------------------------------------------------
 
 
+def test_the_choice_after_regenerate_shows_both_replies_and_the_chat_goes_on_from_the_one_chosen(server):
+    """Regenerate (sampled) until the reply differs, then choose the previous reply: the choice is stored, and the
+    chat shown goes on from the reply chosen, not from the one the user called worse."""
+    c = client(server)
+    sampled = (1, True, 1.0, 1.0, *UI_SETTINGS[4:])
+    _, chat, *_ = c.predict("Tell me about your day.", [], api_name="/add_message")
+    shown = c.predict(chat, "none", "", *sampled, api_name="/respond")
+    for _ in range(10):  # a sampled reply of the sensitive model differs almost always at once
+        again = c.predict(shown[:-1], "none", "", *sampled, api_name="/respond")
+        if again[-1]["content"] != shown[-1]["content"]:
+            break
+        shown = again
+    assert again[-1]["content"] != shown[-1]["content"]
+    _, chat = c.predict("previous reply", again, api_name="/prefer")  # the chat as the window shows it
+    assert [m["role"] for m in chat] == ["user", "assistant"] and chat[-1]["content"] == shown[-1]["content"]
+
+
+def test_the_choice_offers_both_replies_text():
+    from chat_e.web.ui import NEW_REPLY, PREVIOUS_REPLY, FeedbackControls
+
+    records = {1: {"reply": "the new one", "previous": {"reply": "the  first\none " + "x" * 400}}}
+    offered = FeedbackControls.offer_choice(records)
+    assert offered["visible"] is True and offered["value"] is None
+    (label_a, value_a), (label_b, value_b) = offered["choices"]
+    assert (value_a, value_b) == (PREVIOUS_REPLY, NEW_REPLY) and label_b == f"{NEW_REPLY}: the new one"
+    assert label_a.startswith(f"{PREVIOUS_REPLY}: the first one xxx") and label_a.endswith("…")
+    assert len(label_a) == len(PREVIOUS_REPLY) + 2 + 300
+    assert FeedbackControls.offer_choice({1: {"reply": "only"}})["visible"] is False
+
+
 def test_regenerate_undo_and_display_helpers():
     chat = [
         {"role": "user", "content": [{"type": "text", "text": to_display("a <b>")}]},
