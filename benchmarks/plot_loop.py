@@ -22,7 +22,11 @@ def label(report: dict) -> str:
 
 
 def plot(reports: list[dict], png: Path) -> None:
+    import io
+
     import matplotlib
+
+    from hf_ext.atomic import write_bytes_atomically  # the figure whole or not at all
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -47,9 +51,6 @@ def plot(reports: list[dict], png: Path) -> None:
     axes[0].set_ylim(-0.6, len(reports) - 0.4)
     fig.suptitle("What the loop bought on make demo's model (95 % intervals)", fontsize=11)
     fig.tight_layout()
-    import io
-
-    from hf_ext.atomic import write_bytes_atomically  # the figure whole or not at all
 
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110)

@@ -23,9 +23,7 @@ class ProgressFile(TrainerCallback):
     def _append(self, state, record: dict) -> None:
         if not state.is_world_process_zero:
             return
-        line = json.dumps({**record, "step": state.global_step, "max_steps": state.max_steps, "time": time.time()})
-        with self.path.open("a") as f:
-            f.write(line + "\n")
+        _append_line(self.path, {**record, "step": state.global_step, "max_steps": state.max_steps})
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._append(state, {"event": "begin"})
@@ -42,10 +40,14 @@ def phase(name: str, is_main: bool, **detail) -> None:
     is set: the parts of a run outside the training loop (:data:`chat_e.data.progress.PHASES`), which the Train
     page shows."""
     path = os.environ.get(ENV)
-    if not path or not is_main:
-        return
-    with Path(path).open("a") as f:
-        f.write(json.dumps({"event": "phase", "phase": name, **detail, "time": time.time()}) + "\n")
+    if path and is_main:
+        _append_line(Path(path), {"event": "phase", "phase": name, **detail})
+
+
+def _append_line(path: Path, record: dict) -> None:
+    """``record`` with the time, as one JSON line appended with one ``write`` (a reader skips a line a kill cut)."""
+    with path.open("a") as f:
+        f.write(json.dumps({**record, "time": time.time()}) + "\n")
 
 
 def progress_callbacks() -> list[TrainerCallback]:
