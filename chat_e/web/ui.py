@@ -52,6 +52,12 @@ PREVIOUS_REPLY, NEW_REPLY = "previous reply", "new reply"
 EMPTY_REPLY = "…"
 #: a rating as the ``rate`` endpoint takes it -> the stored rating (Gradio's like event: True, False, else taken back)
 RATINGS = {"like": 1, "dislike": -1, "none": 0}
+#: the chat window's thumbs (Gradio's feedback options) by rating, and the reply record's key holding the one shown
+FEEDBACK_OPTIONS = {"like": "Like", "dislike": "Dislike"}
+SHOWN_RATING = "shown_rating"
+#: the toast a chat user sees once a thumb is stored
+RATED = {"like": "Thanks: your thumbs-up is saved.", "dislike": "Thanks: your thumbs-down is saved.",
+         "none": "Your rating is taken back."}  # fmt: skip
 #: generation runs share this queue group, limited by ``concurrency_limit``
 GENERATE_GROUP = "generate"
 #: Send, Regenerate, Undo, Clear: locked with the message box while a reply is generated
@@ -285,14 +291,17 @@ class Handlers:
         keys = ("reply_id", "model", "mode", "context", "history", "message", "settings", "reply")
         return {k: record[k] for k in keys}
 
-    def rate(self, index: Any, rating: Any, records: dict | None, session: str | None = None) -> None:
-        """Store a rating of the reply at chat ``index``: ``like``, ``dislike`` or ``none`` (taken back)."""
+    def rate(self, index: Any, rating: Any, records: dict | None, session: str | None = None) -> dict:
+        """Store a rating of the reply at chat ``index``: ``like``, ``dislike`` or ``none`` (taken back). The records
+        go out with the rating beside the reply, so that the chat window keeps showing it (:func:`shown_ratings`)."""
         if rating not in RATINGS:
             raise import_gradio().Error(
                 f"A rating is one of {', '.join(RATINGS)}, not {rating!r}.", print_exception=False
             )
-        record = self._record(records, int(index) if isinstance(index, float) and index.is_integer() else index)
+        index = int(index) if isinstance(index, float) and index.is_integer() else index
+        record = self._record(records, index)
         self._store("rate", session, kind="rating", rating=RATINGS[rating], **self._exchange(record))
+        return {**records, index: {**record, SHOWN_RATING: FEEDBACK_OPTIONS.get(rating)}}
 
     def correct(self, text: Any, records: dict | None, session: str | None = None):
         """Store ``text`` as what the bot should have said instead of its newest reply; clears the box."""
@@ -444,7 +453,7 @@ def build_app(
                     elem_id="chatbot",
                     height=460,
                     render_markdown=False,
-                    feedback_options=("Like", "Dislike") if store else None,
+                    feedback_options=tuple(FEEDBACK_OPTIONS.values()) if store else None,
                     buttons=["copy", "copy_all"],
                     placeholder="Pick a context on the left, then say hello.",
                 )
@@ -470,7 +479,7 @@ def build_app(
         respond = named(handlers.respond_event, (*RESPOND_PARAMETERS, "records"))
         buttons = [send, regenerate, undo, clear]
         assert len(buttons) == N_BUTTONS
-        gr.on(
+        replied = gr.on(
             [message.submit, send.click],
             handlers.add_message,
             [message, chatbot],
@@ -479,24 +488,36 @@ def build_app(
             api_name="add_message",
             **raw,
             **ui,
-        ).then(respond, reply_inputs, [chatbot, records], api_name="respond", **raw, **generate, **ui).then(
-            unlock, None, [message, *buttons], queue=False, **ui
-        )
+        ).then(respond, reply_inputs, [chatbot, records], api_name="respond", **raw, **generate, **ui)
+        replied.then(unlock, None, [message, *buttons], queue=False, **ui)
         regenerated = (
-            gr.on([regenerate.click, chatbot.retry], lock, None, [message, *buttons], queue=False, **ui)
+            gr.on([regenerate.click], lock, None, [message, *buttons], queue=False, **ui)
             .then(handlers.regenerate, [chatbot], [chatbot], queue=False, **ui)
             .then(respond, reply_inputs, [chatbot, records], **raw, **generate, **ui)
         )
         regenerated.then(unlock, None, [message, *buttons], queue=False, **ui)
+        undone = gr.on([undo.click], handlers.undo, [chatbot], [chatbot, message], queue=False, **ui)
         if store:
             regenerated.then(feedback.offer_choice, [records], [feedback.prefer], queue=False, **ui)
-        gr.on([undo.click, chatbot.undo], handlers.undo, [chatbot], [chatbot, message], queue=False, **ui)
+            # the window forgets its thumbs when its messages change: every rating stays shown
+            for changed in (replied, regenerated, undone):
+                changed.then(shown_ratings, [chatbot, records], [chatbot], queue=False, **ui)
         clear.click(handlers.clear, None, [chatbot, message], queue=False, **ui)
         chatbot.clear(lambda: "", None, [message], queue=False, **ui)
         gr.api(typed(handlers.api_chat), api_name="chat", **generate)
 
     demo.queue(default_concurrency_limit=concurrency_limit, max_size=handlers.limits.max_queue)
     return demo
+
+
+def shown_ratings(chat: list | None, records: dict | None):
+    """The chat window's thumbs as the session gave them: one per assistant message, in order (Gradio's
+    ``feedback_value``), from the ratings its reply records keep."""
+    records = records or {}
+    shown = [
+        (records.get(i) or {}).get(SHOWN_RATING) for i, m in enumerate(chat_messages(chat)) if m["role"] == "assistant"
+    ]
+    return import_gradio().update(feedback_value=shown)
 
 
 class FeedbackControls:
@@ -528,7 +549,9 @@ class FeedbackControls:
 
         def on_like(records, data, request):
             liked = "like" if data.liked is True else "dislike" if data.liked is False else "none"
-            handlers.rate(data.index, liked, records, request.session_hash)
+            records = handlers.rate(data.index, liked, records, request.session_hash)
+            gr.Info(RATED[liked])
+            return records
 
         def on_rate(index, rating, records, request):
             handlers.rate(index, rating, records, request.session_hash)
@@ -544,11 +567,13 @@ class FeedbackControls:
         on_like.__annotations__ = {"data": gr.LikeData, "request": gr.Request}
         for fn in (on_rate, on_correct, on_prefer):
             fn.__annotations__ = {"request": gr.Request}
-        chatbot.like(on_like, [records], None, queue=False, api_visibility="undocumented")
+        # queued, as the correction: a toast reaches the page through the queue only
+        chatbot.like(on_like, [records], [records], api_visibility="undocumented")
         rate.click(on_rate, [index, rating, records], None, queue=False, api_name="rate")
         gr.on([save.click, correction.submit], on_correct, [correction, records], [correction], api_name="correct")
         self.prefer.input(on_prefer, [self.prefer, records, chatbot], [self.prefer, chatbot, records], queue=False,
-                          api_name="prefer")  # fmt: skip
+                          api_name="prefer").then(shown_ratings, [chatbot, records], [chatbot], queue=False,
+                                                  api_visibility="undocumented")  # fmt: skip
 
     @staticmethod
     def offer_choice(records):

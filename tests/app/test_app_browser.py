@@ -12,7 +12,7 @@ from chat_e.data.samples import EXAMPLES
 from chat_e.feedback.store import FeedbackStore
 from chat_e.web.ui import APOLOGY
 
-from .browser import BOT, USER, keep_screenshot, needs_chromium, texts, wait_for_bot
+from .browser import BOT, USER, keep_screenshot, needs_chromium, texts, wait_for_bot, wait_for_reply
 from .support import ChatEServer, served_engine, serving
 
 pytestmark = needs_chromium
@@ -132,6 +132,16 @@ def test_a_thumb_clicked_on_a_reply_is_stored_with_its_exchange(rated, page, tmp
     assert (row["kind"], row["rating"], row["message"], row["mode"]) == ("rating", 1, message, "persona")
     assert (row["context"], row["history"]) == (EXAMPLES["persona"], [])
     assert " ".join(row["reply"].split()) == reply
+    # the user sees it stored, and the thumb stays shown on that reply after the next turn (the window would forget it)
+    page.wait_for_selector(".toast-body:has-text('your thumbs-up is saved')", timeout=30_000)
+    page.locator("#message textarea").fill("And cats?")
+    page.locator("#send").click()
+    wait_for_reply(page, 2)
+    page.locator(BOT).first.hover()
+    page.wait_for_function("() => document.querySelectorAll(\"#chatbot [aria-label='Liked']\").length === 1")
+    assert page.locator("#chatbot").get_by_label("Like", exact=True).count() == 1  # the new reply: not rated
+    # one set of controls: Chat-E's Regenerate and Undo buttons, not Gradio's icons beside them
+    assert not page.locator("#chatbot [aria-label='Retry'], #chatbot [aria-label='Undo']").count()
     shot = tmp_path / "feedback.png"
     page.screenshot(path=str(shot), full_page=True)
     keep_screenshot(shot, "chat-e-feedback.png")

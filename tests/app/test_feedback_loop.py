@@ -2,8 +2,8 @@
 server (``--backend``, the model served by another Chat-E's OpenAI API), all storing to one real PostgreSQL database
 (tests/app/postgres.py).
 
-* Ten servers started at once on the fresh database all come up (the schema is migrated once, under a lock) and each
-  answers a chat.
+* Four servers started at once on the fresh database all come up (the schema is migrated once, under a lock: twenty
+  upgrades at once, tests/app/test_feedback_databases.py) and each answers a chat.
 * Two of them stay as replicas; 20 concurrent gradio_client sessions (half on each) chat, rate, correct and
   regenerate. One replica is killed with SIGKILL in the middle of the load and restarted on the same database; its
   clients carry on there, the other replica's clients never notice. Then every piece of feedback a client got an
@@ -31,7 +31,7 @@ from .support import TEST_SETTINGS, UI_SETTINGS, ChatEServer, gradio_client, mak
 CLIENTS = 20
 ROUNDS = 2
 #: servers started at once on the fresh database; the first REPLICAS of them stay for the load (client i on i % 2)
-SERVERS, REPLICAS = 10, 2
+SERVERS, REPLICAS = 4, 2
 #: the replica killed (and restarted) once KILL_AFTER pieces of feedback are acknowledged
 KILLED, KILL_AFTER = 0, 45
 #: the model's name, as the servers in front of the model server call it (and the feedback rows name it)
