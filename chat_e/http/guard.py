@@ -9,7 +9,9 @@ and the OpenAI-compatible API beside it), and the warning for a server anyone ca
   alone, and on a server with a login but no key they are closed;
 * a body over ``max_body_bytes`` gets HTTP 413: by its ``Content-Length`` before a byte of it is read, or, sent
   without one (chunked), as soon as the bytes received pass the limit (the app never sees it);
-* a full queue's HTTP 503 says that Chat-E is busy and to try again.
+* a full queue's HTTP 503 says that Chat-E is busy and to try again;
+* a login page goes out without the API schema Gradio puts in it (every endpoint's name and parameters, before
+  anyone has logged in).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import json
+import re
 import secrets
 from typing import Any
 
@@ -31,6 +34,10 @@ ADMIN_ENV = "CHAT_E_ADMIN"
 API_KEY_USER = "api-key"
 NEEDS_KEY = "Chat-E needs its API key: send the header 'Authorization: Bearer KEY'."
 WRONG_KEY = "Wrong API key: send the server's key as 'Authorization: Bearer KEY'."
+#: how Gradio's page says it is the login page, and the API schema it carries (its frontend escapes "<" in JSON, so
+#: the script ends at the first "</script>")
+LOGIN_PAGE = b'"auth_required":true'
+API_SCHEMA = re.compile(rb"(window\.gradio_api_info = ).*?(;</script>)", re.DOTALL)
 NO_KEY_SET = (
     "This Chat-E has a login but no API key, and its API takes the key only: start it with --api_key KEY (or "
     f"{API_KEY_ENV}) and send 'Authorization: Bearer KEY'."
@@ -122,7 +129,8 @@ class RequestGuard:
             return None
         if not complete:
             return await _send_json(send, 413, too_large(self.max_body_bytes), [(b"connection", b"close")])
-        return await self.app(scope, _replay(body, receive), self._busy_send(scope, send))
+        send = self._busy_send(scope, send) if scope.get("method") == "POST" else _login_page_send(send)
+        return await self.app(scope, _replay(body, receive), send)
 
     # ---- API key ------------------------------------------------------------------------------------------------
 
@@ -190,6 +198,33 @@ class RequestGuard:
                 await send(message)
 
         return guarded
+
+
+def _login_page_send(send):
+    """``send`` for a GET: an HTML page that is Gradio's login page goes out with ``window.gradio_api_info = null``
+    (the page needs no schema to log in; once logged in, the app's page carries it); anything else as it is."""
+    start, chunks = None, []
+
+    async def guarded(message):
+        nonlocal start
+        if message["type"] == "http.response.start":
+            if dict(message.get("headers", [])).get(b"content-type", b"").startswith(b"text/html"):
+                start = message  # held until the body is whole
+                return None
+            return await send(message)
+        if start is None or message["type"] != "http.response.body":
+            return await send(message)
+        chunks.append(message.get("body", b""))
+        if message.get("more_body", False):
+            return None
+        body = b"".join(chunks)
+        if LOGIN_PAGE in body:
+            body = API_SCHEMA.sub(rb"\1null\2", body, count=1)
+        headers = [(k, v) for k, v in start["headers"] if k != b"content-length"]
+        await send({**start, "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+        return await send({"type": "http.response.body", "body": body})
+
+    return guarded
 
 
 def _bearer(scope) -> str | None:

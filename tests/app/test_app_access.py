@@ -74,7 +74,13 @@ def test_login_refuses_without_credentials_and_answers_with_them(login):
     assert anonymous(login, headers={"Authorization": f"Bearer {KEY}"}).predict("hi", [], "free", "", api_name="/chat")
     refused = post_chat(login, {"Authorization": "Bearer nope"})
     assert (refused.status_code, refused.json()["detail"]) == (401, WRONG_KEY)
-    assert httpx.get(login.url, timeout=30).status_code == 200  # the login page itself is open
+    # the login page itself is open, and says nothing of the API (Gradio puts the schema of every endpoint in it);
+    # once logged in (here: by the key) the app's page carries it
+    page = httpx.get(login.url, timeout=30)
+    assert page.status_code == 200 and '"auth_required":true' in page.text
+    assert "window.gradio_api_info = null;</script>" in page.text and '"/chat"' not in page.text
+    app_page = httpx.get(login.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30).text
+    assert '"auth_required":true' not in app_page and '"/chat":{"parameters"' in app_page
 
 
 def test_api_key_alone_guards_every_request(keyed):

@@ -266,8 +266,8 @@ def test_the_operator_turns_feedback_into_a_served_model_in_the_browser(tiny_cha
                                                                          reaped_store):  # fmt: skip
     """The loop, as the operator clicks it in headless Chromium on a real server: rate and correct 10 replies;
     log in to the Train page and see the 10 DPO rows; start a DPO run (2 ranks under torchrun), watch its progress
-    and plot; the server restarted mid-run and the page reattached; Cancel (a checkpoint), Resume to the end with the
-    held-out metrics before and after; open the app's blind arena between the served model and the run's and vote 5
+    and plot; the server restarted mid-run and the page reattached; Cancel ("cancelling" shown, then a checkpoint),
+    Resume to the end with the held-out metrics before and after; open the app's blind arena between the served model and the run's and vote 5
     battles; Promote and chat with the new model; Roll back. The database, the API and the run's files are the
     oracle; gradio_client checks the refusals (bad values, a second Start, unknown runs) and a run whose process dies
     shown failed with its exit status."""
@@ -358,8 +358,12 @@ def test_the_operator_turns_feedback_into_a_served_model_in_the_browser(tiny_cha
     with serving(second):
         log_in(page, f"{second.url}admin/")
         wait_shown(page, "#train-status", "running")  # reattached
-        signal_run(run["pid"], signal.SIGCONT)
+        # Cancel while the training is still paused: its ranks' SIGTERM waits for SIGCONT, and the page says
+        # "cancelling" from the click to the end
         page.locator("#train-cancel").click()
+        wait_shown(page, "#train-status", "cancelling")
+        assert store.run(run["id"])["status"] == "cancelling"
+        signal_run(run["pid"], signal.SIGCONT)
         wait_shown(page, "#train-status", "stopped")
         assert "stopped with a checkpoint (its log says so)" in store.run(run["id"])["detail"]
         assert re.search(r"Preempted \(SIGTERM\): checkpoint-\d+ is saved", Path(run["log_path"]).read_text())
