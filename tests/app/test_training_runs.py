@@ -100,7 +100,9 @@ def test_corrections_train_sft_with_a_held_out_before_after(tiny_chat_model_dir,
                               "edited": f"I like apples, number {i}. And you?"})  # fmt: skip
     manager = RunManager(store, str(tiny_chat_model_dir), tmp_path / "runs", TRAIN_ARGS, EVAL_ARGS)
     manager.niceness = 0
-    run_id = manager.start(RunForm(method="sft", max_steps=10, lora_rank=0, learning_rate=1e-2, launcher="python", held_out=4))
+    run_id = manager.start(
+        RunForm(method="sft", max_steps=10, lora_rank=0, learning_rate=1e-2, launcher="python", held_out=4)
+    )
     run = wait_for(lambda: manager.refresh() and (r := store.run(run_id))["status"] != RUNNING and r, timeout=300)
     assert run["status"] == DONE, run["detail"]
     assert run["settings"]["command"][-4:] == ["--loss_type", "sft", "--loss", "dpo"]
