@@ -420,6 +420,15 @@ def arena_blocks(arena: Arena, concurrency_limit: int = 2):
     def battle(message, mode, context, state):
         yield from arena.battle(message, mode, context, state)
 
+    def battle_on_page(message, mode, context, state):
+        """:meth:`Arena.battle` for the page: a refusal is a toast, and the windows and the message keep what they
+        show (a ``gr.Error`` would mark each of them "Error" and end the chain before the controls are unlocked)."""
+        try:
+            yield from arena.battle(message, mode, context, state)
+        except gr.Error as refused:
+            gr.Warning(refused.message, title=refused.title)
+            yield gr.skip(), gr.skip(), gr.skip(), gr.skip()
+
     # Gradio hands a handler the request (the session) by its parameter's annotation, ``gr.Request``
     def vote(winner, state, request: gr.Request):
         return arena.vote(winner, state, request.session_hash or "")
@@ -477,6 +486,7 @@ def arena_blocks(arena: Arena, concurrency_limit: int = 2):
                     # the ``vote`` endpoint: the winner as text (the buttons above call the same handler)
                     winner = gr.Textbox(visible=False)
                     vote_api = gr.Button(visible=False)
+                    battle_api = gr.Button(visible=False)
         with gr.Tab("Leaderboard") as board_tab:
             refresh = gr.Button("Refresh", elem_id="refresh")
             board_text = gr.Markdown(elem_id="board-text")
@@ -485,8 +495,11 @@ def arena_blocks(arena: Arena, concurrency_limit: int = 2):
 
         shown = [*buttons.values(), message, send, *windows]
         gr.on([message.submit, send.click], lock, None, [*buttons.values(), message, send], queue=False, **ui).then(
-            battle, [message, mode, context, state], [message, *windows, state], api_name="battle", **raw, **generate
+            battle_on_page, [message, mode, context, state], [message, *windows, state], **ui, **raw, **generate
         ).then(controls, [state], shown, queue=False, **ui)
+        # the ``battle`` endpoint: a program gets the refusal as an error
+        battle_api.click(battle, [message, mode, context, state], [message, *windows, state], api_name="battle",
+                         **raw, **generate)  # fmt: skip
         for kind, button in buttons.items():
             button.click(voter(kind), [state], [state, reveal], **ui).then(controls, [state], shown, queue=False, **ui)
         vote_api.click(vote, [winner, state], [state, reveal], api_name="vote", **raw).then(

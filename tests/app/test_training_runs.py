@@ -399,6 +399,13 @@ def test_the_operator_turns_feedback_into_a_served_model_in_the_browser(tiny_cha
         assert f"**served** `{base}`" in sides and f"`{trained_id}`" in sides
         page.goto(f"{second.url}arena/")
         page.wait_for_selector("#arena-message")
+        # a refused message: a toast; the panels are not marked "Error", the message stays to be shortened and sent
+        page.locator("#arena-message textarea").fill("x" * 5000)
+        page.locator("#arena-send").click()
+        page.wait_for_selector(".toast-body:has-text('Shorten it and send again')", timeout=30_000)
+        page.wait_for_function("() => !document.querySelector('#arena-send').disabled")
+        assert page.get_by_text("Error", exact=True).count() == 0
+        assert page.locator("#arena-message textarea").input_value() == "x" * 5000
         for i, winner in enumerate(["model_a", "model_b", "tie", "model_a", "bothbad"]):
             assert page.locator("#vote-model_a").is_disabled()  # nothing to vote on yet
             page.locator("#arena-message textarea").fill(f"What do you like, {i}?")
