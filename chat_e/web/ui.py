@@ -484,8 +484,8 @@ def build_app(
             handlers.add_message,
             [message, chatbot],
             [message, chatbot, *buttons],
-            queue=False,
             api_name="add_message",
+            show_progress="hidden",
             **raw,
             **ui,
         ).then(respond, reply_inputs, [chatbot, records], api_name="respond", **raw, **generate, **ui)
@@ -570,7 +570,14 @@ class FeedbackControls:
         # queued, as the correction: a toast reaches the page through the queue only
         chatbot.like(on_like, [records], [records], api_visibility="undocumented")
         rate.click(on_rate, [index, rating, records], None, queue=False, api_name="rate")
-        gr.on([save.click, correction.submit], on_correct, [correction, records], [correction], api_name="correct")
+        gr.on(
+            [save.click, correction.submit],
+            on_correct,
+            [correction, records],
+            [correction],
+            api_name="correct",
+            show_progress="hidden",
+        )
         self.prefer.input(on_prefer, [self.prefer, records, chatbot], [self.prefer, chatbot, records], queue=False,
                           api_name="prefer").then(shown_ratings, [chatbot, records], [chatbot], queue=False,
                                                   api_visibility="undocumented")  # fmt: skip
