@@ -183,6 +183,11 @@ class Handlers:
         chat.append({"role": "user", "content": to_display(message)})
         return gr.update(value="", interactive=False), chat, *[gr.update(interactive=False)] * N_BUTTONS
 
+    def refuse_message(self, message: Any, chat: Any) -> None:
+        """:meth:`add_message`'s refusal alone: the page's first step on Send, with no outputs, so that a refused
+        message is a toast and marks neither the chat nor the box "Error" (a failed event marks its outputs)."""
+        self.check("add_message", message=message, chat=chat, text=from_display)
+
     def respond(self, chat: Any, mode: Any, context: Any, *settings: Any):
         """Stream the bot's reply to the last user message of the chat (nothing to do when there is none);
         ``settings`` are the declared generation settings' values, in their order (:data:`RESPOND_PARAMETERS`)."""
@@ -479,16 +484,19 @@ def build_app(
         respond = named(handlers.respond_event, (*RESPOND_PARAMETERS, "records"))
         buttons = [send, regenerate, undo, clear]
         assert len(buttons) == N_BUTTONS
-        replied = gr.on(
-            [message.submit, send.click],
-            handlers.add_message,
-            [message, chatbot],
-            [message, chatbot, *buttons],
-            api_name="add_message",
-            show_progress="hidden",
-            **raw,
-            **ui,
-        ).then(respond, reply_inputs, [chatbot, records], api_name="respond", **raw, **generate, **ui)
+        replied = (
+            gr.on([message.submit, send.click], handlers.refuse_message, [message, chatbot], None, **raw, **ui)
+            .success(
+                handlers.add_message,
+                [message, chatbot],
+                [message, chatbot, *buttons],
+                queue=False,
+                api_name="add_message",
+                **raw,
+                **ui,
+            )  # fmt: skip
+            .then(respond, reply_inputs, [chatbot, records], api_name="respond", **raw, **generate, **ui)
+        )
         replied.then(unlock, None, [message, *buttons], queue=False, **ui)
         regenerated = (
             gr.on([regenerate.click], lock, None, [message, *buttons], queue=False, **ui)
