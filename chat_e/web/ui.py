@@ -178,14 +178,15 @@ class Handlers:
         """Append the user's message to the chat, clear the box and lock the controls until the reply is done (so a
         session never has two replies under way). A refused message (empty, too long) stays in the box."""
         gr = import_gradio()
-        self.check("add_message", message=message, chat=chat, text=from_display)
+        self.refuse_message(message, chat)
         chat = chat_messages(chat)
         chat.append({"role": "user", "content": to_display(message)})
         return gr.update(value="", interactive=False), chat, *[gr.update(interactive=False)] * N_BUTTONS
 
     def refuse_message(self, message: Any, chat: Any) -> None:
-        """:meth:`add_message`'s refusal alone: the page's first step on Send, with no outputs, so that a refused
-        message is a toast and marks neither the chat nor the box "Error" (a failed event marks its outputs)."""
+        """Refuse a message :meth:`add_message` cannot take (empty, too long). Alone, it is the page's first step on
+        Send, with no outputs, so that a refused message is a toast and marks neither the chat nor the box "Error"
+        (a failed event marks its outputs)."""
         self.check("add_message", message=message, chat=chat, text=from_display)
 
     def respond(self, chat: Any, mode: Any, context: Any, *settings: Any):
@@ -494,7 +495,7 @@ def build_app(
                 api_name="add_message",
                 **raw,
                 **ui,
-            )  # fmt: skip
+            )
             .then(respond, reply_inputs, [chatbot, records], api_name="respond", **raw, **generate, **ui)
         )
         replied.then(unlock, None, [message, *buttons], queue=False, **ui)
