@@ -3,8 +3,8 @@
 Clusters take machines away with a signal and a grace period: SLURM sends SIGTERM (or the signal of
 ``--signal=USR1@120``) to every process of the job step, Kubernetes sends SIGTERM to each container and waits
 ``terminationGracePeriodSeconds``, torchrun and DeepSpeed's launcher pass a SIGTERM on to their workers. Stock
-``Trainer`` ignores it (``enable_jit_checkpoint`` sets a flag per rank that nothing agrees across ranks, so the ranks
-can reach the collective save at different steps and hang).
+``Trainer`` ignores it unless ``enable_jit_checkpoint`` is set, and that sets a flag per rank that nothing agrees
+across ranks, so the ranks can reach the collective save at different steps and hang.
 
 With ``save_on_preemption`` (on by default), :class:`PreemptionCallback`
 
@@ -24,6 +24,12 @@ A signal during a checkpoint or an evaluation lets it finish; the run stops at t
 signal arriving again within :data:`REPEAT_WINDOW_S` is the same request (SLURM signals every process and the launcher
 forwards it too); a signal after that exits at once with ``128 + signal``, which leaves only complete checkpoints,
 since a checkpoint appears under its name only when complete.
+
+Stock's ``enable_jit_checkpoint=True`` keeps its own behaviour under hf-ext (:func:`combine_jit_checkpoint`): SIGTERM
+is its signal (transformers' ``JITCheckpointCallback``: a kill wait of 3 s, a sentinel file while it saves, then
+``train()`` returns), hf-ext's preemption keeps the other signals of ``save_on_preemption_signals``. With more than
+one rank, the kill wait's end is a request that the ranks agree on as above, and every rank runs stock's checkpoint at
+the same step end.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import time
 from dataclasses import dataclass, field
 
 from transformers import TrainerCallback
+from transformers.trainer_jit_checkpoint import CheckpointManager, JITCheckpointCallback
 
 from .ranks import max_over_ranks
 from .runtime import end_distributed, local_rank
@@ -108,12 +115,17 @@ class PreemptionArguments:
                 f"`save_on_preemption_check_steps`={self.save_on_preemption_check_steps!r}: it must be a whole "
                 "number of steps, 1 or more."
             )
-        if self.save_on_preemption and getattr(self, "enable_jit_checkpoint", False):
-            raise ValueError(
-                "enable_jit_checkpoint=True: hf-ext's save_on_preemption (on by default) saves on SIGTERM with every "
-                "rank stopping at the same step. Fix: drop enable_jit_checkpoint, or set save_on_preemption=False "
-                "to use stock's."
-            )
+
+
+class AgreedCheckpointManager(CheckpointManager):
+    """Stock's JIT checkpoint manager whose kill wait ends in a request (:attr:`asked`) instead of the checkpoint
+    itself: :class:`PreemptionCallback` agrees on it across ranks and runs the checkpoint on every rank at once."""
+
+    asked = False
+
+    def _enable_checkpoint(self):  # the kill wait's timer (stock's name: its signal handler starts it)
+        logger.info("Kill wait period elapsed: every rank saves the JIT checkpoint at the same step end")
+        self.asked = True
 
 
 class PreemptionCallback(TrainerCallback):
@@ -128,6 +140,7 @@ class PreemptionCallback(TrainerCallback):
         self.signal_name: str = ""
         self._previous: dict[signal.Signals, object] = {}
         self._agreement = None  # the all-reduce started at this step's beginning: a function that waits for it
+        self.jit: CheckpointManager | None = None  # stock's JIT checkpoint, when enable_jit_checkpoint=True
 
     def _handle(self, signum, frame) -> None:
         # in a signal handler: record, and write with os.write (no lock that the interrupted code may hold)
@@ -151,20 +164,39 @@ class PreemptionCallback(TrainerCallback):
             logger.warning("save_on_preemption: training runs outside the main thread, where Python cannot catch "
                            "signals; preemption signals keep their default action.")  # fmt: skip
             return
-        for name in args.save_on_preemption_signals:
-            sig = parse_signal(name)
+        signals = [parse_signal(name) for name in args.save_on_preemption_signals]
+        if self.jit is not None:
+            signals = [sig for sig in signals if sig != signal.SIGTERM]  # stock's JIT checkpoint's signal
+            if args.should_log:
+                logger.warning(
+                    "enable_jit_checkpoint=True: SIGTERM is transformers' JIT checkpoint's (a checkpoint once its "
+                    f"{self.jit.kill_wait} s kill wait is over, then train() returns"
+                    + (", on every rank at the same step" if isinstance(self.jit, AgreedCheckpointManager) else "")
+                    + "); save_on_preemption keeps "
+                    + (" and ".join(sig.name for sig in signals) + " (exit status 75)." if signals else "no signal.")
+                )
+        for sig in signals:
             self._previous[sig] = signal.signal(sig, self._handle)
 
     def on_step_begin(self, args, state, control, **kwargs):
         # the all-reduce runs while the step computes: the ranks only wait for it at the step's end
-        if self._previous and (state.global_step + 1) % args.save_on_preemption_check_steps == 0:
-            self._agreement = max_over_ranks([self.received, args.process_index + 1 if self.received else 0])
+        agreed_jit = isinstance(self.jit, AgreedCheckpointManager)
+        if (self._previous or agreed_jit) and (state.global_step + 1) % args.save_on_preemption_check_steps == 0:
+            asked = int(agreed_jit and self.jit.asked)
+            self._agreement = max_over_ranks([self.received, args.process_index + 1 if self.received else 0, asked])
 
     def on_step_end(self, args, state, control, **kwargs):
         if self._agreement is None:
             return
-        signum, rank = self._agreement()
+        signum, rank, jit_asked = self._agreement()
         self._agreement = None
+        if jit_asked:  # what stock's JITCheckpointCallback does at a step end, on every rank at this one
+            control.should_save, control.should_training_stop = False, True
+            self.jit.asked = False
+            self.jit.execute_jit_checkpoint()
+            if signum:  # that checkpoint is this step's: hf-ext's signal only adds the exit status
+                self.saved_at, self.signal_name = state.global_step, signal.Signals(signum).name
+            return
         if not signum:
             return
         control.should_save, control.should_training_stop, control.should_evaluate = True, True, False
@@ -185,6 +217,24 @@ class PreemptionCallback(TrainerCallback):
         for sig, previous in self._previous.items():
             signal.signal(sig, signal.SIG_IGN if ignore else previous)
         self._previous = {}
+
+
+def combine_jit_checkpoint(trainer) -> None:
+    """When ``enable_jit_checkpoint=True`` added stock's ``JITCheckpointCallback``: SIGTERM stays its signal, and with
+    more than one rank its kill wait ends in a request that :class:`PreemptionCallback` agrees on across ranks (stock's
+    per-rank flag would send the ranks into the collective save at different steps)."""
+    callbacks = trainer.callback_handler.callbacks
+    jit = next((cb for cb in callbacks if isinstance(cb, JITCheckpointCallback)), None)
+    ours = next((cb for cb in callbacks if isinstance(cb, PreemptionCallback)), None)
+    if jit is None or jit.jit_manager is None or ours is None:
+        return
+    if trainer.args.world_size > 1:
+        stock = jit.jit_manager
+        agreed = AgreedCheckpointManager(trainer, kill_wait=stock.kill_wait)
+        agreed._original_sigterm_handler = stock._original_sigterm_handler  # what stock's on_train_end restores
+        signal.signal(signal.SIGTERM, agreed._sigterm_handler)
+        jit.jit_manager = agreed
+    ours.jit = jit.jit_manager
 
 
 def exit_if_preempted(trainer) -> None:

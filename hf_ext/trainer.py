@@ -111,6 +111,7 @@ class TrainerMixin:
         self.add_callback(MemoryPlanCallback())  # plan at train start, measured peak at train end
         self.add_callback(ResumedScheduleCallback())  # a resumed run starts at its own schedule's learning rate
         self.add_callback(preemption.PreemptionCallback())  # a signal: one agreed checkpoint, then exit 75
+        preemption.combine_jit_checkpoint(self)  # enable_jit_checkpoint=True: SIGTERM stays stock's JIT checkpoint's
         if runtime.LAUNCHER == "ray":
             from .ray import RayCheckpointCallback  # noqa: PLC0415 (the ray extra: only under Ray)
 

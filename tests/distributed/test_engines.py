@@ -112,6 +112,22 @@ def test_a_signal_to_one_rank_saves_one_agreed_checkpoint_that_resumes_as_the_un
     assert whole["weights_moved"] > 100 * WEIGHT_TOLERANCE
 
 
+def test_stock_jit_checkpoint_on_one_rank_is_written_by_both_at_the_same_step_and_resumes(segments):
+    """Stock's ``enable_jit_checkpoint=True`` under ZeRO-2: SIGTERM to rank 1 alone at the end of step 1, its kill
+    wait over before step 2 (the worker's ``SignalPastKillWait``). Stock's per-rank flag would take rank 1 alone into
+    the collective save at step 2's beginning; hf-ext agrees on it during step 2 and both ranks save step 2's."""
+    preempted, resumed, whole = segments["jit"], segments["jit-resumed"], segments["hf-ext-zero2-1"]
+    assert (preempted["engine"], preempted["zero_stage"]) == ("DeepSpeedEngine", 2) and preempted["agreed"]
+    assert preempted["steps"] == [2, 2]
+    assert preempted["checkpoints"][0] == "checkpoint-2"  # stock's sentinel file is gone: it finished
+    assert not any("incomplete" in name or name.startswith("tmp-") for name in preempted["checkpoints"])
+    assert resumed["global_step"] == whole["global_step"] == 4
+    # steps 3 and 4's losses (stock's JIT checkpoint is written at the step end, before that step's loss is logged,
+    # so the resumed history has no step 2)
+    assert resumed["losses"][-2:] == pytest.approx(whole["losses"][2:], rel=LOSS_TOLERANCE)
+    assert resumed["max_weight_difference"] <= WEIGHT_TOLERANCE
+
+
 #: ``hf-ext convert`` (issue: a ZeRO checkpoint becomes an FSDP2 one and back): 8 steps of the first engine saving
 #: checkpoint-4; the conversion; the second engine resumed from it for steps 5-8. The uninterrupted run is the
 #: oracle, within the tolerances above (measured, each of the three: weights 6.0e-8 apart, losses equal, grad norms

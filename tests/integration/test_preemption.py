@@ -85,6 +85,21 @@ def test_save_on_preemption_false_leaves_the_signals_alone(tiny_model_dir, tmp_p
     assert seen == [signal.SIG_DFL, signal.SIG_DFL]
 
 
+def test_beside_enable_jit_checkpoint_the_other_signals_stay_hf_exts(tiny_model_dir, tmp_path, caplog):
+    """SIGTERM is stock's JIT checkpoint's (tests/peer/test_peer_jit_checkpoint.py); SIGUSR1 still saves the agreed
+    checkpoint and exits 75, and the run says which signal does what in one line."""
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exited, caplog.at_level("WARNING", logger="hf_ext.preemption"):
+        trainer_for(tiny_model_dir, out, SignalAt(2, "SIGUSR1", rank=0), enable_jit_checkpoint=True).train()
+    assert exited.value.code == PREEMPTED_EXIT_CODE
+    assert [p.name for p in out.iterdir()] == ["checkpoint-3"]
+    said = [r.getMessage() for r in caplog.records if "enable_jit_checkpoint" in r.getMessage()]
+    assert said == [
+        "enable_jit_checkpoint=True: SIGTERM is transformers' JIT checkpoint's (a checkpoint once its 3 s kill wait "
+        "is over, then train() returns); save_on_preemption keeps SIGUSR1 (exit status 75)."
+    ]
+
+
 SCRIPT = textwrap.dedent("""
     import os, signal, sys, time
     from types import SimpleNamespace

@@ -15,6 +15,10 @@ What is touched, and why no public hook does it:
   ``_push_from_checkpoint`` and ``save_model(_internal_call=True)`` as stock does): stock writes into ``checkpoint-N``
   and rotates older checkpoints away on rank 0 before the other ranks finish writing; both happen before any public
   hook runs, so a crash there can lose the newest complete checkpoint.
+* transformers' JIT checkpoint (``CheckpointManager._enable_checkpoint``, the timer its ``_sigterm_handler`` starts,
+  and ``_original_sigterm_handler``, which ``JITCheckpointCallback.on_train_end`` restores; ``hf_ext.preemption``):
+  with several ranks hf-ext turns the end of the kill wait into a request the ranks agree on, and only the manager's
+  timer sees that moment.
 * ``Trainer._load_optimizer_and_scheduler`` (overridden by ``hf_ext.trainer``): the stock loader reads per-rank
   optimizer files only; hf-ext's PEFT checkpoints hold the state by parameter name, for any world size.
 * ``Trainer._get_train_sampler`` (extended by ``hf_ext.trainer``) and ``BatchRebalanceSampler``'s grouping
@@ -403,6 +407,14 @@ PINS = [
         signature(f"{T}._save_rng_state", ["self", "output_dir"])),
     Pin("transformers", "Trainer._push_from_checkpoint", "signature", CHECKPOINTS,
         signature(f"{T}._push_from_checkpoint", ["self", "checkpoint_folder"])),
+    Pin("transformers", "CheckpointManager._enable_checkpoint / _sigterm_handler / _original_sigterm_handler",
+        "source lines", "hf_ext/preemption.py AgreedCheckpointManager, combine_jit_checkpoint",
+        all_of(source_has("transformers.trainer_jit_checkpoint:CheckpointManager._sigterm_handler",
+                          "threading.Timer(self.kill_wait, self._enable_checkpoint).start()"),
+               source_has("transformers.trainer_jit_checkpoint:CheckpointManager.setup_signal_handler",
+                          "self._original_sigterm_handler = signal.signal(signal.SIGTERM, self._sigterm_handler)"),
+               source_has("transformers.trainer_jit_checkpoint:JITCheckpointCallback.on_train_end",
+                          "signal.signal(signal.SIGTERM, self.jit_manager._original_sigterm_handler)"))),
     Pin("transformers", "Trainer.store_flos", "signature", CHECKPOINTS, signature(f"{T}.store_flos", ["self"])),
     Pin("transformers", "Trainer.save_model(_internal_call)", "signature", f"hf_ext/trainer.py save_model, {CHECKPOINTS}",
         signature(f"{T}.save_model", ["self", "output_dir", "_internal_call"])),

@@ -17,6 +17,10 @@ script would then exit with status 75); the next segment resumes that checkpoint
 rank's saved step and the checkpoints left in the output directory, and the resumed run's weights are compared with
 the same layout's uninterrupted segment. ZeRO-1's checkpoint is also converted with ``hf-ext convert`` and resumed
 under FSDP2 to step 4.
+
+A JIT segment (ZeRO-2, stock's ``enable_jit_checkpoint=True``): rank 1 alone sends itself SIGTERM at the end of step 1
+and stays in that step end past stock's kill wait; hf-ext agrees on the request during step 2, and both ranks write
+stock's JIT checkpoint of step 2 (``train()`` returns); the next segment resumes it to step 4.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from contextlib import nullcontext
 from pathlib import Path
 from unittest.mock import patch
@@ -37,7 +42,7 @@ import hf_ext
 import hf_ext.preemption
 from benchmarks.worker import drop_trainer, restore_environment  # as the benchmarks' segments
 from hf_ext.deepspeed.resolve import load_deepspeed_config
-from hf_ext.preemption import PreemptionCallback
+from hf_ext.preemption import AgreedCheckpointManager, PreemptionCallback
 from hf_ext.runtime import start_deepspeed_comm
 from tests.launched.signal_at import SignalAt
 from tests.saving_support import gathered_state_dict  # the repository root is on PYTHONPATH under the launchers
@@ -74,6 +79,8 @@ SEGMENTS += [("stock", layout, 1) for layout in ("ddp", "zero2", "zero3")]
 #: in their launched recipe runs, tests/distributed/test_recipe_distributed.py)
 PREEMPTED = {"ddp": "SIGUSR1", "zero1": "SIGUSR1", "zero3_offload": "SIGTERM"}
 SIGNAL_AT = 1
+#: the layout of the JIT segment (module docstring)
+JIT_LAYOUT = "zero2"
 #: ``hf-ext convert`` both ways: 8 steps of the first layout saving checkpoint-4, that checkpoint converted for the
 #: second (rank 0 runs the command), and the second layout resumed from the conversion for steps 5-8. ROUND_TRIPS are
 #: resumed on 1 rank too (``--only resume``); ZeRO-3's checkpoint (its partitioned parameters) becomes the same FSDP2
@@ -108,6 +115,17 @@ def probe(trainer) -> dict:
     }
 
 
+class SignalPastKillWait(SignalAt):
+    """:class:`SignalAt`, then the signalled rank stays in that step end until stock's kill wait (3 s) is over, so
+    that its JIT checkpoint request is made before its next step begins."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        sent = time.monotonic()
+        super().on_step_end(args, state, control, **kwargs)
+        if state.global_step == self.step and args.process_index == self.rank:
+            time.sleep(max(0.0, sent + 3.5 - time.monotonic()))
+
+
 def segment(
     path: str,
     layout: str,
@@ -119,6 +137,7 @@ def segment(
     save_steps: int | None = None,
     resume: str | None = None,
     signal_at: tuple[int, str] | None = None,
+    jit: bool = False,
 ) -> tuple[dict, dict]:
     config, fsdp = LAYOUTS[layout]
     deepspeed = config()
@@ -134,12 +153,12 @@ def segment(
         args = transformers.TrainingArguments(use_cpu=not torch.cuda.is_available(), deepspeed=deepspeed, **common)
         trainer_class = transformers.Trainer
     else:
-        args = hf_ext.TrainingArguments(deepspeed=deepspeed, **common)
+        args = hf_ext.TrainingArguments(deepspeed=deepspeed, enable_jit_checkpoint=jit, **common)
         trainer_class = hf_ext.Trainer
     if deepspeed is not None:
         start_deepspeed_comm()  # on CPU stock's arguments start torch.distributed but not DeepSpeed's comm
     model = AutoModelForCausalLM.from_pretrained(model_dir)  # after the arguments: zero.Init partitions it
-    callbacks = [SignalAt(*signal_at, "self", rank=1)] if signal_at else []
+    callbacks = [(SignalPastKillWait if jit else SignalAt)(*signal_at, "self", rank=1)] if signal_at else []
     trainer = trainer_class(model=model, args=args, train_dataset=rows(model.config.vocab_size), data_collator=collate,
                             callbacks=callbacks)  # fmt: skip
     # hf_ext.Trainer.train() ends a preempted run with exit_if_preempted: the process group torn down, then exit 75
@@ -150,7 +169,13 @@ def segment(
     with staying:
         trainer.train(resume_from_checkpoint=resume)
     preempted = {}
-    if signal_at:
+    if signal_at and jit:
+        callback = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, PreemptionCallback))
+        steps = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(steps, trainer.state.global_step)
+        found = sorted(str(p.relative_to(args.output_dir)) for p in Path(args.output_dir).rglob("*checkpoint*"))
+        preempted = {"steps": steps, "checkpoints": found, "agreed": isinstance(callback.jit, AgreedCheckpointManager)}
+    elif signal_at:
         callback = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, PreemptionCallback))
         saved_at = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(saved_at, callback.saved_at)
@@ -230,6 +255,14 @@ def main() -> None:
                 resumed["max_weight_difference"] = largest_difference(weights, whole)
                 resumed["weights_moved"] = largest_difference(weights, initial)
             results.append(resumed)
+    if opts.only in (None, "engines"):
+        preempted, _ = segment("hf-ext", JIT_LAYOUT, 1, opts.model, out_dir, "jit", signal_at=(SIGNAL_AT, "SIGTERM"),
+                               jit=True)  # fmt: skip
+        checkpoint = Path(out_dir) / "jit" / f"checkpoint-{preempted['global_step']}"
+        resumed, weights = segment("hf-ext", JIT_LAYOUT, 1, opts.model, out_dir, "jit-resumed", resume=str(checkpoint))
+        if weights:
+            resumed["max_weight_difference"] = largest_difference(weights, uninterrupted[JIT_LAYOUT])
+        results += [preempted, resumed]
     for first, second in CONVERSIONS if opts.only in (None, "convert") else []:
         whole, whole_weights = segment("hf-ext", first, 1, opts.model, out_dir, f"{first}-8", 2 * STEPS, STEPS)
         converted = Path(out_dir) / f"{first}-to-{second}"
