@@ -10,11 +10,13 @@ file and directory there, then swaps it in:
   ``target`` for an instant; the next :func:`recover` finishes the swap.
 
 Entries of the old directory that the new content does not replace and that are not weights (``checkpoint-N``,
-logs, results) are carried over into the new one before the swap, so that a final save into a run's
-``output_dir`` keeps its checkpoints. Until the swap, the staged directory lists its own entries in
-``.hf-ext-staged.json``; :func:`recover` gives carried entries back to the target, removes every leftover of an
-interrupted write (staged, old and work directories) and is called by the next write into the same target, by the
-trainer at start and by ``hf-ext export``. Nothing is ever loaded from a leftover: they are hidden siblings.
+logs, results, a tokenizer saved earlier) are carried over into the new one before the swap, so that a final save
+into a run's ``output_dir`` keeps its checkpoints: hard-linked file by file (copied where the filesystem has no hard
+links), never moved, so that the swap is the only step that changes what ``target`` holds. Until the swap, the staged
+directory lists its own entries in ``.hf-ext-staged.json``; :func:`recover` gives carried entries back to the target
+(those an earlier version moved out of it), removes every leftover of an interrupted write (staged, old and work
+directories) and is called by the next write into the same target, by the trainer at start and by ``hf-ext
+export``. Nothing is ever loaded from a leftover: they are hidden siblings.
 """
 
 from __future__ import annotations
@@ -175,6 +177,25 @@ def _carried(old: Path, new_names: set[str], replaced) -> list[Path]:
     return [e for e in old.iterdir() if e.name not in new_names and e.name != MANIFEST and not replaced(e.name)]
 
 
+def _link_or_copy(src: str, dst: str) -> str:
+    """``dst`` as a hard link to the file ``src`` (a symbolic link stays one), or a copy where links are refused."""
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except OSError:  # a filesystem without hard links (or over its link limit): the bytes instead
+        shutil.copy2(src, dst, follow_symlinks=False)
+    return dst
+
+
+def carry(entry: Path, dest: Path) -> None:
+    """Give the staged content ``dest``: the old target's ``entry`` (a file or a whole directory), linked file by file;
+    ``entry`` itself stays where it is, whole."""
+    if entry.is_dir() and not entry.is_symlink():
+        shutil.copytree(entry, dest, symlinks=True, copy_function=_link_or_copy)
+        fsync_tree(dest)
+    else:
+        _link_or_copy(str(entry), str(dest))
+
+
 def swap_in(staged: Path, target: Path, replaced=lambda name: False) -> None:
     """Make ``staged`` (complete, not yet fsynced) the content of ``target``; see the module docstring.
 
@@ -186,9 +207,8 @@ def swap_in(staged: Path, target: Path, replaced=lambda name: False) -> None:
     write_text_atomically(staged / MANIFEST, json.dumps(sorted(new_names)))
     if target.is_dir():
         for entry in _carried(target, new_names, replaced):
-            os.replace(entry, staged / entry.name)
+            carry(entry, staged / entry.name)
         fsync_path(staged)
-        fsync_path(target)
         if not _exchange(staged, target):
             old = old_path(target)
             os.replace(target, old)

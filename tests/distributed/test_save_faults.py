@@ -1,8 +1,11 @@
 """Faults during saves and resumes, with real 2-rank ZeRO-3 runs:
 
-* rank 0 is SIGKILLed at three write events of the final save (between shards and between the last shard and the
-  index: the old weights; right after the swap: the new ones): ``output_dir`` then loads with ``from_pretrained`` and
-  equals the weights expected there bit for bit, and the next run removes what the killed one left;
+* rank 0 is SIGKILLed at four write events of the final save (between shards, between the last shard and the
+  index, and after an old checkpoint was carried into the new content: the old weights; right after the swap: the
+  new ones): ``output_dir`` then loads with ``from_pretrained``, equals the weights expected there bit for bit and
+  lists the old or the new entries, and the next run removes what the killed one left;
+* a reader listing ``output_dir`` during an uninterrupted final save sees the old entries or the new ones, never a
+  mix;
 * rank 1 alone raises inside a checkpoint save, the final save and a resume, with the two ranks started as plain
   processes (no launcher to kill the survivor): both exit non-zero within 60 s of the error, each with its process
   groups destroyed before the interpreter finalizes.
@@ -47,6 +50,7 @@ def old_run(tiny_model_dir, tmp_path_factory):
 KILL_POINTS = {
     r"open model-00002-of-\d+\.safetensors": "old",
     r"write model\.safetensors\.index\.json": "old",
+    r"carried checkpoint-8": "old",
     "swapped": "new",
 }
 #: the kill whose folder the uninterrupted save then runs into
@@ -83,6 +87,23 @@ def new_save(old_run, killed, tiny_model_dir):
     return out, json.loads(events.read_text())
 
 
+def names(folder: Path) -> list[str]:
+    """What a reader of ``folder`` lists: its entries but the hidden staging siblings'."""
+    return sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
+
+
+def test_a_reader_during_the_final_save_lists_the_old_or_the_new_names_only(old_run, new_save):
+    """The worker's reader listed the output folder at every write event of the uninterrupted final save, and from a
+    thread as fast as it could: every listing is the old run's or the finished save's, never a mix (the carried
+    checkpoint-8 missing while it is carried into the new content)."""
+    out, events = new_save
+    seen = json.loads((old_run / "events.json.listings.json").read_text())
+    old, new = names(old_run / "old"), names(out)
+    assert [listing for listing in seen if listing not in (old, new)] == []
+    assert new in seen and "checkpoint-8" in old  # the premise: the save ran while the reader listed
+    assert "carried checkpoint-8" in events  # ... and carried the old checkpoint into the new content
+
+
 def test_a_save_over_an_old_run_keeps_its_checkpoints_and_removes_a_killed_save(old_run, killed, new_save):
     out, events = new_save
     old, new = torch.load(old_run / "old.pt"), torch.load(old_run / "new.pt")
@@ -108,6 +129,7 @@ def test_a_kill_during_the_final_save_leaves_the_old_or_the_new_weights(old_run,
         assert proc.returncode != 0 and said and re.fullmatch(point, said.group(2)), proc.stdout[-2000:]
         print(f"killed at save event {said.group(1)} ({said.group(2)}): expecting the {expected} weights")
         assert_equal_weights(weights[expected], killed[point]["as_killed"])
+        assert names(killed[point]["as_killed"]) == names(old_run / "old" if expected == "old" else new_save[0])
 
 
 def start_ranks(cmd: list[str], logs: list[Path]) -> list[subprocess.Popen]:

@@ -51,23 +51,49 @@ def test_a_new_target_is_created(tmp_path):
     assert content(tmp_path / "a" / "out") == NEW
 
 
-def _staged_and_carried(tmp_path):
-    """A kill after the manifest and some carried entries, before the swap."""
+def test_carrying_links_the_old_entries_and_leaves_the_target_whole(tmp_path):
+    target = make(tmp_path / "out", OLD)
+    staged = make(atomic.staged_path(target), NEW)
+    atomic.carry(target / "checkpoint-4", staged / "checkpoint-4")
+    atomic.carry(target / "all_results.json", staged / "all_results.json")
+    assert content(target) == OLD  # nothing moved out of it
+    assert content(staged) == {**NEW, "checkpoint-4/state": "ckpt", "all_results.json": "r"}
+    assert os.path.samefile(target / "checkpoint-4" / "state", staged / "checkpoint-4" / "state")
+
+
+def test_carrying_copies_where_the_filesystem_refuses_hard_links(tmp_path, monkeypatch):
+    def no_links(*args, **kwargs):
+        raise PermissionError(1, "Operation not permitted")  # as a filesystem without hard links answers
+
+    target = make(tmp_path / "out", OLD)
+    monkeypatch.setattr(os, "link", no_links)
+    atomic.carry(target / "checkpoint-4", tmp_path / "copy")
+    assert content(tmp_path / "copy") == {"state": "ckpt"} and content(target) == OLD
+    assert not os.path.samefile(target / "checkpoint-4" / "state", tmp_path / "copy" / "state")
+
+
+@pytest.fixture(params=["linked", "moved"])
+def staged_and_carried(request, tmp_path):
+    """A kill after the manifest and a carried entry, before the swap: linked as hf-ext carries, or moved out of the
+    target as an earlier version did (its leftovers are recovered too)."""
     target = make(tmp_path / "out", OLD)
     staged = make(atomic.staged_path(target), NEW)
     (staged / atomic.MANIFEST).write_text(json.dumps(sorted(NEW)))
-    os.replace(target / "checkpoint-4", staged / "checkpoint-4")
+    if request.param == "linked":
+        atomic.carry(target / "checkpoint-4", staged / "checkpoint-4")
+    else:
+        os.replace(target / "checkpoint-4", staged / "checkpoint-4")
     return target
 
 
-def test_recover_gives_carried_entries_back_before_the_swap(tmp_path):
-    target = _staged_and_carried(tmp_path)
+def test_recover_gives_carried_entries_back_before_the_swap(staged_and_carried, tmp_path):
+    target = staged_and_carried
     atomic.recover(target)
     assert content(target) == OLD and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
-def test_recover_finishes_a_swap_cut_between_its_two_renames(tmp_path):
-    target = _staged_and_carried(tmp_path)
+def test_recover_finishes_a_swap_cut_between_its_two_renames(staged_and_carried, tmp_path):
+    target = staged_and_carried
     os.replace(target, atomic.old_path(target))  # the old content set aside, the new one not yet renamed in
     atomic.recover(target)
     assert content(target) == {**NEW, "checkpoint-4/state": "ckpt"}

@@ -15,7 +15,8 @@ model and the optimizer state went into the temporary directory, before the RNG 
 --kill_final_save_at PATTERN makes rank 0 SIGKILL itself at the first write event of the final save whose name
 matches the regular expression PATTERN (a shard opened, a tensor written, the index, the model files, the fsync, the
 swap: see ``SaveEvents``); the trained weights are dumped (--dump) before that save. --list_save_events FILE writes the
-events of an uninterrupted final save there.
+events of an uninterrupted final save there, and into FILE.listings.json every distinct listing of ``--out`` (its
+entries but the hidden staging ones) a reader saw during that save: at each event, and from a thread polling it.
 --raise_on_rank1 {checkpoint,final_save,resume,evaluation} makes rank 1 alone raise inside that step.
 """
 
@@ -27,6 +28,7 @@ import json
 import os
 import re
 import signal
+import threading
 import time
 
 import torch
@@ -123,15 +125,41 @@ def stock_check(opts, model, data) -> None:
                        "distributed_type": str(stock.accelerator.distributed_type)}, f)  # fmt: skip
 
 
+def listing(folder: str) -> tuple[str, ...] | None:
+    """What a reader of ``folder`` sees: its entries but the hidden siblings' (None: no folder there)."""
+    try:
+        return tuple(sorted(name for name in os.listdir(folder) if not name.startswith(".")))
+    except FileNotFoundError:
+        return None
+
+
 class SaveEvents:
     """Lists the final save's write events on this rank; SIGKILLs the process at the first whose name fullmatches the
-    regular expression ``kill_at``."""
+    regular expression ``kill_at``. With ``watch``, a reader of that folder: its listing at every event, and a thread
+    that lists it as fast as it can until :meth:`stop`."""
 
-    def __init__(self, kill_at: str | None):
-        self.kill_at, self.names = kill_at, []
+    def __init__(self, kill_at: str | None, watch: str | None = None):
+        self.kill_at, self.names, self.watch, self.listings = kill_at, [], watch, set()
+        self._polling = threading.Event()
+        if watch:
+            self._polling.set()
+            self._poller = threading.Thread(target=self._poll, daemon=True)
+            self._poller.start()
+
+    def _poll(self) -> None:
+        while self._polling.is_set():
+            self.listings.add(listing(self.watch))
+
+    def stop(self) -> list:
+        self._polling.clear()
+        if self.watch:
+            self._poller.join()
+        return sorted(self.listings, key=lambda names: (names is None, names or ()))
 
     def event(self, name: str) -> None:
         self.names.append(name)
+        if self.watch:
+            self.listings.add(listing(self.watch))
         if self.kill_at is not None and re.fullmatch(self.kill_at, name):
             print(f"rank 0: SIGKILL at save event {len(self.names)} ({name})", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -173,6 +201,8 @@ class SaveEvents:
         pathlib.Path.write_text = lambda p, *a, **k: (self.event(f"write {p.name}"), write_text(p, *a, **k))[1]
         before(zero, "save_model_files", "model files")
         before(atomic, "fsync_tree", "fsync")
+        carry = atomic.carry
+        atomic.carry = lambda entry, dest: (carry(entry, dest), self.event(f"carried {dest.name}"))[0]
         before(atomic, "_exchange", "swap")
         after(atomic, "_exchange", "swapped")
         before(atomic.shutil, "rmtree", "remove old")
@@ -325,12 +355,15 @@ def main() -> None:
         state_dict = gathered_state_dict(trainer.model)
         if args.process_index == 0:
             torch.save(state_dict, opts.dump)
-            events = SaveEvents(opts.kill_final_save_at)
+            events = SaveEvents(opts.kill_final_save_at, watch=opts.out if opts.list_save_events else None)
             events.install()
     trainer.save_model()
     if events is not None and opts.list_save_events:
+        listings = events.stop()
         with open(opts.list_save_events, "w") as f:
             json.dump(events.names, f)
+        with open(f"{opts.list_save_events}.listings.json", "w") as f:
+            json.dump(listings, f)
     engine = trainer.model_wrapped
     state_dict = gathered_state_dict(trainer.model)
     if opts.stock_save:
