@@ -63,7 +63,8 @@ class ChatEServer:
     :data:`TEST_SETTINGS` unless ``model_defaults`` (then the model's own, as ``chat-e`` serves by default).
     ``api_key`` reaches the server as ``CHAT_E_API_KEY`` (the readiness probe sends it). Feedback goes to
     ``feedback_db`` (default: a SQLite file beside the log, never the checkout's run directory). ``arena``: the other
-    models of ``chat-e arena``, which then serves the arena instead."""
+    models of ``chat-e arena``, which then serves the arena instead. ``env``: more environment for the server and
+    what it starts."""
 
     def __init__(
         self,
@@ -74,6 +75,7 @@ class ChatEServer:
         api_key: str | None = None,
         feedback_db: str | None = None,
         arena: Sequence[Path | str] = (),
+        env: dict[str, str] | None = None,
     ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/"
@@ -92,7 +94,8 @@ class ChatEServer:
             *extra,
             arena=arena,
         )
-        env = launch_env(GRADIO_ANALYTICS_ENABLED="False", **({"CHAT_E_API_KEY": api_key} if api_key else {}))
+        env = launch_env(GRADIO_ANALYTICS_ENABLED="False", **({"CHAT_E_API_KEY": api_key} if api_key else {}),
+                         **(env or {}))  # fmt: skip
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
 

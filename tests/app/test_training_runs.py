@@ -151,22 +151,6 @@ def test_cancel_before_the_first_step_ends_cancelled_and_a_second_cancel_sends_n
     wait_for(lambda: manager.refresh() and store.runs()[0]["status"] == "cancelled")
 
 
-def test_a_run_left_with_no_rows_after_truncation_fails_with_its_reason(tiny_chat_model_dir, store, tmp_path):
-    """Every prompt longer than --max_length: TRL drops every row, and the run ends ``failed`` with the training's
-    own line naming the fix (not ``done`` with nothing measured)."""
-    for i in range(4):
-        store.add_feedback(**choice(i))
-    manager = RunManager(store, str(tiny_chat_model_dir), tmp_path / "runs", TRAIN_ARGS)
-    manager.niceness = 0
-    run_id = manager.start(RunForm(max_steps=2, lora_rank=0, launcher="python", max_length=32))
-    run = wait_for(lambda: manager.refresh() and (r := store.run(run_id))["status"] != RUNNING and r)
-    assert run["status"] == "failed"
-    assert run["detail"].splitlines()[0] == (
-        "failed: no training row left of 2: every prompt is at least max_length=32 tokens long: raise --max_length. "
-        "(exit status 1)"
-    )
-
-
 def wait_for(what, timeout: float = 180):
     deadline = time.monotonic() + timeout
     while not (value := what()):
@@ -270,9 +254,10 @@ def test_the_operator_turns_feedback_into_a_served_model_in_the_browser(tiny_cha
     log in to the Train page and see the 10 DPO rows; start a DPO run (2 ranks under torchrun), watch its progress
     and plot; the server restarted mid-run and the page reattached; Cancel ("cancelling" shown, then a checkpoint),
     Resume to the end with the held-out metrics before and after; open the app's blind arena between the served model and the run's and vote 5
-    battles; Promote and chat with the new model; Roll back. The database, the API and the run's files are the
-    oracle; gradio_client checks the refusals (bad values, a second Start, unknown runs) and a run whose process dies
-    shown failed with its exit status."""
+    battles; Promote and chat with the new model; Roll back; Cancel during a run's evaluation before training
+    ("cancelled", nothing to resume) and a run whose prompts the max length cuts away ("failed" with the reason).
+    The database, the API and the run's files are the oracle; gradio_client checks the refusals (bad values, a
+    second Start, unknown runs) and a run whose process dies shown failed with its exit status."""
     url, store = reaped_store
     # the tiny chat model with weights that give replies that are not empty; CHAT_E_TEST_MODEL=runs/demo
     # CHAT_E_SCREENSHOTS=docs: the demo model, and the screenshots of docs/feedback.md
@@ -318,13 +303,7 @@ def test_the_operator_turns_feedback_into_a_served_model_in_the_browser(tiny_cha
             with pytest.raises(Exception, match=says):
                 client.predict(*{**FORM, **bad}.values(), api_name="/start")
         lora = 16 if chosen else 0  # a real model trains its LoRA adapter, in minutes
-        for field, value in (("#train-steps", STEPS), ("#train-lora", lora), ("#train-ranks", 2),
-                             ("#train-held-out", 4), ("#train-max-length", 128)):  # fmt: skip
-            page.locator(f"{field} input").fill(str(value))
-            page.locator(f"{field} input").press("Tab")  # committed, as a user leaving the field
-        page.locator("#train-launcher input").click()
-        page.get_by_role("option", name="torchrun").click()
-        assert page.locator("#train-launcher input").input_value() == "torchrun"
+        fill_form(page, "torchrun", steps=STEPS, lora=lora, ranks=2, held_out=4, max_length=128)
         page.locator("#train-start").click()
         # the run starts, or the page says why not (a toast, which fades: read at once)
         page.wait_for_function(
@@ -356,7 +335,9 @@ def test_the_operator_turns_feedback_into_a_served_model_in_the_browser(tiny_cha
         client.close()
     # the server went away mid-run; the training did not
     assert store.run(run["id"])["status"] == RUNNING and psutil.pid_exists(run["pid"])
-    second = ChatEServer(model, tmp_path / "second.log", *args, feedback_db=url)
+    hold = tmp_path / "hold-in-evaluation"  # while it exists, the next run stops in its evaluation before training
+    second = ChatEServer(model, tmp_path / "second.log", *args, feedback_db=url,
+                         env={"CHAT_E_TEST_STOP_AT_PHASE": f"{EVAL_BEFORE}:{hold}"})  # fmt: skip
     with serving(second):
         log_in(page, f"{second.url}admin/")
         wait_shown(page, "#train-status", "running")  # reattached
@@ -468,3 +449,43 @@ def test_the_operator_turns_feedback_into_a_served_model_in_the_browser(tiny_cha
         failed = wait_for(lambda: "**failed**" in (s := newest(client))["line"] and s)
         assert f"failed: exit status -{signal.SIGKILL.value}" in failed["line"]
         client.close()
+
+        # Cancel during the evaluation before training, the run held there (tests/launched/stop_at_phase.py: a real
+        # SIGSTOP once rank 0 announced it): "cancelling" from the click, then "cancelled", nothing to resume
+        log_in(page, f"{second.url}admin/")
+        fill_form(page, "python", steps=STEPS, lora=0, ranks=1, held_out=4, max_length=128)
+        hold.touch()
+        held = start_from_page(page, store)
+        wait_shown(page, "#train-status", f"Run #{held['id']} (dpo): running — {EVAL_BEFORE}")
+        wait_for(lambda: psutil.Process(held["pid"]).status() == psutil.STATUS_STOPPED)
+        page.locator("#train-cancel").click()
+        wait_shown(page, "#train-status", f"Run #{held['id']} (dpo): cancelling")
+        signal_run(held["pid"], signal.SIGCONT)
+        shown = wait_shown(page, "#train-status", f"Run #{held['id']} (dpo): cancelled")
+        assert "cancelled before its first step: nothing to resume" in shown
+        assert not hold.exists()
+
+        # a run whose every prompt the max length cuts away: failed with the training's own line, not done
+        fill_form(page, "python", max_length=32)
+        cut = start_from_page(page, store)
+        shown = wait_shown(page, "#train-status", f"Run #{cut['id']} (dpo): failed")
+        assert "every prompt is at least max_length=32 tokens long: raise --max_length" in shown, shown
+
+
+def fill_form(page, launcher: str, **fields) -> None:
+    """Fill the Train page's form as an operator does: each number typed, then Tab (committed, as a user leaving the
+    field), and the launcher chosen from its list."""
+    for field, value in fields.items():
+        box = page.locator(f"#train-{field.replace('_', '-')} input")
+        box.fill(str(value))
+        box.press("Tab")
+    page.locator("#train-launcher input").click()
+    page.get_by_role("option", name=launcher).click()
+    assert page.locator("#train-launcher input").input_value() == launcher
+
+
+def start_from_page(page, store: FeedbackStore) -> dict:
+    """Click the Train page's Start; the run it started (newer than every run before)."""
+    before = store.runs()[0]["id"]
+    page.locator("#train-start").click()
+    return wait_for(lambda: (r := store.runs()[0])["id"] > before and r["pid"] and r)

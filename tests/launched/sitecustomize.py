@@ -45,3 +45,8 @@ if __import__("os").environ.get("HF_EXT_TEST_CLOCK"):  # benchmarks/bench_elasti
     import step_clock
 
     step_clock.install_from_env()
+
+if __import__("os").environ.get("CHAT_E_TEST_STOP_AT_PHASE"):  # the Train page's walk: a run held in a phase
+    import stop_at_phase
+
+    stop_at_phase.install_from_env()
