@@ -1,5 +1,8 @@
 """The exit benchmark's pure parts: what counts as an abort, the dump it keeps, the per-cell counts."""
 
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 from benchmarks import bench_exit, harness
@@ -78,5 +81,11 @@ def test_every_layout_launches_two_ranks_of_the_worker():
     assert bench_exit.ZERO3.exists()
 
 
-def test_a_hog_stops_by_itself():
-    exec(bench_exit.hog_code(0.01), {})  # returns: the loop has a deadline
+def test_a_hog_stops_by_itself_after_its_seconds():
+    """In its own process, as the benchmark starts it: busy for its seconds (CPU time, not a sleep), then exits 0."""
+    code = bench_exit.hog_code(0.5) + "import resource\nprint(resource.getrusage(resource.RUSAGE_SELF).ru_utime)\n"
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert time.monotonic() - started >= 0.5  # it ran its seconds ...
+    assert float(proc.stdout) >= 0.1  # ... busy on the CPU (a sleep would use about 0.01 s of it)

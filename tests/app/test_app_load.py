@@ -153,14 +153,16 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
 
 
-def settle(server, target_kib: int, seconds: float = 30) -> int:
-    """The server's RSS once it is back within the band of ``target_kib``, or after ``seconds``."""
+def settle(server, target_kib: int | None = None, seconds: float = 30) -> int:
+    """The server's RSS once it is steady (two readings 0.5 s apart within 1 %) and, with ``target_kib``, back within
+    the band of it; or its RSS after ``seconds``."""
     deadline = time.monotonic() + seconds
-    time.sleep(2)
     rss = server.rss_kib()
-    while rss > target_kib * (1 + RSS_BAND) and time.monotonic() < deadline:
-        time.sleep(1)
-        rss = server.rss_kib()
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        previous, rss = rss, server.rss_kib()
+        if abs(rss - previous) <= 0.01 * previous and (target_kib is None or rss <= target_kib * (1 + RSS_BAND)):
+            break
     return rss
 
 
@@ -170,7 +172,7 @@ def test_fifty_clients_mixed_abuse(server, reference, tmp_path):
     for kind in dict.fromkeys(KINDS):
         send(server, warm, kind, 0)
     warm.close()
-    before = settle(server, server.rss_kib())
+    before = settle(server)
 
     with ThreadPoolExecutor(max_workers=8) as pool:  # each client fetches the app's config as it connects
         clients = list(pool.map(lambda _: server.client(), range(CLIENTS)))

@@ -3,7 +3,8 @@
 One process, one optimizer step of 16 rows of varied length, split as 16 x 1, 8 x 2 and 4 x 4 (micro-batch x
 gradient accumulation), with the padded ``batch_rebalance`` sampler that puts long rows into small micro-batches. The
 accumulation split stands for the world size here: every micro-batch of a step contributes to the gradient the same
-way whether a rank or an accumulation step computes it (the 2-rank runs: tests/distributed/test_preemption.py).
+way whether a rank or an accumulation step computes it (2-rank runs against 1-rank ones:
+tests/distributed/test_resume_world_size.py).
 
 Oracle: the 16 x 1 step, where there is one micro-batch and the model's own mean is the mean over the global batch.
 The step is SGD at learning rate 1, so the weights move by the gradient itself (Adam's first step, g / (|g| + eps),

@@ -1,6 +1,7 @@
 """The docs hold together: every relative link in README.md and docs/*.md reaches a file (and a heading, for an
-anchor into a Markdown file), README.md stays short, docs/README.md lists every page, and each feature page opens
-with a usage example. Plain text parsing: no network, no Markdown renderer."""
+anchor into a Markdown file), every test or benchmark file the docs and the code name exists, README.md stays short,
+docs/README.md lists every page, and each feature page opens with a usage example. Plain text parsing: no network,
+no Markdown renderer."""
 
 from __future__ import annotations
 
@@ -158,3 +159,22 @@ def test_feature_page_opens_with_an_example(name):
     assert fences and fences[0] < heading_lines[1], (
         f"docs/{name}.md: the first code block must come before the second heading (line {heading_lines[1]})"
     )
+
+
+#: a file of the suite or the benchmarks named in prose, such as ``benchmarks/bench_api.py``
+NAMED_FILE = re.compile(r"(?<![\w/.])((?:tests|benchmarks)/[\w/]+\.py)")
+NAMING = ["README.md", "Makefile", "docs/*.md", "hf_ext/**/*.py", "chat_e/**/*.py", "recipes/*.py", "scripts/*.py",
+          "tests/**/*.py", "benchmarks/**/*.py"]  # fmt: skip
+
+
+def test_every_named_test_or_benchmark_file_exists():
+    """A docstring or a page that points at a test file renamed or removed since sends its reader nowhere."""
+    missing = [
+        f"{path.relative_to(ROOT)}:{number}: {name}"
+        for pattern in NAMING
+        for path in sorted(ROOT.glob(pattern))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        for name in NAMED_FILE.findall(line)
+        if not (ROOT / name).exists()
+    ]
+    assert missing == []

@@ -1,7 +1,7 @@
 """The feedback database's schema versions, as Alembic migrations (``versions/``), and :func:`upgrade`.
 
 Each change to :mod:`chat_e.feedback.store`'s tables is a new revision here, so that a database written by an older Chat-E is
-upgraded in place when a newer one opens it (tests/app/test_feedback_store.py checks that the migrated schema equals
+upgraded in place when a newer one opens it (tests/unit/test_feedback.py checks that the migrated schema equals
 the tables' declaration). The current version is in the database's ``alembic_version`` table.
 """
 
