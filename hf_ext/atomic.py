@@ -177,7 +177,7 @@ def _carried(old: Path, new_names: set[str], replaced) -> list[Path]:
     return [e for e in old.iterdir() if e.name not in new_names and e.name != MANIFEST and not replaced(e.name)]
 
 
-def _link_or_copy(src: str, dst: str) -> str:
+def link_or_copy(src: str, dst: str) -> str:
     """``dst`` as a hard link to the file ``src`` (a symbolic link stays one), or a copy where links are refused."""
     try:
         os.link(src, dst, follow_symlinks=False)
@@ -190,10 +190,10 @@ def carry(entry: Path, dest: Path) -> None:
     """Give the staged content ``dest``: the old target's ``entry`` (a file or a whole directory), linked file by file;
     ``entry`` itself stays where it is, whole."""
     if entry.is_dir() and not entry.is_symlink():
-        shutil.copytree(entry, dest, symlinks=True, copy_function=_link_or_copy)
+        shutil.copytree(entry, dest, symlinks=True, copy_function=link_or_copy)
         fsync_tree(dest)
     else:
-        _link_or_copy(str(entry), str(dest))
+        link_or_copy(str(entry), str(dest))
 
 
 def swap_in(staged: Path, target: Path, replaced=lambda name: False) -> None:

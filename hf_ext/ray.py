@@ -39,7 +39,7 @@ import torch.distributed as dist
 from ray.train.torch import TorchConfig, TorchTrainer
 from transformers import TrainerCallback
 
-from .atomic import replace_dir
+from .atomic import link_or_copy, replace_dir
 from .runtime import has_accelerator, local_rank
 from .saving import checkpoints
 
@@ -79,10 +79,12 @@ class RayCheckpointCallback(TrainerCallback):
         for entry in state.log_history:
             metrics.update(entry)
         metrics["step"] = state.global_step
-        with tempfile.TemporaryDirectory(prefix="hf-ext-ray-") as staging:
+        # staged beside the checkpoint, on its filesystem: a hard link there never crosses devices (the temporary
+        # folder of a cluster's nodes is rarely on the shared storage the output goes to)
+        with tempfile.TemporaryDirectory(prefix=".hf-ext-ray-", dir=args.output_dir) as staging:
             for relative in rank_share(checkpoint, args.process_index):
                 (Path(staging) / relative).parent.mkdir(parents=True, exist_ok=True)
-                os.link(checkpoint / relative, Path(staging) / relative)  # no copy: the checkpoint's own bytes
+                link_or_copy(str(checkpoint / relative), str(Path(staging) / relative))  # the checkpoint's own bytes
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(staging),
                              checkpoint_dir_name=checkpoint.name)  # fmt: skip
 

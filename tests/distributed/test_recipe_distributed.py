@@ -9,9 +9,11 @@ same function as the uninterrupted one.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -307,6 +309,8 @@ def test_sigterm_to_one_worker_saves_and_the_restarted_workers_resume_to_the_uni
 
 
 # --- Ray Train as the launcher: a local cluster of two nodes (two raylets on this host, one CPU each) ---------------
+#: the Ray nodes' temporary folder: a tmpfs, another filesystem than the test's output
+NODE_TMP = Path("/dev/shm")
 
 
 @pytest.fixture(scope="module")
@@ -317,7 +321,10 @@ def ray_cluster(tmp_path_factory):
     placement group is not ready within 5 s (Ray's default: 60 s) is given up and retried at the size the cluster then
     has: after a node is lost, Ray's view of the cluster's resources is refreshed every 20 s, so its first restart asks
     for the 2 workers it had and waits this long for them. A placement group on free CPUs is ready at once."""
-    env = launch_env(RAY_AUTH_MODE="disabled", RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S="5")
+    # the nodes' temporary folder on another filesystem than the output (a tmpfs, as a cluster's node-local /tmp is
+    # beside its shared storage); Ray's own session files stay where they were
+    env = launch_env(RAY_AUTH_MODE="disabled", RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S="5", TMPDIR=str(NODE_TMP),
+                     RAY_TMPDIR=tempfile.gettempdir())  # fmt: skip
     port = free_port()
     system = json.dumps({"health_check_period_ms": 500, "health_check_failure_threshold": 3,
                          "health_check_initial_delay_ms": 0})  # fmt: skip
@@ -345,6 +352,7 @@ def ray_recipe(ray_cluster, model_dir: Path, out: Path, *extra: str) -> subproce
 def test_ray_elastic_loses_a_node_and_resumes_on_one_worker(ray_cluster, recipe_runs, tiny_model_no_dropout_dir,
                                                             tmp_path):  # fmt: skip
     out = tmp_path / "elastic"
+    assert os.stat(tmp_path).st_dev != os.stat(NODE_TMP).st_dev  # the premise: checkpoints cross no device
     proc = ray_recipe(ray_cluster, tiny_model_no_dropout_dir, out, "--num_workers", "1:2", "--max_failures", "1",
                       "--save_strategy", "steps", "--save_steps", "8", "--resume_from_checkpoint", "last",
                       "--logging_steps", "1")  # fmt: skip
