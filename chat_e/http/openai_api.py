@@ -9,6 +9,10 @@ system message: one in the form :func:`chat_e.data.dialogue.system_message` make
 chat. The API key (``Authorization: Bearer KEY``, as the openai client sends it) is checked by
 :class:`chat_e.http.guard.RequestGuard` in front of the whole server.
 
+``stop`` (up to 4 strings) ends a reply before the first of them, with ``finish_reason`` "stop", streamed or not;
+fields Chat-E cannot honour (``seed``, non-zero penalties, ``logit_bias``, ``top_logprobs``, a ``response_format``
+other than text, ``n`` above 1, tools, ``logprobs``) are refused with a 400 naming the field, never ignored.
+
 Every answer is built from the ``openai`` package's own types (``openai.types.chat``: ``ChatCompletion``,
 ``ChatCompletionChunk``; ``Model``, ``CompletionUsage``, ``ErrorObject``), so that its fields are OpenAI's.
 
@@ -38,7 +42,7 @@ from starlette.concurrency import run_in_threadpool
 from ..data.dialogue import parse_system_message
 from ..data.limits import ChatLimits, Refused, check_request
 from ..data.messages import message_text
-from ..data.settings import Completion, GenerationSettings, setting_ranges
+from ..data.settings import STOP, Completion, GenerationSettings, setting_ranges
 from ..engines.gate import Busy, GatedEngine
 
 logger = logging.getLogger(__name__)
@@ -73,8 +77,62 @@ class ChatCompletionRequest(pydantic.BaseModel):
     tool_choice: Any = None
     functions: list[Any] | None = None
     logprobs: bool | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
     mode: str | None = None
     context: str | None = None
+
+    def stops(self) -> list[str]:
+        """The stop strings asked for (none empty), as OpenAI takes them: one string or a list of up to 4."""
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return [s for s in stops if s]
+
+
+#: fields a request may carry that Chat-E cannot honour: field -> (whether the value asks for something, the refusal)
+UNHONOURED = {
+    "seed": (lambda v: v is not None, "Chat-E cannot make a reply repeatable by a seed: send no seed (a reply with "
+             "temperature 0 is always the same)."),
+    "presence_penalty": (lambda v: v not in (None, 0), "Chat-E does not apply presence_penalty: send 0 or none."),
+    "frequency_penalty": (lambda v: v not in (None, 0), "Chat-E does not apply frequency_penalty: send 0 or none."),
+    "logit_bias": (bool, "Chat-E does not apply logit_bias: send none."),
+    "top_logprobs": (lambda v: v not in (None, 0), "Chat-E does not return log probabilities: send no top_logprobs."),
+    "response_format": (lambda v: v is not None and v.get("type") != "text",
+                        "Chat-E replies in plain text only: send response_format {\"type\": \"text\"} or none."),
+}  # fmt: skip
+#: OpenAI's limit on the stop strings of one request
+MAX_STOPS = 4
+
+
+class StopScanner:
+    """Cuts a reply at the first of its stop strings, as OpenAI does (the stop string itself left out), piece by
+    piece: :meth:`feed` gives what can be shown of the text so far, holding back a tail that could still begin a stop
+    string; :meth:`flush` the held-back rest once the reply has ended without one."""
+
+    def __init__(self, stops: list[str]):
+        self.stops, self.pending, self.stopped = stops, "", False
+        self.hold = max((len(s) for s in stops), default=1) - 1
+
+    def feed(self, piece: str) -> str:
+        if self.stopped:
+            return ""
+        self.pending += piece
+        found = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if found:
+            self.stopped = True
+            shown, self.pending = self.pending[: min(found)], ""
+            return shown
+        cut = max(0, len(self.pending) - self.hold)
+        shown, self.pending = self.pending[:cut], self.pending[cut:]
+        return shown
+
+    def flush(self) -> str:
+        shown, self.pending = self.pending, ""
+        return "" if self.stopped else shown
 
 
 class APIError(Exception):
@@ -190,6 +248,11 @@ def openai_router(
             raise refusal("Chat-E does not call tools: send no tools, functions or tool_choice.", param="tools")
         if request.logprobs:
             raise refusal("Chat-E does not return log probabilities: send logprobs false.", param="logprobs")
+        for field, (asks, text) in UNHONOURED.items():
+            if asks(getattr(request, field)):
+                raise refusal(text, param=field)
+        if len(request.stops()) > MAX_STOPS:
+            raise refusal(f"stop takes up to {MAX_STOPS} strings.", param="stop")
         system, history, message = split_messages(request.messages)
         mode, context = chat_mode(request, system)
         try:
@@ -240,6 +303,8 @@ def openai_router(
                 return error(APIError(503, str(err), kind="server_error", code="busy"))
             except Exception as err:
                 return error(failed(err, checked))
+            scanner = StopScanner(request.stops())
+            reply = scanner.feed(reply) + scanner.flush()
             counts = usage(done)
             message = ChatCompletionMessage(role="assistant", content=reply)
             answer = ChatCompletion(
@@ -247,7 +312,9 @@ def openai_router(
                 object="chat.completion",
                 created=now,
                 model=model_id or done.model or engine.name,
-                choices=[Choice(index=0, message=message, finish_reason=done.finish_reason)],
+                choices=[
+                    Choice(index=0, message=message, finish_reason=STOP if scanner.stopped else done.finish_reason)
+                ],
                 **({"usage": counts} if counts else {}),
             )
             return JSONResponse(wire(answer))
@@ -272,13 +339,19 @@ def openai_router(
             return event(choices=[ChunkChoice(index=0, delta=ChoiceDelta(**delta), finish_reason=finish)])
 
         async def events():
+            scanner = StopScanner(request.stops())
             try:
                 yield chunk({"role": "assistant", "content": ""})
-                if first is not None:
-                    yield chunk({"content": first})
-                    while (piece := await run_in_threadpool(next, pieces, None)) is not None:
-                        yield chunk({"content": piece})
-                yield chunk({}, done.finish_reason)  # the stream has ended: the engine has filled it in
+                piece = first
+                while piece is not None and not scanner.stopped:
+                    if shown := scanner.feed(piece):
+                        yield chunk({"content": shown})
+                    if not scanner.stopped:
+                        piece = await run_in_threadpool(next, pieces, None)
+                if rest := scanner.flush():
+                    yield chunk({"content": rest})
+                # the stream has ended (the engine has filled finish_reason in) or a stop string ended it here
+                yield chunk({}, STOP if scanner.stopped else done.finish_reason)
                 if include_usage:
                     yield event(choices=[], usage=usage(done))
                 yield "data: [DONE]\n\n"

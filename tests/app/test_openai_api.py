@@ -205,10 +205,38 @@ def test_requests_over_the_limits_or_beyond_chat_e_get_400(api):
          "max_completion_tokens"),
         (dict(temperature=7), "^temperature should be a number from", "temperature"),
         (dict(extra_body={"mode": "poetry"}), "Unknown context mode 'poetry'", None),
+        # what Chat-E cannot honour is refused, never ignored
+        (dict(seed=7), "cannot make a reply repeatable by a seed", "seed"),
+        (dict(presence_penalty=0.5), "does not apply presence_penalty", "presence_penalty"),
+        (dict(frequency_penalty=-0.5), "does not apply frequency_penalty", "frequency_penalty"),
+        (dict(logit_bias={"42": 5}), "does not apply logit_bias", "logit_bias"),
+        (dict(response_format={"type": "json_object"}), "plain text only", "response_format"),
+        (dict(stop=["a", "b", "c", "d", "e"]), "stop takes up to 4 strings", "stop"),
     ]:  # fmt: skip
         with pytest.raises(openai.BadRequestError) as refused:
             api.chat.completions.create(model="chat-e", messages=user, **extra)
         assert re.search(text, refused.value.body["message"]) and refused.value.body["param"] == param, extra
+    # their values that ask for nothing are taken
+    neutral = dict(presence_penalty=0, frequency_penalty=0, response_format={"type": "text"}, max_tokens=2)
+    assert api.chat.completions.create(model="chat-e", messages=user, **neutral).choices[0].finish_reason
+
+
+def test_stop_ends_the_reply_before_its_first_stop_string_streamed_or_not(api):
+    """OpenAI's ``stop``: the reply up to the first stop string, without it, and ``finish_reason`` "stop"; a stop
+    string the reply never holds changes nothing. The oracle is the same server's reply without ``stop``."""
+    messages = CHATS["free"]
+    whole = api.chat.completions.create(model="chat-e", messages=messages).choices[0].message.content
+    middle = len(whole) // 2
+    stop = whole[middle : middle + 3]
+    expected = whole[: whole.index(stop)]
+    assert 0 < len(expected) < len(whole)
+    for stops in (stop, ["never in it", stop]):
+        reply = api.chat.completions.create(model="chat-e", messages=messages, stop=stops)
+        assert (reply.choices[0].message.content, reply.choices[0].finish_reason) == (expected, "stop")
+    chunks = list(api.chat.completions.create(model="chat-e", messages=messages, stop=[stop], stream=True))
+    assert streamed(chunks) == expected and chunks[-1].choices[0].finish_reason == "stop"
+    unstopped = api.chat.completions.create(model="chat-e", messages=messages, stop="never in it")
+    assert unstopped.choices[0].message.content == whole and unstopped.choices[0].finish_reason != "stop"
 
 
 def test_the_api_key_is_needed(servers):
