@@ -158,6 +158,9 @@ class PreemptionCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.received, self.first_received_at, self.saved_at = 0, None, None
+        # a training loop started again without ending (auto_find_batch_size after an out-of-memory error) keeps the
+        # handlers it has: catching again would record this callback's own handler as the one to give back
+        self.release()
         if not getattr(args, "save_on_preemption", False):
             return
         if threading.current_thread() is not threading.main_thread():
@@ -235,6 +238,13 @@ def combine_jit_checkpoint(trainer) -> None:
         signal.signal(signal.SIGTERM, agreed._sigterm_handler)
         jit.jit_manager = agreed
     ours.jit = jit.jit_manager
+
+
+def release_signals(trainer) -> None:
+    """Give the preemption signals their previous handlers back (a ``train()`` that raised: no ``on_train_end``)."""
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, PreemptionCallback):
+            callback.release()
 
 
 def exit_if_preempted(trainer) -> None:

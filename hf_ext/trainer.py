@@ -203,8 +203,12 @@ class TrainerMixin:
             restore_latest_checkpoint(self.args.output_dir)  # a restarted worker group goes on from Ray's checkpoint
         self.resume_plan = plan = resume.plan_resume(self, resume_from_checkpoint)  # decided once, on every rank
         resume.apply_resume_plan(self, plan)
-        with resume.peft_state_under_deepspeed(self, plan):
-            output = super().train(plan.resume_from_checkpoint, *args, **kwargs)
+        try:
+            with resume.peft_state_under_deepspeed(self, plan):
+                output = super().train(plan.resume_from_checkpoint, *args, **kwargs)
+        except BaseException:  # on_train_end never ran: the preemption signals get their handlers back
+            preemption.release_signals(self)
+            raise
         preemption.exit_if_preempted(self)
         return output
 

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -98,6 +99,29 @@ def test_beside_enable_jit_checkpoint_the_other_signals_stay_hf_exts(tiny_model_
         "enable_jit_checkpoint=True: SIGTERM is transformers' JIT checkpoint's (a checkpoint once its 3 s kill wait "
         "is over, then train() returns); save_on_preemption keeps SIGUSR1 (exit status 75)."
     ]
+
+
+def test_a_train_that_raises_gives_the_signals_back(tiny_model_dir, tmp_path):
+    class Fail(SignalAt):
+        def on_step_end(self, args, state, control, **kwargs):
+            raise RuntimeError("a failure inside training")
+
+    with pytest.raises(RuntimeError, match="a failure inside training"):
+        trainer_for(tiny_model_dir, tmp_path, Fail(0), max_steps=2).train()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+
+
+def test_a_training_loop_started_again_gives_back_the_handlers_from_before_it():
+    """auto_find_batch_size starts the loop again after an out-of-memory error: on_train_begin twice, one end."""
+    from hf_ext.preemption import PreemptionCallback
+
+    callback = PreemptionCallback()
+    args = SimpleNamespace(save_on_preemption=True, save_on_preemption_signals=["SIGTERM"])
+    callback.on_train_begin(args, None, None)
+    callback.on_train_begin(args, None, None)
+    assert signal.getsignal(signal.SIGTERM) == callback._handle
+    callback.release()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
 SCRIPT = textwrap.dedent("""
