@@ -3,7 +3,8 @@ does not exist without ``--admin``): what the feedback database holds per format
 (method, steps, LoRA rank, learning rate, launcher, ranks, DeepSpeed preset; the base is the served model), Start,
 Cancel and Resume, and while a run goes on its progress (step of steps, ETA), the loss and DPO's reward margin and
 accuracy plotted, and the log's last lines; the runs table below. A :class:`chat_e.studio.runs.RunManager` does the
-work; a refusal (a bad value, no rows, a run already running) is one line (``gr.Error``) and starts nothing.
+work; a refusal (a bad value, no rows, a run already running) is one line (:func:`refusal`, a notice that stays until
+closed) and starts nothing.
 
 Endpoints (gradio_client, logged in as the operator): ``/start`` (the form's values, in the form's order), ``/cancel``,
 ``/resume`` and ``/status`` (each takes nothing: the newest run), which give the status line, the progress bar's HTML,
@@ -115,6 +116,12 @@ def serving_view(desk: ServingDesk | None) -> str:
     return "  \n".join(lines)
 
 
+def refusal(gr, err: Exception | str):
+    """What the operator's page says when it refuses or fails: one line, in a notice that stays until it is closed (a
+    run's Start or Promote is refused while the operator may be looking elsewhere; a fading note would be missed)."""
+    return gr.Error(str(err), duration=None, print_exception=False)
+
+
 def build_train_app(manager: RunManager, store, desk: ServingDesk | None = None, limits: ChatLimits | None = None):
     """The Train page's Blocks; with a ``desk``, its "Served model" section (arena, Promote, Roll back, side by
     side)."""
@@ -139,7 +146,7 @@ def build_train_app(manager: RunManager, store, desk: ServingDesk | None = None,
                            batch=_int(batch, "batch"), max_length=_int(max_length, "max length"))  # fmt: skip
             run_id = manager.start(form)
         except ValueError as err:
-            raise gr.Error(str(err), print_exception=False) from None
+            raise refusal(gr, err) from None
         logger.info("training run #%d started: %s", run_id, form)
         return view()
 
@@ -151,7 +158,7 @@ def build_train_app(manager: RunManager, store, desk: ServingDesk | None = None,
                     raise ValueError("There is no run yet.")
                 action(runs[0]["id"])
             except ValueError as err:
-                raise gr.Error(str(err), print_exception=False) from None
+                raise refusal(gr, err) from None
             return view()
 
         return handler
@@ -218,9 +225,6 @@ def served_section(gr, desk: ServingDesk, limits: ChatLimits) -> None:
     number), ``/promote`` (the run's number, and whether to promote anyway), ``/rollback`` and ``/side_by_side`` (the
     run's number, a message)."""
 
-    def refused(err: ValueError):
-        return gr.Error(str(err), print_exception=False)
-
     def run_number(value) -> int:
         number = _int(value, "run")
         if number < 1:
@@ -232,7 +236,7 @@ def served_section(gr, desk: ServingDesk, limits: ChatLimits) -> None:
             try:
                 action(run_number(run), *flags)
             except ValueError as err:
-                raise refused(err) from None
+                raise refusal(gr, err) from None
             return serving_view(desk)
 
         return handler
@@ -241,7 +245,7 @@ def served_section(gr, desk: ServingDesk, limits: ChatLimits) -> None:
         try:
             desk.rollback()
         except ValueError as err:
-            raise refused(err) from None
+            raise refusal(gr, err) from None
         return serving_view(desk)
 
     def side_by_side(run, message):
@@ -249,16 +253,14 @@ def served_section(gr, desk: ServingDesk, limits: ChatLimits) -> None:
             number = run_number(run)
             checked = check_request(limits, message=message, ranges={})
         except (ValueError, Refused) as err:
-            raise gr.Error(str(err), print_exception=False) from None
+            raise refusal(gr, err) from None
         try:
             replies = desk.side_by_side(number, checked.message)
         except ValueError as err:
-            raise refused(err) from None
+            raise refusal(gr, err) from None
         except Exception:
             logger.exception("side by side: generation failed")
-            raise gr.Error(
-                "A reply could not be generated; the server's log says why.", print_exception=False
-            ) from None
+            raise refusal(gr, "A reply could not be generated; the server's log says why.") from None
         names = list(replies)
         return "\n\n".join(
             f"**{'served' if i == 0 else f'run #{number}'}** `{html.escape(name)}`:\n\n{html.escape(replies[name])}"

@@ -329,6 +329,11 @@ def test_the_operator_turns_feedback_into_a_served_model_in_the_browser(tiny_cha
         assert page.locator("#train-progress progress").get_attribute("max") == str(STEPS)
         page.wait_for_selector("#train-plot canvas, #train-plot svg", timeout=60_000)
         screenshot(page, tmp_path, "chat-e-train-running.png")
+        # the page refuses a second Start in a notice that stays until it is closed (no timer fades it)
+        page.locator("#train-start").click()
+        notice = page.locator(".toast-body", has_text=f"Run #{run['id']} is running: cancel it or wait")
+        notice.wait_for(timeout=30_000)
+        assert notice.locator(".timer").count() == 0 and store.runs()[0]["id"] == run["id"]
         # the training is paused (SIGSTOP, a real signal) while the server restarts, so that it is still mid-run
         # when the next server comes up, however fast the steps and however slow the restart
         signal_run(run["pid"], signal.SIGSTOP)
@@ -384,6 +389,8 @@ def test_the_operator_turns_feedback_into_a_served_model_in_the_browser(tiny_cha
         page.locator("#arena-message textarea").fill("x" * 5000)
         page.locator("#arena-send").click()
         page.wait_for_selector(".toast-body:has-text('Shorten it and send again')", timeout=30_000)
+        # a chat user's note fades (its timer runs), unlike the Train page's refusals above
+        assert page.locator(".toast-body:has-text('Shorten it and send again') .timer").count() == 1
         page.wait_for_function("() => !document.querySelector('#arena-send').disabled")
         assert page.get_by_text("Error", exact=True).count() == 0
         assert page.locator("#arena-message textarea").input_value() == "x" * 5000
