@@ -423,18 +423,19 @@ class RunManager:
 
 def current_phase(records: list[dict]) -> dict[str, Any]:
     """The part of its newest launch a run is in (:data:`chat_e.data.progress.PHASES`; None before the training
-    wrote any), since when (a timestamp), and the rows' split as the training kept them (``training_rows``,
-    ``held_out_rows``; {} until known)."""
+    wrote any), since when (a timestamp), the replies an evaluation has scored of how many (None until known), and the rows' split as the training kept them (``training_rows``, ``held_out_rows``; {} until known)."""
     starts = [i for i, r in enumerate(records) if r.get("event") == "phase" and r.get("phase") == PREPARING]
     launch = records[starts[-1] :] if starts else records
     split = next(({k: r[k] for k in ("training_rows", "held_out_rows")} for r in reversed(launch)
                   if r.get("event") == "phase" and "held_out_rows" in r), {})  # fmt: skip
-    marks = [r for r in launch if r.get("event") in ("phase", "begin")]
+    marks = [i for i, r in enumerate(launch) if r.get("event") in ("phase", "begin")]
     if not marks:
-        return {"phase": None, "phase_since": None, "split": split}
-    last = marks[-1]
+        return {"phase": None, "phase_since": None, "split": split, "rows": None}
+    last = launch[marks[-1]]
     name = TRAINING if last["event"] == "begin" else last["phase"]
-    return {"phase": name, "phase_since": last["time"], "split": split}
+    rows = next(((r["done"], r["total"]) for r in reversed(launch[marks[-1] :])
+                 if r.get("event") == "rows" and r["phase"] == name), None)  # fmt: skip
+    return {"phase": name, "phase_since": last["time"], "split": split, "rows": rows}
 
 
 def run_processes(pid: int) -> list[psutil.Process]:

@@ -64,11 +64,13 @@ def _batch(rows: list[Row], pad_id: int, encoder_decoder: bool) -> dict[str, tor
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def reply_logprobs(model, rows: Sequence[Row], batch_size: int, pad_id: int, device=None) -> torch.Tensor:
+def reply_logprobs(model, rows: Sequence[Row], batch_size: int, pad_id: int, device=None,
+                   progress=None) -> torch.Tensor:  # fmt: skip
     """``(len(rows), 2)`` float64: each reply's summed log-probability given its prompt, and its token count.
 
     A row is ``(prompt ids, reply ids)``. The rows are sharded over the ranks (every rank takes the same number of
-    forward passes) and the results summed across them, so every rank returns all rows."""
+    forward passes) and the results summed across them, so every rank returns all rows. ``progress(done, total)``
+    is called after each forward pass with the rows scored so far (over every rank)."""
     rank, world = _world()
     rows = [(list(p), list(r)) for p, r in rows]
     device = device if device is not None else next(model.parameters()).device
@@ -95,6 +97,8 @@ def reply_logprobs(model, rows: Sequence[Row], batch_size: int, pad_id: int, dev
             for j, i in enumerate(indices):
                 out[i, 0] = float(token_logp[j].double().sum())  # float64: equal tokens give equal means
                 out[i, 1] = float(kept[j].sum())
+            if progress is not None:
+                progress(min(len(rows), (step + 1) * batch_size * world), len(rows))
     model.train(was_training)
     if world > 1:
         summed = out.to(device)
@@ -146,8 +150,9 @@ def preference_metrics(logprobs: torch.Tensor, pairs: Sequence[tuple[int, int]],
     }
 
 
-def heldout_metrics(model, dataset, loss: str, batch_size: int, pad_id: int, device=None) -> dict:
-    """:func:`preference_metrics` of ``model`` on a TRL-tokenized held-out ``dataset`` of ``loss`` (dpo, kto)."""
+def heldout_metrics(model, dataset, loss: str, batch_size: int, pad_id: int, device=None, progress=None) -> dict:
+    """:func:`preference_metrics` of ``model`` on a TRL-tokenized held-out ``dataset`` of ``loss`` (dpo, kto);
+    ``progress`` as :func:`reply_logprobs` takes it."""
     rows, pairs, preferred, pairing = scored_rows(dataset, loss)
-    logprobs = reply_logprobs(model, rows, batch_size, pad_id, device)
+    logprobs = reply_logprobs(model, rows, batch_size, pad_id, device, progress)
     return {**preference_metrics(logprobs, pairs, preferred), "rows": len(dataset), "pairing": pairing}

@@ -64,7 +64,7 @@ from ..data.progress import EVAL_AFTER, EVAL_BEFORE, PREPARING, SAVING
 from ..data.stats import share
 from .heldout import heldout_metrics
 from .launch import PREFERRED_PER_TOKEN, PREFERRED_SUM, REPLY_NLL, stop
-from .progress import join_run_niceness, phase, progress_callbacks
+from .progress import join_run_niceness, phase, phase_rows, progress_callbacks
 
 logger = logging.getLogger(__name__)
 
@@ -428,16 +428,19 @@ REPORTED = [
 ]
 
 
-def evaluate(trainer, loss: str, batch_size: int) -> dict:
+def evaluate(trainer, loss: str, batch_size: int, name: str) -> dict:
     """The model's own scores of the held-out rows (:func:`chat_e.training.heldout.heldout_metrics`), its
-    parameters gathered where ZeRO-3 partitioned them."""
+    parameters gathered where ZeRO-3 partitioned them; the rows scored so far go to the progress file as phase
+    ``name``'s."""
     if trainer.eval_dataset is None:
         return {"rows": 0}
     model = trainer.model
+    is_main = trainer.is_world_process_zero()
     with gathered(list(model.parameters())):
         return heldout_metrics(
-            model, trainer.eval_dataset, loss, batch_size, trainer.processing_class.pad_token_id, trainer.args.device
-        )
+            model, trainer.eval_dataset, loss, batch_size, trainer.processing_class.pad_token_id, trainer.args.device,
+            progress=lambda done, total: phase_rows(name, is_main, done, total),
+        )  # fmt: skip
 
 
 def _cell(value) -> str:
@@ -539,10 +542,10 @@ def main(argv: list[str] | None = None) -> dict:
     # the rows as TRL kept them (the page shows the split while the evaluation runs)
     phase(EVAL_BEFORE, is_main, training_rows=len(trainer.train_dataset),
           held_out_rows=len(trainer.eval_dataset) if trainer.eval_dataset is not None else 0)  # fmt: skip
-    before = evaluate(trainer, loss, batch)
+    before = evaluate(trainer, loss, batch, EVAL_BEFORE)
     result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     phase(EVAL_AFTER, is_main)
-    after = evaluate(trainer, loss, batch)
+    after = evaluate(trainer, loss, batch, EVAL_AFTER)
     phase(SAVING, is_main)
     merge = model_args.use_peft and model_args.merge_adapter
     trainer.save_model(str(out / "adapter") if merge else None)

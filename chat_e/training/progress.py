@@ -44,6 +44,14 @@ def phase(name: str, is_main: bool, **detail) -> None:
         _append_line(Path(path), {"event": "phase", "phase": name, **detail})
 
 
+def phase_rows(name: str, is_main: bool, done: int, total: int) -> None:
+    """Rank 0 appends ``{"event": "rows", "phase": name, "done", "total"}``: how far an evaluation has come (the
+    replies it has scored, a pair's two replies each)."""
+    path = os.environ.get(ENV)
+    if path and is_main:
+        _append_line(Path(path), {"event": "rows", "phase": name, "done": done, "total": total})
+
+
 def _append_line(path: Path, record: dict) -> None:
     """``record`` with the time, as one JSON line appended with one ``write`` (a reader skips a line a kill cut)."""
     with path.open("a") as f:

@@ -82,7 +82,8 @@ def status_view(manager: RunManager) -> tuple[str, str, list[list[Any]], str, li
     step, total, eta = progress["step"], progress["max_steps"], progress["eta_s"]
     line = f"Run #{newest['id']} ({newest['method']}): **{newest['status']}**"
     if newest["status"] in ("running", "cancelling") and progress["phase"]:
-        line += f" — {progress['phase']} for {max(0.0, time.time() - progress['phase_since']):.0f} s"
+        rows = f" ({progress['rows'][0]} of {progress['rows'][1]} replies scored)" if progress.get("rows") else ""
+        line += f" — {progress['phase']}{rows} for {max(0.0, time.time() - progress['phase_since']):.0f} s"
     line += f", step {step} of {total}"
     if eta is not None and newest["status"] == "running" and progress["phase"] == TRAINING:
         line += f", about {eta:.0f} s left"

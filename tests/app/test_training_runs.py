@@ -115,14 +115,17 @@ def test_corrections_train_sft_with_a_held_out_before_after(tiny_chat_model_dir,
     assert after["preferred_sum"]["k"] == after["preferred_sum"]["n"] > before["preferred_sum"]["k"]
     # every part of the run outside the training loop, in order, the split with the evaluation before
     records = read_progress(folder / "progress.jsonl")
-    parts = [r["phase"] if r["event"] == "phase" else r["event"] for r in records if r["event"] != "log"]
+    parts = [r["phase"] if r["event"] == "phase" else r["event"] for r in records if r["event"] not in ("log", "rows")]
     assert parts == [PREPARING, EVAL_BEFORE, "begin", "end", EVAL_AFTER, SAVING]
     assert records[1]["training_rows"] == report["train_rows"] == 12 and records[1]["held_out_rows"] == 4
-    assert current_phase(records)["phase"] == SAVING
-    assert current_phase(records[:3])["phase"] == TRAINING and current_phase(records[:3])["split"] == {
-        "training_rows": 12,
-        "held_out_rows": 4,
-    }
+    # each evaluation says how far it has come: 4 held-out pairs, 8 replies scored in one pass of the eval batch (8)
+    rows = [(r["phase"], r["done"], r["total"]) for r in records if r["event"] == "rows"]
+    assert rows == [(EVAL_BEFORE, 8, 8), (EVAL_AFTER, 8, 8)]
+    assert current_phase(records[:3]) == {"phase": EVAL_BEFORE, "phase_since": records[1]["time"], "rows": (8, 8),
+                                          "split": {"training_rows": 12, "held_out_rows": 4}}  # fmt: skip
+    assert current_phase(records)["phase"] == SAVING and current_phase(records)["rows"] is None
+    begin = next(i for i, r in enumerate(records) if r["event"] == "begin")
+    assert current_phase(records[: begin + 1])["phase"] == TRAINING
     for proc in manager._evals.values():  # the done run's eval (tested with the browser's run) is not waited for
         proc.kill()
         proc.wait()

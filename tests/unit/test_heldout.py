@@ -48,7 +48,9 @@ def test_a_model_that_prefers_chosen_in_3_of_4_pairs_reports_75_percent(unigram)
     # summed: chosen likelier in pairs 1-3 (pair 3: one token 0 against three), not in 4
     pairs = [([5, 5], [6, 6]), ([5], [6]), ([0], [0, 0, 0]), ([6, 6], [5])]
     rows, compared, preferred, _ = scored_rows(dpo(pairs), "dpo")
-    table = reply_logprobs(unigram, rows, batch_size=3, pad_id=0)
+    seen = []
+    table = reply_logprobs(unigram, rows, batch_size=3, pad_id=0, progress=lambda *p: seen.append(p))
+    assert seen == [(3, 8), (6, 8), (8, 8)]  # the replies scored after each pass of 3 (what the Train page shows)
     for (_, reply), (total, tokens) in zip(rows, table.tolist()):
         assert total == pytest.approx(logp(reply), abs=1e-5) and tokens == len(reply)
     metrics = preference_metrics(table, compared, preferred)
