@@ -305,6 +305,15 @@ def test_the_operator_turns_feedback_into_a_served_model_in_the_browser(tiny_cha
         ):
             with pytest.raises(Exception, match=says):
                 client.predict(*{**FORM, **bad}.values(), api_name="/start")
+        # a value the browser cannot take as a number: the page refuses it in a notice that stays until closed,
+        # never starting with the value the field held before
+        page.locator("#train-steps input").press_sequentially("e")
+        page.locator("#train-steps input").press("Tab")
+        page.locator("#train-start").click()
+        notice = page.locator(".toast-body", has_text="steps")
+        notice.wait_for(timeout=30_000)
+        assert "give a whole number" in notice.inner_text() and store.runs() == []
+        notice.locator(".toast-close").click()
         lora = 16 if chosen else 0  # a real model trains its LoRA adapter, in minutes
         fill_form(page, "torchrun", steps=STEPS, lora=lora, ranks=2, held_out=4, max_length=128)
         page.locator("#train-start").click()
