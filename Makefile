@@ -40,12 +40,12 @@ demo-preference: setup
 	@echo
 	@echo "Chat with it:  $(BIN)/chat-e --model runs/demo-preference"
 
-# the feedback loop measured end to end on `make demo`'s model: 20 simulated users give feedback through the chat UI,
-# the Train page trains SFT on their corrections, and they vote blind in the app's arena (about 30 min on 2 cores)
+# the feedback loop measured end to end on `make demo`'s model: 23 simulated users give feedback through the chat UI,
+# the Train page trains SFT on their corrections, and they vote blind in the app's arena (about 25 min on 2 cores)
 demo-loop: setup
 	@test -f $(DEMO_DIR)/config.json || { echo "$(DEMO_DIR) holds no model: run make demo first."; exit 1; }
-	$(ENV_PATH) $(BIN)/python -m benchmarks.bench_loop --model $(DEMO_DIR) --users 20 --messages 4 --votes 4 \
-		--method sft --steps 30 --out runs/bench/loop_sft.json
+	$(ENV_PATH) $(BIN)/python -m benchmarks.bench_loop --model $(DEMO_DIR) --users 23 --messages 4 --votes 4 \
+		--method sft --steps 15 --learning_rate 1e-3 --out runs/bench/loop_sft_lr1e3_15.json
 
 # the offline machinery on a random-init small BlenderBot and the chatterbot corpus
 demo-blenderbot: setup
