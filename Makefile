@@ -41,7 +41,7 @@ demo-preference: setup
 	@echo "Chat with it:  $(BIN)/chat-e --model runs/demo-preference"
 
 # the feedback loop measured end to end on `make demo`'s model: 23 simulated users give feedback through the chat UI,
-# the Train page trains SFT on their corrections, and they vote blind in the app's arena (about 25 min on 2 cores)
+# the Train page trains SFT on their corrections, and they vote blind in the app's arena (about 30 min on 2 cores)
 demo-loop: setup
 	@test -f $(DEMO_DIR)/config.json || { echo "$(DEMO_DIR) holds no model: run make demo first."; exit 1; }
 	$(ENV_PATH) $(BIN)/python -m benchmarks.bench_loop --model $(DEMO_DIR) --users 23 --messages 4 --votes 4 \
