@@ -226,9 +226,8 @@ def combine_jit_checkpoint(trainer) -> None:
     """When ``enable_jit_checkpoint=True`` added stock's ``JITCheckpointCallback``: SIGTERM stays its signal, and with
     more than one rank its kill wait ends in a request that :class:`PreemptionCallback` agrees on across ranks (stock's
     per-rank flag would send the ranks into the collective save at different steps)."""
-    callbacks = trainer.callback_handler.callbacks
-    jit = next((cb for cb in callbacks if isinstance(cb, JITCheckpointCallback)), None)
-    ours = next((cb for cb in callbacks if isinstance(cb, PreemptionCallback)), None)
+    jit = next((cb for cb in trainer.callback_handler.callbacks if isinstance(cb, JITCheckpointCallback)), None)
+    ours = preemption_callback(trainer)
     if jit is None or jit.jit_manager is None or ours is None:
         return
     if trainer.args.world_size > 1:
@@ -240,17 +239,21 @@ def combine_jit_checkpoint(trainer) -> None:
     ours.jit = jit.jit_manager
 
 
+def preemption_callback(trainer) -> PreemptionCallback | None:
+    """The trainer's :class:`PreemptionCallback` (None: a trainer without one)."""
+    return next((cb for cb in trainer.callback_handler.callbacks if isinstance(cb, PreemptionCallback)), None)
+
+
 def release_signals(trainer) -> None:
     """Give the preemption signals their previous handlers back (a ``train()`` that raised: no ``on_train_end``)."""
-    for callback in trainer.callback_handler.callbacks:
-        if isinstance(callback, PreemptionCallback):
-            callback.release()
+    if (callback := preemption_callback(trainer)) is not None:
+        callback.release()
 
 
 def exit_if_preempted(trainer) -> None:
     """After ``train()``: when it stopped for a preemption, tear down the process group and exit with
     :data:`PREEMPTED_EXIT_CODE` (the checkpoint is complete on disk); otherwise nothing."""
-    callback = next((cb for cb in trainer.callback_handler.callbacks if isinstance(cb, PreemptionCallback)), None)
+    callback = preemption_callback(trainer)
     if callback is None or callback.saved_at is None:
         return
     if trainer.args.should_log:

@@ -343,11 +343,12 @@ def openai_router(
             try:
                 yield chunk({"role": "assistant", "content": ""})
                 piece = first
-                while piece is not None and not scanner.stopped:
+                while piece is not None:
                     if shown := scanner.feed(piece):
                         yield chunk({"content": shown})
-                    if not scanner.stopped:
-                        piece = await run_in_threadpool(next, pieces, None)
+                    if scanner.stopped:
+                        break  # the finally below closes the stream, which stops generating
+                    piece = await run_in_threadpool(next, pieces, None)
                 if rest := scanner.flush():
                     yield chunk({"content": rest})
                 # the stream has ended (the engine has filled finish_reason in) or a stop string ended it here

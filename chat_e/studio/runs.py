@@ -423,7 +423,8 @@ class RunManager:
 
 def current_phase(records: list[dict]) -> dict[str, Any]:
     """The part of its newest launch a run is in (:data:`chat_e.data.progress.PHASES`; None before the training
-    wrote any), since when (a timestamp), the replies an evaluation has scored of how many (None until known), and the rows' split as the training kept them (``training_rows``, ``held_out_rows``; {} until known)."""
+    wrote any), since when (a timestamp), the replies an evaluation has scored of how many (None until known), and
+    the rows' split as the training kept them (``training_rows``, ``held_out_rows``; {} until known)."""
     starts = [i for i, r in enumerate(records) if r.get("event") == "phase" and r.get("phase") == PREPARING]
     launch = records[starts[-1] :] if starts else records
     split = next(({k: r[k] for k in ("training_rows", "held_out_rows")} for r in reversed(launch)

@@ -39,17 +39,19 @@ def phase(name: str, is_main: bool, **detail) -> None:
     """Rank 0 (``is_main``) appends ``{"event": "phase", "phase": name, ...detail}`` when ``CHAT_E_PROGRESS_FILE``
     is set: the parts of a run outside the training loop (:data:`chat_e.data.progress.PHASES`), which the Train
     page shows."""
-    path = os.environ.get(ENV)
-    if path and is_main:
-        _append_line(Path(path), {"event": "phase", "phase": name, **detail})
+    _rank0_record(is_main, {"event": "phase", "phase": name, **detail})
 
 
 def phase_rows(name: str, is_main: bool, done: int, total: int) -> None:
     """Rank 0 appends ``{"event": "rows", "phase": name, "done", "total"}``: how far an evaluation has come (the
     replies it has scored, a pair's two replies each)."""
+    _rank0_record(is_main, {"event": "rows", "phase": name, "done": done, "total": total})
+
+
+def _rank0_record(is_main: bool, record: dict) -> None:
     path = os.environ.get(ENV)
     if path and is_main:
-        _append_line(Path(path), {"event": "rows", "phase": name, "done": done, "total": total})
+        _append_line(Path(path), record)
 
 
 def _append_line(path: Path, record: dict) -> None:

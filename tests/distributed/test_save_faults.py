@@ -29,6 +29,7 @@ from hf_ext import atomic
 from ..conftest import ROOT, TRAIN_LAUNCHER, free_port, launch_env, launcher_cmd, run_side_by_side
 from ..launched.ranks import rank_env
 from .test_saving_distributed import SCRIPT, assert_equal_weights, train
+from .workers.train_save import listing
 
 pytestmark = pytest.mark.distributed
 
@@ -88,8 +89,8 @@ def new_save(old_run, killed, tiny_model_dir):
 
 
 def names(folder: Path) -> list[str]:
-    """What a reader of ``folder`` lists: its entries but the hidden staging siblings'."""
-    return sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
+    """What the worker's reader lists of ``folder`` (as its JSON file holds it)."""
+    return list(listing(str(folder)))
 
 
 def test_a_reader_during_the_final_save_lists_the_old_or_the_new_names_only(old_run, new_save):

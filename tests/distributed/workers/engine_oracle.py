@@ -42,7 +42,7 @@ import hf_ext
 import hf_ext.preemption
 from benchmarks.worker import drop_trainer, restore_environment  # as the benchmarks' segments
 from hf_ext.deepspeed.resolve import load_deepspeed_config
-from hf_ext.preemption import AgreedCheckpointManager, PreemptionCallback
+from hf_ext.preemption import AgreedCheckpointManager, preemption_callback
 from hf_ext.runtime import start_deepspeed_comm
 from tests.launched.signal_at import SignalAt
 from tests.saving_support import gathered_state_dict  # the repository root is on PYTHONPATH under the launchers
@@ -169,14 +169,13 @@ def segment(
     with staying:
         trainer.train(resume_from_checkpoint=resume)
     preempted = {}
+    callback = preemption_callback(trainer)
     if signal_at and jit:
-        callback = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, PreemptionCallback))
         steps = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(steps, trainer.state.global_step)
         found = sorted(str(p.relative_to(args.output_dir)) for p in Path(args.output_dir).rglob("*checkpoint*"))
         preempted = {"steps": steps, "checkpoints": found, "agreed": isinstance(callback.jit, AgreedCheckpointManager)}
     elif signal_at:
-        callback = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, PreemptionCallback))
         saved_at = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(saved_at, callback.saved_at)
         callback.release()  # the signal handlers back: exit_if_preempted would exit here
