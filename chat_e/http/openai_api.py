@@ -104,8 +104,8 @@ UNHONOURED = {
     "response_format": (lambda v: v is not None and v.get("type") != "text",
                         "Chat-E replies in plain text only: send response_format {\"type\": \"text\"} or none."),
 }  # fmt: skip
-#: OpenAI's limit on the stop strings of one request
-MAX_STOPS = 4
+#: OpenAI's limit on the stop strings of one request, and Chat-E's on each one's length (a reply is shorter)
+MAX_STOPS, MAX_STOP_CHARS = 4, 200
 
 
 class StopScanner:
@@ -251,8 +251,8 @@ def openai_router(
         for field, (asks, text) in UNHONOURED.items():
             if asks(getattr(request, field)):
                 raise refusal(text, param=field)
-        if len(request.stops()) > MAX_STOPS:
-            raise refusal(f"stop takes up to {MAX_STOPS} strings.", param="stop")
+        if len(request.stops()) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in request.stops()):
+            raise refusal(f"stop takes up to {MAX_STOPS} strings of up to {MAX_STOP_CHARS} characters.", param="stop")
         system, history, message = split_messages(request.messages)
         mode, context = chat_mode(request, system)
         try:

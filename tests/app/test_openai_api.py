@@ -212,6 +212,7 @@ def test_requests_over_the_limits_or_beyond_chat_e_get_400(api):
         (dict(logit_bias={"42": 5}), "does not apply logit_bias", "logit_bias"),
         (dict(response_format={"type": "json_object"}), "plain text only", "response_format"),
         (dict(stop=["a", "b", "c", "d", "e"]), "stop takes up to 4 strings", "stop"),
+        (dict(stop="s" * 201), "of up to 200 characters", "stop"),
     ]:  # fmt: skip
         with pytest.raises(openai.BadRequestError) as refused:
             api.chat.completions.create(model="chat-e", messages=user, **extra)
