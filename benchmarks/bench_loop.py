@@ -83,6 +83,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--learning_rate", type=float, default=5e-4, help="The run's learning rate (default 5e-4).")
     parser.add_argument("--nproc", type=int, default=2, help="The run's ranks under torchrun (default 2).")
     parser.add_argument("--held_out", type=int, default=24, help="The run's held-out rows (default 24).")
+    parser.add_argument(
+        "--replay", type=int, default=0, help="The run's replay rows of make demo's corpus (default 0)."
+    )
     parser.add_argument("--seed", type=int, default=0, help="The population's and their choices' seed.")
     parser.add_argument("--eval_args", nargs="*", default=[], help="Flags of the Train page's chat-e eval.")
     parser.add_argument("--out", default="runs/bench/loop.json", help="Where to write the JSON results.")
@@ -96,7 +99,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     users = population(args.users, args.seed)
     form = RunForm(method=args.method, max_steps=args.steps, lora_rank=args.lora_rank, learning_rate=args.learning_rate,
-                   launcher="torchrun", nproc=args.nproc, held_out=args.held_out, max_length=192)  # fmt: skip
+                   launcher="torchrun", nproc=args.nproc, held_out=args.held_out, max_length=192,
+                   replay=args.replay)  # fmt: skip
     report: dict = {"users": args.users, "messages_per_user": args.messages, "votes_per_user": args.votes}
     with tempfile.TemporaryDirectory(prefix="bench-loop-") as tmp:
         tmp = Path(tmp)
@@ -137,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
             evaluation = json.loads((Path(record["log_path"]).parent / "eval" / "eval.json").read_text())
             report["run"] = {
                 "id": run_id, "rows": record["rows"], "steps": args.steps, "method": args.method,
-                "lora_rank": args.lora_rank, "learning_rate": args.learning_rate,
+                "lora_rank": args.lora_rank, "learning_rate": args.learning_rate, "replay": args.replay,
                 "wall_s": round((record["ended_at"] - record["started_at"]).total_seconds(), 1),
                 "held_out_before": record["metrics_before"], "held_out_after": record["metrics_after"],
             }  # fmt: skip
@@ -197,12 +201,13 @@ def tables(report: dict, args) -> list[str]:
         ["held-out sessions: prefers chosen, summed (the run's own)", share_text(run["held_out_before"].get(
             "preferred_sum")), share_text(run["held_out_after"].get("preferred_sum")), ""],
     ]  # fmt: skip
+    replayed = f", {run['replay']} replayed rows of make demo's corpus" if run.get("replay") else ""
     note = (
         f"{report['users']} simulated users, {report['messages_per_user']} feedback messages each: "
         f"**{report['feedback_rows']} feedback rows** ({report['feedback_kinds']}; the served model met the preference "
         f"on {share_text(report['served_satisfied_while_feedback'])} of those replies), then the Train page's "
         f"{run['method'].upper()} run ({run['rows']} rows exported, {run['steps']} steps, LoRA rank {run['lora_rank']}, "
-        f"lr {run['learning_rate']}, {args.nproc} ranks: {run['wall_s']:.0f} s), then {len(report['votes_cast'])} "
+        f"lr {run['learning_rate']}{replayed}, {args.nproc} ranks: {run['wall_s']:.0f} s), then {len(report['votes_cast'])} "
         f"blind battles on {len(HELD_OUT_MESSAGES)} messages never used for feedback. Scores the eval says are worse "
         f"beyond the interval: {', '.join(ev['worse']) or 'none'}."
     )

@@ -21,6 +21,7 @@ import threading
 import time
 from pathlib import Path
 
+from hf_ext.atomic import write_text_atomically
 from hf_ext.memory.probe import PeakTensorBytes, peak_live_bytes  # noqa: F401  (one place; re-exported for the benches)
 from hf_ext.sizes import GiB, MiB  # noqa: F401  (re-exported for the benches)
 
@@ -304,7 +305,7 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
 def write_json(path: str | Path, data: dict) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    write_text_atomically(path, json.dumps(data, indent=2, default=str) + "\n")
     return path
 
 
@@ -343,4 +344,4 @@ def write_section(doc: str | Path, name: str, text: str) -> None:
     else:
         new = old.rstrip("\n") + "\n\n" + block + "\n"
     doc.parent.mkdir(parents=True, exist_ok=True)
-    doc.write_text(new, encoding="utf-8")
+    write_text_atomically(doc, new)

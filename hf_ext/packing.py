@@ -44,8 +44,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening, DataCollatorWithPadding
 from transformers.data.data_collator import DefaultDataCollator, default_data_collator
-from transformers.trainer_pt_utils import BatchRebalanceSampler
+from transformers.trainer_pt_utils import BatchRebalanceSampler, LengthGroupedSampler, get_length_grouped_indices
 
+from .batching import args_layout
 from .loss import adds_router_loss
 from .model_info import base_model_of
 
@@ -136,9 +137,34 @@ def takes_logits_to_keep(model) -> bool:
     return "logits_to_keep" in inspect.signature(base_model_of(model).forward).parameters
 
 
+class GlobalLengthGroupedSampler(LengthGroupedSampler):
+    """Stock's ``group_by_length`` order (``get_length_grouped_indices``: a permutation cut into mega-batches, each
+    sorted by length) grouped by the global batch, from the run's seed and the epoch. Stock groups by one rank's
+    micro-batch x accumulation and draws from torch's global generator, so 1 rank and 2 ranks at the same global batch
+    train on other rows; here every world size at that global batch cuts the same rows into its optimizer steps (the
+    rows of a global batch still have similar lengths), and a resume draws its epoch's order again."""
+
+    def __init__(self, global_batch: int, lengths: list[int], seed: int):
+        super().__init__(global_batch, lengths=lengths)
+        self.seed, self.epoch = seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return iter(get_length_grouped_indices(self.lengths, self.batch_size, generator=generator))
+
+
 def run_sampler(args, sampler):
     """The train sampler hf-ext uses in place of the stock one ``sampler``: stock's ``BatchRebalanceSampler``
-    rebuilt with the run's seed, and pricing packed micro-batches when ``padding_free`` is on; any other unchanged."""
+    rebuilt with the run's seed, and pricing packed micro-batches when ``padding_free`` is on; stock's
+    ``LengthGroupedSampler`` grouped by the global batch from the run's seed (:class:`GlobalLengthGroupedSampler`);
+    any other unchanged."""
+    seed = args.data_seed if args.data_seed is not None else args.seed
+    if type(sampler) is LengthGroupedSampler:
+        global_batch = args.train_batch_size * args.gradient_accumulation_steps * args_layout(args).dp
+        return GlobalLengthGroupedSampler(global_batch, sampler.lengths, seed)
     if type(sampler) is not BatchRebalanceSampler:
         return sampler
     cls = PackedRebalanceSampler if getattr(args, "padding_free", False) else BatchRebalanceSampler
@@ -148,7 +174,7 @@ def run_sampler(args, sampler):
         dp_size=sampler.dp_size,
         grad_accum=sampler.grad_accum,
         shuffle=sampler.shuffle,
-        seed=args.data_seed if args.data_seed is not None else args.seed,
+        seed=seed,
         rank=sampler.rank,
         drop_last=sampler.drop_last,
     )

@@ -149,15 +149,15 @@ def encode_context(
     return [*prefix, *ids, *suffix]
 
 
-def _newest_turns_that_fit(encode_newest, n_turns: int, budget: int) -> list[int] | None:
-    """Ids of the most newest turns that fit ``budget`` (``encode_newest(k)`` encodes the ``k`` newest), or None when
-    even the newest alone is too long. A binary search: the length grows with ``k``."""
+def _newest_turns_that_fit(encode_newest, n_turns: int, budget: int) -> tuple[int, list[int]] | None:
+    """``(k, ids)`` of the most newest turns ``k`` that fit ``budget`` (``encode_newest(k)`` encodes the ``k`` newest),
+    or None when even the newest alone is too long. A binary search: the length grows with ``k``."""
     lo, hi, best = 1, n_turns - 1, None
     while lo <= hi:
         k = (lo + hi) // 2
         ids = encode_newest(k)
         if len(ids) <= budget:
-            best, lo = ids, k + 1
+            best, lo = (k, ids), k + 1
         else:
             hi = k - 1
     return best
@@ -166,7 +166,7 @@ def _newest_turns_that_fit(encode_newest, n_turns: int, budget: int) -> list[int
 def _truncate_left(tokenizer, turns: list[str], header: str, budget: int) -> list[int]:
     best = _newest_turns_that_fit(lambda k: _encode(tokenizer, join_context(turns[-k:], header)), len(turns), budget)
     if best is not None:
-        return best
+        return best[1]
     # the newest turn alone does not fit: keep the header (at most half the budget) and the newest tokens
     newest = _encode(tokenizer, join_context(turns[-1:], header))
     if not header:
@@ -245,7 +245,7 @@ def encode_chat_prompt(tokenizer, turns: Sequence[str], header: str = "", max_le
         return ids
     best = _newest_turns_that_fit(lambda k: encode(turns[-k:], header), len(turns), max_length)
     if best is not None:
-        return best
+        return best[1]
     head_ids = _encode(tokenizer, system_message(header))
     if len(head_ids) > max_length // 2:  # the header keeps its start, at most half the budget
         header = tokenizer.decode(head_ids[: max_length // 2])
@@ -259,6 +259,21 @@ def encode_chat_prompt(tokenizer, turns: Sequence[str], header: str = "", max_le
             return ids
         room -= len(ids) - max_length
     return ids[-max_length:]
+
+
+def chat_turns_that_fit(tokenizer, turns: Sequence[str], header: str = "", max_length: int | None = None) -> list[str]:
+    """The newest whole ``turns`` (cleaned) whose chat-template prompt fits ``max_length`` tokens, as
+    :func:`encode_chat_prompt` keeps them before it cuts inside a turn: the newest alone when even it is longer.
+    For rows kept as messages (TRL's conversational format), which the trainer renders itself."""
+    turns = [t for t in map(clean_turn, turns) if t] or [""]
+
+    def encode_newest(k: int) -> list[int]:
+        return _encode(tokenizer, _render(tokenizer, chat_messages(turns[-k:], header), add_generation_prompt=True))
+
+    if max_length is None or len(encode_newest(len(turns))) <= max_length:
+        return turns
+    best = _newest_turns_that_fit(encode_newest, len(turns), max_length)
+    return turns[-best[0] :] if best is not None else turns[-1:]
 
 
 def chat_reply_ids(tokenizer, reply: str, max_length: int | None = None) -> list[int]:

@@ -13,7 +13,7 @@ No torch and no Gradio here: ``chat-e --help`` and the UI's module import it.
 from __future__ import annotations
 
 import typing
-from dataclasses import Field, asdict, dataclass, field, fields
+from dataclasses import Field, asdict, dataclass, field, fields, replace
 from typing import Any
 
 #: the highest of a reply length's UI range: the model's longest reply (its position window less the start token),
@@ -113,3 +113,23 @@ class Completion:
     #: the name of the model that made the reply, where the served model can change while replies are under way
     #: (:class:`chat_e.engines.switch.SwitchableEngine`; None: the engine's ``name``)
     model: str | None = None
+
+
+#: OpenAI's range of presence_penalty and frequency_penalty
+PENALTY_RANGE = (-2.0, 2.0)
+
+
+@dataclass(frozen=True)
+class RequestSampling:
+    """What an OpenAI request adds to a reply's settings (pass it as ``sampling=`` to an engine's ``chat`` or
+    ``stream_chat``): ``seed`` makes a sampled reply repeatable (the engine draws from its own generator seeded with
+    it, whatever else runs); ``presence_penalty`` and ``frequency_penalty`` as OpenAI defines them, each token's logit
+    lowered by ``presence_penalty`` once it is in the reply and by ``frequency_penalty`` per time it is there."""
+
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def for_choice(self, index: int) -> RequestSampling:
+        """The sampling of a request's ``index``-th choice (``n`` above 1): its own seed, ``seed + index``."""
+        return replace(self, seed=None if self.seed is None else self.seed + index)

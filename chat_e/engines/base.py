@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from ..data.settings import Completion, GenerationSettings
+from ..data.settings import Completion, GenerationSettings, RequestSampling
 
 
 class BackendError(RuntimeError):
@@ -46,13 +46,15 @@ class ChatEngine(Protocol):
         context: str | None = None,
         settings: GenerationSettings | None = None,
         completion: Completion | None = None,
+        sampling: RequestSampling | None = None,
         **overrides: Any,
     ) -> str:
         """The reply to ``message`` after ``history`` (plain turns, oldest first, the bot's last) under a context
         ``mode`` (``persona``, ``emotion``, ``domain``, ``topic``, ``none``) with its ``context``. ``settings``
         (:meth:`default_settings` when None; keyword ``overrides`` win); ``completion`` is filled in when the reply
-        ends: why it ended and, where the engine counts them, the prompt's and the reply's tokens. The engine trusts
-        its inputs: a server hands it what :func:`chat_e.data.limits.check_request` made of a request."""
+        ends: why it ended and, where the engine counts them, the prompt's and the reply's tokens; ``sampling``: an
+        OpenAI request's seed and penalties. The engine trusts its inputs: a server hands it what
+        :func:`chat_e.data.limits.check_request` made of a request."""
 
     def stream_chat(
         self,
@@ -62,6 +64,7 @@ class ChatEngine(Protocol):
         context: str | None = None,
         settings: GenerationSettings | None = None,
         completion: Completion | None = None,
+        sampling: RequestSampling | None = None,
         **overrides: Any,
     ) -> Iterator[str]:
         """:meth:`chat`'s reply in pieces as they come (their concatenation is the reply); closing the iterator

@@ -37,8 +37,9 @@ from hf_ext.saving.model_dir import describe_model_dir
 
 from ..data.dialogue import encode_history, family_of, format_context, normalize_mode
 from ..data.messages import stripped_pieces
-from ..data.settings import LENGTH, STOP, Completion, GenerationSettings
+from ..data.settings import LENGTH, STOP, Completion, GenerationSettings, RequestSampling
 from .base import ChatEngine
+from .sampling import sampling_processors
 
 logger = logging.getLogger(__name__)
 
@@ -270,6 +271,7 @@ class LocalEngine(ChatEngine):
         context: str | None = None,
         settings: GenerationSettings | None = None,
         completion: Completion | None = None,
+        sampling: RequestSampling | None = None,
         **overrides,
     ) -> str:
         """The bot's reply to ``message`` after ``history`` under a context ``mode``.
@@ -286,13 +288,15 @@ class LocalEngine(ChatEngine):
             context: the persona sentences, emotion, domain or topic for the header.
             settings: generation settings (:meth:`default_settings` when None); keyword overrides win.
             completion: filled in with why the reply ended and its token count.
+            sampling: an OpenAI request's seed and penalties (:mod:`chat_e.engines.sampling`).
         """
         settings = self._settings(settings, overrides)
         inputs = self._inputs(message, history, mode, context)
         started = time.perf_counter()
         config = self._generation_config(settings)
+        processors = sampling_processors(sampling, config, self._prompt_length(inputs))
         with torch.inference_mode():
-            out = self.model.generate(**inputs, generation_config=config)
+            out = self.model.generate(**inputs, generation_config=config, logits_processor=processors)
         new_tokens = self._new_tokens(out[0], inputs)
         reply = "".join(stripped_pieces([self.tokenizer.decode(new_tokens, skip_special_tokens=True)]))
         self._finished(inputs, new_tokens, config, completion)
@@ -311,6 +315,11 @@ class LocalEngine(ChatEngine):
         completion.finish_reason = LENGTH if not ended and len(new_tokens) >= limit else STOP
         completion.tokens = len(new_tokens) - int(ended)
 
+    def _prompt_length(self, inputs) -> int:
+        """Where the reply starts in what ``generate`` passes its logits processors: after the decoder start token,
+        or after a decoder-only prompt."""
+        return 1 if self.family == "seq2seq" else int(inputs["input_ids"].shape[-1])
+
     def _new_tokens(self, sequence, inputs):
         """The generated part of ``sequence``: after the decoder start token, or after a decoder-only prompt."""
         return sequence[1:] if self.family == "seq2seq" else sequence[inputs["input_ids"].shape[-1] :]
@@ -323,6 +332,7 @@ class LocalEngine(ChatEngine):
         context: str | None = None,
         settings: GenerationSettings | None = None,
         completion: Completion | None = None,
+        sampling: RequestSampling | None = None,
         **overrides,
     ) -> Iterator[str]:
         """Yield the reply in pieces as it is generated; their concatenation is what :meth:`chat` returns (the
@@ -333,7 +343,7 @@ class LocalEngine(ChatEngine):
         """
         settings = self._settings(settings, overrides)
         if settings.num_beams > 1:
-            yield self.chat(message, history, mode, context, settings, completion)
+            yield self.chat(message, history, mode, context, settings, completion, sampling)
             return
         inputs = self._inputs(message, history, mode, context)
         streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)
@@ -341,6 +351,7 @@ class LocalEngine(ChatEngine):
         failure: list[BaseException] = []
         lengths: list[int] = []
         config = self._generation_config(settings)
+        processors = sampling_processors(sampling, config, self._prompt_length(inputs))
 
         def run():
             try:
@@ -348,6 +359,7 @@ class LocalEngine(ChatEngine):
                     out = self.model.generate(
                         **inputs,
                         generation_config=config,
+                        logits_processor=processors,
                         streamer=streamer,
                         stopping_criteria=StoppingCriteriaList([_Cancelled(cancel)]),
                     )

@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 
 from ..data.dialogue import chat_messages, make_header, normalize_mode
 from ..data.messages import stripped_pieces
-from ..data.settings import Completion, GenerationSettings
+from ..data.settings import Completion, GenerationSettings, RequestSampling
 from .base import BackendError, ChatEngine
 
 logger = logging.getLogger(__name__)
@@ -92,14 +92,18 @@ class RemoteEngine(ChatEngine):
         turns = [*history, message] if message else list(history)
         return chat_messages(turns, make_header(normalize_mode(mode), context))
 
-    def request(self, settings: GenerationSettings) -> dict:
+    def request(self, settings: GenerationSettings, sampling: RequestSampling | None = None) -> dict:
         """The OpenAI request fields for ``settings``: ``max_tokens``, and temperature 0 (greedy) or the sampling
-        temperature and top_p."""
+        temperature and top_p; and ``sampling``'s seed and penalties where given (the backend applies them)."""
         fields = {"max_tokens": max(1, min(int(settings.max_new_tokens), self.max_positions - 1))}
         if settings.do_sample:
             fields.update(temperature=float(settings.temperature), top_p=float(settings.top_p))
         else:
             fields["temperature"] = 0.0
+        if sampling is not None:
+            given = {"seed": sampling.seed, "presence_penalty": sampling.presence_penalty or None,
+                     "frequency_penalty": sampling.frequency_penalty or None}  # fmt: skip
+            fields.update({k: v for k, v in given.items() if v is not None})
         return fields
 
     def chat(
@@ -110,10 +114,11 @@ class RemoteEngine(ChatEngine):
         context: str | None = None,
         settings: GenerationSettings | None = None,
         completion: Completion | None = None,
+        sampling: RequestSampling | None = None,
         **overrides,
     ) -> str:
         """The remote model's reply (the arguments are :meth:`chat_e.engines.base.ChatEngine.chat`'s)."""
-        return "".join(self.stream_chat(message, history, mode, context, settings, completion, **overrides))
+        return "".join(self.stream_chat(message, history, mode, context, settings, completion, sampling, **overrides))
 
     def stream_chat(
         self,
@@ -123,6 +128,7 @@ class RemoteEngine(ChatEngine):
         context: str | None = None,
         settings: GenerationSettings | None = None,
         completion: Completion | None = None,
+        sampling: RequestSampling | None = None,
         **overrides,
     ) -> Iterator[str]:
         """The reply in pieces as the remote server streams it (stripped, as the embedded engine's); closing the
@@ -133,7 +139,7 @@ class RemoteEngine(ChatEngine):
         messages = self.messages(message, history, mode, context)
         try:
             stream = self.client.chat.completions.create(
-                model=self.name, messages=messages, stream=True, **self.request(settings)
+                model=self.name, messages=messages, stream=True, **self.request(settings, sampling)
             )
             with stream:
                 yield from stripped_pieces(_contents(stream, completion))

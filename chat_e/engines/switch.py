@@ -14,7 +14,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ..data.settings import Completion, GenerationSettings
+from ..data.settings import Completion, GenerationSettings, RequestSampling
 from .base import ChatEngine
 
 
@@ -70,11 +70,12 @@ class SwitchableEngine(ChatEngine):
         context: str | None = None,
         settings: GenerationSettings | None = None,
         completion: Completion | None = None,
+        sampling: RequestSampling | None = None,
         **overrides: Any,
     ) -> str:
         """The current engine's ``chat``; ``completion.model`` names it."""
         engine, completion = self._take(completion)
-        return engine.chat(message, history, mode, context, settings, completion, **overrides)
+        return engine.chat(message, history, mode, context, settings, completion, sampling, **overrides)
 
     def stream_chat(
         self,
@@ -84,9 +85,10 @@ class SwitchableEngine(ChatEngine):
         context: str | None = None,
         settings: GenerationSettings | None = None,
         completion: Completion | None = None,
+        sampling: RequestSampling | None = None,
         **overrides: Any,
     ) -> Iterator[str]:
         """The current engine's ``stream_chat``, the engine taken when the call is made (before the first piece is
         asked for); ``completion.model`` names it at once."""
         engine, completion = self._take(completion)
-        return engine.stream_chat(message, history, mode, context, settings, completion, **overrides)
+        return engine.stream_chat(message, history, mode, context, settings, completion, sampling, **overrides)

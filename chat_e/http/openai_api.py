@@ -10,8 +10,11 @@ chat. The API key (``Authorization: Bearer KEY``, as the openai client sends it)
 :class:`chat_e.http.guard.RequestGuard` in front of the whole server.
 
 ``stop`` (up to 4 strings) ends a reply before the first of them, with ``finish_reason`` "stop", streamed or not;
-fields Chat-E cannot honour (``seed``, non-zero penalties, ``logit_bias``, ``top_logprobs``, a ``response_format``
-other than text, ``n`` above 1, tools, ``logprobs``) are refused with a 400 naming the field, never ignored.
+``seed`` makes a sampled reply repeatable, ``presence_penalty`` and ``frequency_penalty`` apply as OpenAI defines
+them (:mod:`chat_e.engines.sampling`), and ``n`` (up to 8) gives that many choices, generated one after another
+(choice ``i`` sampled with ``seed + i``; streamed, each choice's chunks in turn, each naming its index); fields
+Chat-E cannot honour (``logit_bias``, ``top_logprobs``, a ``response_format`` other than text, tools, ``logprobs``)
+are refused with a 400 naming the field, never ignored.
 
 Every answer is built from the ``openai`` package's own types (``openai.types.chat``: ``ChatCompletion``,
 ``ChatCompletionChunk``; ``Model``, ``CompletionUsage``, ``ErrorObject``), so that its fields are OpenAI's.
@@ -42,7 +45,7 @@ from starlette.concurrency import run_in_threadpool
 from ..data.dialogue import parse_system_message
 from ..data.limits import ChatLimits, Refused, check_request
 from ..data.messages import message_text
-from ..data.settings import STOP, Completion, GenerationSettings, setting_ranges
+from ..data.settings import PENALTY_RANGE, STOP, Completion, GenerationSettings, RequestSampling, setting_ranges
 from ..engines.gate import Busy, GatedEngine
 
 logger = logging.getLogger(__name__)
@@ -95,10 +98,6 @@ class ChatCompletionRequest(pydantic.BaseModel):
 
 #: fields a request may carry that Chat-E cannot honour: field -> (whether the value asks for something, the refusal)
 UNHONOURED = {
-    "seed": (lambda v: v is not None, "Chat-E cannot make a reply repeatable by a seed: send no seed (a reply with "
-             "temperature 0 is always the same)."),
-    "presence_penalty": (lambda v: v not in (None, 0), "Chat-E does not apply presence_penalty: send 0 or none."),
-    "frequency_penalty": (lambda v: v not in (None, 0), "Chat-E does not apply frequency_penalty: send 0 or none."),
     "logit_bias": (bool, "Chat-E does not apply logit_bias: send none."),
     "top_logprobs": (lambda v: v not in (None, 0), "Chat-E does not return log probabilities: send no top_logprobs."),
     "response_format": (lambda v: v is not None and v.get("type") != "text",
@@ -106,6 +105,20 @@ UNHONOURED = {
 }  # fmt: skip
 #: OpenAI's limit on the stop strings of one request, and Chat-E's on each one's length (a reply is shorter)
 MAX_STOPS, MAX_STOP_CHARS = 4, 200
+#: Chat-E's limit on a request's choices (``n``): each is a reply generated in turn
+MAX_CHOICES = 8
+
+
+def request_sampling(request: ChatCompletionRequest) -> RequestSampling:
+    """The request's seed and penalties (:class:`chat_e.data.settings.RequestSampling`); a penalty outside OpenAI's
+    range is refused naming it."""
+    low, high = PENALTY_RANGE
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(request, name)
+        if value is not None and not low <= value <= high:
+            raise refusal(f"{name} should be a number from {low:g} to {high:g}.", param=name)
+    return RequestSampling(seed=request.seed, presence_penalty=request.presence_penalty or 0.0,
+                           frequency_penalty=request.frequency_penalty or 0.0)  # fmt: skip
 
 
 class StopScanner:
@@ -242,8 +255,8 @@ def openai_router(
             first = err.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
             raise refusal(f"{where}: {first['msg']}" if where else first["msg"], param=where or None) from None
-        if request.n not in (None, 1):
-            raise refusal("Chat-E generates one reply per request: n must be 1.", param="n")
+        if request.n is not None and not 1 <= request.n <= MAX_CHOICES:
+            raise refusal(f"n should be a whole number from 1 to {MAX_CHOICES}.", param="n")
         if request.tools or request.functions or request.tool_choice not in (None, "none"):
             raise refusal("Chat-E does not call tools: send no tools, functions or tool_choice.", param="tools")
         if request.logprobs:
@@ -270,14 +283,14 @@ def openai_router(
             if name is None:
                 raise refusal(str(err)) from None
             raise refusal(str(err).replace(err.setting, name, 1), param=name) from None
-        return request, checked
+        return request, checked, request_sampling(request)
 
-    def usage(done: Completion) -> CompletionUsage | None:
-        """Token counts, where the engine counts them (the local one): the prompt's, and the reply's as generated
-        (its end token not counted)."""
-        if done.tokens is None or done.prompt_tokens is None:
+    def usage(done: list[Completion]) -> CompletionUsage | None:
+        """Token counts, where the engine counts them (the local one): the prompt's, and the replies' as generated
+        (their end tokens not counted), summed over the choices."""
+        if not done or any(d.tokens is None or d.prompt_tokens is None for d in done):
             return None
-        prompt, completion = done.prompt_tokens, done.tokens
+        prompt, completion = done[0].prompt_tokens, sum(d.tokens for d in done)
         return CompletionUsage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
     @router.post("/chat/completions")
@@ -287,7 +300,7 @@ def openai_router(
                 body = json.loads(await raw.body())
             except ValueError:
                 raise refusal("The request body should be JSON.") from None
-            request, checked = checked_request(body)
+            request, checked, sampling = checked_request(body)
         except APIError as err:
             logger.info("refused (openai api): %s", err.message)
             return error(err)
@@ -295,38 +308,46 @@ def openai_router(
         args = (checked.message, checked.history, checked.mode, checked.context, reply_settings)
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         now = int(time.time())
-        done = Completion()
+        done = [Completion() for _ in range(request.n or 1)]  # one per choice, each generated in turn
+
+        def start(index: int):
+            return engine.stream_chat(*args, completion=done[index], max_waiting=limits.max_queue,
+                                      sampling=sampling.for_choice(index))  # fmt: skip
+
         if not request.stream:
+            choices = []
             try:
-                reply = await run_in_threadpool(engine.chat, *args, completion=done, max_waiting=limits.max_queue)
+                for index, completion in enumerate(done):
+                    reply = await run_in_threadpool(engine.chat, *args, completion=completion,
+                                                    max_waiting=limits.max_queue, sampling=sampling.for_choice(index))  # fmt: skip
+                    scanner = StopScanner(request.stops())
+                    reply = scanner.feed(reply) + scanner.flush()
+                    message = ChatCompletionMessage(role="assistant", content=reply)
+                    finish = STOP if scanner.stopped else completion.finish_reason
+                    choices.append(Choice(index=index, message=message, finish_reason=finish))
             except Busy as err:
                 return error(APIError(503, str(err), kind="server_error", code="busy"))
             except Exception as err:
                 return error(failed(err, checked))
-            scanner = StopScanner(request.stops())
-            reply = scanner.feed(reply) + scanner.flush()
             counts = usage(done)
-            message = ChatCompletionMessage(role="assistant", content=reply)
             answer = ChatCompletion(
                 id=completion_id,
                 object="chat.completion",
                 created=now,
-                model=model_id or done.model or engine.name,
-                choices=[
-                    Choice(index=0, message=message, finish_reason=STOP if scanner.stopped else done.finish_reason)
-                ],
+                model=model_id or done[0].model or engine.name,
+                choices=choices,
                 **({"usage": counts} if counts else {}),
             )
             return JSONResponse(wire(answer))
 
-        pieces = engine.stream_chat(*args, completion=done, max_waiting=limits.max_queue)
+        pieces = start(0)
         try:  # the first piece before the answer starts: a busy server or a failure is still an HTTP status
             first = await run_in_threadpool(next, pieces, None)
         except Busy as err:
             return error(APIError(503, str(err), kind="server_error", code="busy"))
         except Exception as err:
             return error(failed(err, checked))
-        served = model_id or done.model or engine.name  # the model that makes this reply (named once it started)
+        served = model_id or done[0].model or engine.name  # the model that makes this reply (named once it started)
         include_usage = bool((request.stream_options or {}).get("include_usage"))
 
         def event(**fields) -> str:
@@ -335,24 +356,31 @@ def openai_router(
             )
             return f"data: {json.dumps(wire(answer))}\n\n"
 
-        def chunk(delta: dict, finish: str | None = None) -> str:
-            return event(choices=[ChunkChoice(index=0, delta=ChoiceDelta(**delta), finish_reason=finish)])
+        def chunk(index: int, delta: dict, finish: str | None = None) -> str:
+            return event(choices=[ChunkChoice(index=index, delta=ChoiceDelta(**delta), finish_reason=finish)])
 
         async def events():
-            scanner = StopScanner(request.stops())
+            nonlocal pieces
             try:
-                yield chunk({"role": "assistant", "content": ""})
-                piece = first
-                while piece is not None:
-                    if shown := scanner.feed(piece):
-                        yield chunk({"content": shown})
-                    if scanner.stopped:
-                        break  # the finally below closes the stream, which stops generating
-                    piece = await run_in_threadpool(next, pieces, None)
-                if rest := scanner.flush():
-                    yield chunk({"content": rest})
-                # the stream has ended (the engine has filled finish_reason in) or a stop string ended it here
-                yield chunk({}, STOP if scanner.stopped else done.finish_reason)
+                for index in range(len(done)):  # the choices one after another, each chunk naming its own
+                    if index:
+                        pieces = start(index)
+                        piece = await run_in_threadpool(next, pieces, None)
+                    else:
+                        piece = first
+                    scanner = StopScanner(request.stops())
+                    yield chunk(index, {"role": "assistant", "content": ""})
+                    while piece is not None:
+                        if shown := scanner.feed(piece):
+                            yield chunk(index, {"content": shown})
+                        if scanner.stopped:
+                            break  # closing the stream (below) stops generating
+                        piece = await run_in_threadpool(next, pieces, None)
+                    if rest := scanner.flush():
+                        yield chunk(index, {"content": rest})
+                    await run_in_threadpool(pieces.close)
+                    # the stream has ended (the engine has filled finish_reason in) or a stop string ended it here
+                    yield chunk(index, {}, STOP if scanner.stopped else done[index].finish_reason)
                 if include_usage:
                     yield event(choices=[], usage=usage(done))
                 yield "data: [DONE]\n\n"

@@ -56,7 +56,15 @@ from ..feedback.store import (
     utcnow,
 )
 from ..training.eval_cli import command as eval_command
-from ..training.launch import LAUNCHERS, PREFERRED_PER_TOKEN, PREFERRED_SUM, REPLY_NLL, STOP_MARK, command
+from ..training.launch import (
+    LAUNCHERS,
+    PREFERRED_PER_TOKEN,
+    PREFERRED_SUM,
+    REPLY_NLL,
+    STOP_MARK,
+    command,
+    replay_problem,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +134,9 @@ class RunForm:
     batch: int = 4
     #: tokens of prompt and reply kept (TRL's max_length; a row whose prompt alone fills it is dropped)
     max_length: int = 256
+    #: rows of make demo's corpus (human chit-chat) trained on beside the feedback, so that the model keeps what it
+    #: knew (rehearsal); 0: the feedback alone
+    replay: int = 0
 
     def check(self) -> None:
         """A ``ValueError`` naming the first bad value and a fix, before anything starts."""
@@ -145,11 +156,15 @@ class RunForm:
         if self.launcher == "python" and self.nproc != 1:
             raise ValueError("The python launcher starts one rank: choose 1 rank, or torchrun / deepspeed.")
         for name, value, low, high in (("held-out rows", self.held_out, 1, 1024), ("batch", self.batch, 1, 64),
-                                       ("max length", self.max_length, 32, 8192)):  # fmt: skip
+                                       ("max length", self.max_length, 32, 8192), ("replay rows", self.replay, 0, 4096)):  # fmt: skip
             if not isinstance(value, int) or not low <= value <= high:
                 raise ValueError(f"{name}={value!r}: choose a whole number from {low} to {high}.")
         if self.preset not in ("none", *PRESETS):
             raise ValueError(f"preset={self.preset!r}: choose none or one of {', '.join(PRESETS)}.")
+        _, _, flags = METHOD_RUNS[self.method]
+        loss_types = flags[flags.index("--loss_type") + 1 :] if "--loss_type" in flags else ["sigmoid"]
+        if problem := replay_problem(METHOD_RUNS[self.method][0], loss_types, self.replay):
+            raise ValueError(problem)
         if self.preset != "none" and self.launcher == "python":
             raise ValueError(f"preset={self.preset!r} needs a distributed launcher: choose torchrun or deepspeed.")
 
@@ -237,6 +252,8 @@ class RunManager:
             args += ["--use_peft", "true", "--lora_r", str(form.lora_rank), "--lora_alpha", str(2 * form.lora_rank)]
         if form.preset != "none":
             args += ["--deepspeed", form.preset]
+        if form.replay:
+            args += ["--replay", str(form.replay)]
         return args
 
     def _niced(self) -> list[str]:

@@ -39,6 +39,18 @@ def stop(reason: str) -> SystemExit:
     return SystemExit(STOP_MARK + reason)
 
 
+def replay_problem(loss: str, loss_types: list[str], replay: int) -> str | None:
+    """Why ``replay`` rows cannot join a ``loss`` run with DPO's ``loss_types``, in one line; None when they can. A
+    replayed row has a human reply and no worse one: KTO takes it as desirable, DPO learns from it only through an
+    SFT term."""
+    if replay < 0:
+        return f"replay={replay}: give 0 (none) or a number of rows to replay."
+    if replay and loss == "dpo" and "sft" not in loss_types:
+        return (f"replay={replay} with DPO's loss {' + '.join(loss_types)}: a replayed row has no worse reply, so only "
+                "an SFT term learns from it; train SFT or KTO, or add sft to --loss_type.")  # fmt: skip
+    return None
+
+
 DESCRIPTION = (
     "Train a model with Chat-E's installed training: dialogue fine-tuning (sft) or preference tuning (dpo, kto), "
     "under torchrun, DeepSpeed's launcher or one plain process. The training's own flags follow '--'."

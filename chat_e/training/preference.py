@@ -57,13 +57,21 @@ from hf_ext.gather import gathered
 from hf_ext.runtime import end_distributed, prepare_run, run_summary
 
 from ..data.corpora import OFFLINE_DATASETS, load_offline, sample
-from ..data.dialogue import chat_reply_ids, encode_chat_prompt, family_of, parse_texts
+from ..data.dialogue import (
+    chat_messages,
+    chat_reply_ids,
+    chat_turns_that_fit,
+    clean_turn,
+    encode_chat_prompt,
+    family_of,
+    parse_texts,
+)
 from ..data.lora import LoraArguments
 from ..data.models import BUILDERS, build_model
 from ..data.progress import EVAL_AFTER, EVAL_BEFORE, PREPARING, SAVING
 from ..data.stats import share
 from .heldout import heldout_metrics
-from .launch import PREFERRED_PER_TOKEN, PREFERRED_SUM, REPLY_NLL, stop
+from .launch import PREFERRED_PER_TOKEN, PREFERRED_SUM, REPLY_NLL, replay_problem, stop
 from .progress import join_run_niceness, phase, phase_rows, progress_callbacks
 
 logger = logging.getLogger(__name__)
@@ -126,6 +134,16 @@ class PreferenceDataArguments:
         default=False, metadata={"help": "SPIN: sample the model's replies (default: its greedy decoding)."}
     )
     generation_temperature: float = field(default=1.0, metadata={"help": "SPIN: sampling temperature."})
+    replay: int = field(
+        default=0,
+        metadata={"help": "Rehearsal against forgetting: this many rows of replay_dataset's train split (context and "
+                  "human reply) added to the training rows, never to the held-out ones. DPO: pairs whose rejected "
+                  "reply is the chosen one, which only an sft part of loss_type learns from; KTO: desirable replies."},
+    )  # fmt: skip
+    replay_dataset: str = field(
+        default="chitchat+chatterbot",
+        metadata={"help": f"The offline corpus replayed ({', '.join(OFFLINE_DATASETS)}; make demo's by default)."},
+    )
 
 
 def setup_logging(args) -> None:
@@ -298,6 +316,29 @@ def load_rows(data_args: PreferenceDataArguments) -> tuple[list[dict], list[dict
     if paired and data_args.loss == "kto":
         train, held_out = to_unpaired(train), to_unpaired(held_out)
     return train, held_out
+
+
+def replay_rows(data_args, tokenizer, conversational: bool) -> list[dict]:
+    """``data_args.replay`` rows of the offline corpus's train split (a seeded sample) in the loss's format, the
+    human reply as the chosen (desirable) one: conversational (:func:`chat_turns_that_fit` ``max_source_length``
+    tokens) or plain text (:func:`spin_row`), as the rows they join are. A DPO row's rejected
+    reply is its chosen one: the preference terms of its loss are constant, so only an SFT term learns from it."""
+    raw = load_offline(data_args.replay_dataset, seed=data_args.data_seed_split)["train"]
+    out = []
+    for row in sample(raw, data_args.replay, data_args.data_seed_split).to_list():
+        header, turns = parse_texts(row["texts"])
+        if conversational:
+            kept = chat_turns_that_fit(tokenizer, turns, header, data_args.max_source_length)
+            prompt, reply = chat_messages(kept, header), [{"role": "assistant", "content": clean_turn(row["labels"])}]
+        else:
+            text = spin_row(tokenizer, row["texts"], row["labels"], data_args.max_source_length,
+                            data_args.max_target_length)  # fmt: skip
+            prompt, reply = text["prompt"], text["reply"]
+        if data_args.loss == "kto":
+            out.append({"prompt": prompt, "completion": reply, "label": True})
+        else:
+            out.append({"prompt": prompt, "chosen": reply, "rejected": reply})
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- SPIN pairs
@@ -484,6 +525,11 @@ def main(argv: list[str] | None = None) -> dict:
     )
     data_args.loss = loss
     setup_logging(training_args)
+    # DPO's loss_type may be TRL's sft (the chosen replies' NLL: the Train page's SFT) or a mix (sigmoid + sft)
+    loss_types = training_args.loss_type  # DPO: a list; KTO: one name
+    loss_types = [loss_types] if isinstance(loss_types, str) else list(loss_types)
+    if problem := replay_problem(loss, loss_types, data_args.replay):
+        raise stop(problem)
     logger.info(
         f"{loss.upper()} on rank {training_args.process_index}/{training_args.world_size}, device "
         f"{training_args.device}, deepspeed {'on' if training_args.deepspeed_plugin else 'off'}"
@@ -513,6 +559,10 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         train_rows, eval_rows = load_spin(data_args, model_path, tokenizer, training_args)
         source = f"SPIN pairs of {data_args.dataset_name}"
+    if data_args.replay:
+        replayed = replay_rows(data_args, tokenizer, conversational=not isinstance(train_rows[0]["prompt"], str))
+        train_rows = train_rows + replayed
+        source += f" + {len(replayed)} replayed rows of {data_args.replay_dataset}"
     logger.info(f"{source}: {len(train_rows)} training rows, {len(eval_rows)} held-out rows ({loss.upper()})")
     train_dataset = datasets.Dataset.from_list(without_groups(train_rows))
     eval_dataset = datasets.Dataset.from_list(without_groups(eval_rows)) if eval_rows else None
@@ -558,9 +608,6 @@ def main(argv: list[str] | None = None) -> dict:
     trainer.save_state()
 
     # 8. report: before/after on the held-out rows
-    # DPO's loss_type may be TRL's sft (the chosen replies' NLL: the Train page's SFT) or a mix (sigmoid + sft)
-    loss_types = training_args.loss_type  # DPO: a list; KTO: one name
-    loss_types = [loss_types] if isinstance(loss_types, str) else list(loss_types)
     report = {
         "loss": loss,
         "loss_type": loss_types,

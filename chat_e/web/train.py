@@ -139,12 +139,14 @@ def build_train_app(manager: RunManager, store, desk: ServingDesk | None = None,
         line, bar, points, log, table, evaluation = status_view(manager)
         return line, bar, points_frame(points), log, table, data_summary(store), evaluation
 
-    def start(method, max_steps, lora_rank, learning_rate, launcher, nproc, preset, held_out, batch, max_length):
+    def start(method, max_steps, lora_rank, learning_rate, launcher, nproc, preset, held_out, batch, max_length,
+              replay):  # fmt: skip
         try:
             form = RunForm(method=method, max_steps=_int(max_steps, "steps"), lora_rank=_int(lora_rank, "LoRA rank"),
                            learning_rate=_float(learning_rate, "learning rate"), launcher=launcher,
                            nproc=_int(nproc, "ranks"), preset=preset, held_out=_int(held_out, "held-out rows"),
-                           batch=_int(batch, "batch"), max_length=_int(max_length, "max length"))  # fmt: skip
+                           batch=_int(batch, "batch"), max_length=_int(max_length, "max length"),
+                           replay=_int(replay, "replay rows"))  # fmt: skip
             run_id = manager.start(form)
         except ValueError as err:
             raise refusal(gr, err) from None
@@ -191,6 +193,8 @@ def build_train_app(manager: RunManager, store, desk: ServingDesk | None = None,
             )
             max_length = gr.Number(defaults.max_length, precision=0, label="max length (tokens of prompt and reply)",
                                    elem_id="train-max-length")  # fmt: skip
+            replay = gr.Number(defaults.replay, precision=0, label="replay rows (make demo's chit-chat trained on "
+                               "beside the feedback, against forgetting; SFT and KTO)", elem_id="train-replay")  # fmt: skip
         with gr.Row():
             start_button = gr.Button("Start", variant="primary", elem_id="train-start")
             cancel_button = gr.Button("Cancel (save a checkpoint and stop)", elem_id="train-cancel")
@@ -204,7 +208,8 @@ def build_train_app(manager: RunManager, store, desk: ServingDesk | None = None,
         table = gr.Dataframe(headers=RUN_COLUMNS, value=[], label="runs", interactive=False, elem_id="train-runs")
         evaluation = gr.Markdown("", elem_id="train-eval")
         outputs = [status, bar, plot, log, table, summary, evaluation]
-        form = [method, max_steps, lora_rank, learning_rate, launcher, nproc, preset, held_out, batch, max_length]
+        form = [method, max_steps, lora_rank, learning_rate, launcher, nproc, preset, held_out, batch, max_length,
+                replay]  # fmt: skip
         start_button.click(start, form, outputs, api_name="start")
         cancel_button.click(act(manager.cancel), None, outputs, api_name="cancel")
         resume_button.click(act(manager.resume), None, outputs, api_name="resume")

@@ -414,3 +414,19 @@ def test_a_swap_serves_the_next_reply_and_the_one_under_way_finishes_on_its_mode
     reply = served.chat("hello, who are you?", HISTORY[:1], "none", None, settings, completion=after)
     assert reply == engine.chat("hello, who are you?", HISTORY[:1], "none", None, settings)
     assert after.model == engine.name != sensitive.name
+
+
+def test_openai_penalties_break_the_greedy_loop_of_a_random_model(tiny_chat_model_dir):
+    """The random-init chat model's greedy reply repeats one token (a newline) to its limit; OpenAI's penalties,
+    applied to the reply generated so far (chat_e.engines.sampling), make every token of it a new one."""
+    from chat_e.data.settings import Completion, RequestSampling
+
+    engine = LocalEngine.from_pretrained(tiny_chat_model_dir)
+    settings = dict(num_beams=1, do_sample=False, max_new_tokens=16, min_new_tokens=1)
+    looped, done = Completion(), Completion()
+    plain = engine.chat("Hi! What's your name?", completion=looped, **settings)
+    assert looped.tokens == 16 and plain == ""  # 16 whitespace tokens, stripped
+    penalties = RequestSampling(presence_penalty=2.0, frequency_penalty=2.0)
+    penalized = engine.chat("Hi! What's your name?", completion=done, sampling=penalties, **settings)
+    ids = engine.tokenizer(penalized, add_special_tokens=False)["input_ids"]
+    assert penalized and len(set(ids)) == len(ids) > 8 and done.tokens > 8

@@ -196,7 +196,7 @@ def test_requests_over_the_limits_or_beyond_chat_e_get_400(api):
     )
     user = [{"role": "user", "content": "hi"}]
     for extra, text, param in [
-        (dict(n=2), "n must be 1", "n"),
+        (dict(n=9), "^n should be a whole number from 1 to 8", "n"),
         (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "does not call tools",
          "tools"),
         # a generation setting is named as the client sent it
@@ -206,9 +206,8 @@ def test_requests_over_the_limits_or_beyond_chat_e_get_400(api):
         (dict(temperature=7), "^temperature should be a number from", "temperature"),
         (dict(extra_body={"mode": "poetry"}), "Unknown context mode 'poetry'", None),
         # what Chat-E cannot honour is refused, never ignored
-        (dict(seed=7), "cannot make a reply repeatable by a seed", "seed"),
-        (dict(presence_penalty=0.5), "does not apply presence_penalty", "presence_penalty"),
-        (dict(frequency_penalty=-0.5), "does not apply frequency_penalty", "frequency_penalty"),
+        (dict(presence_penalty=2.5), "^presence_penalty should be a number from -2 to 2", "presence_penalty"),
+        (dict(frequency_penalty=-3), "^frequency_penalty should be a number from -2 to 2", "frequency_penalty"),
         (dict(logit_bias={"42": 5}), "does not apply logit_bias", "logit_bias"),
         (dict(response_format={"type": "json_object"}), "plain text only", "response_format"),
         (dict(stop=["a", "b", "c", "d", "e"]), "stop takes up to 4 strings", "stop"),
@@ -240,6 +239,31 @@ def test_stop_ends_the_reply_before_its_first_stop_string_streamed_or_not(api):
     assert unstopped.choices[0].message.content == whole and unstopped.choices[0].finish_reason != "stop"
 
 
+def test_seed_n_and_penalties_shape_the_reply(api):
+    """``seed`` repeats a sampled reply; ``n`` choices are the replies of seed, seed + 1, ... (streamed: each choice's
+    chunks in turn, each naming its index; the usage sums them). The penalties, too small for this model's margins,
+    are the engine's test (tests/app/test_app_engine.py) and their arithmetic tests/unit/test_sampling.py's."""
+    messages, sampled = CHATS["free"], dict(temperature=2.0, max_tokens=TEST_SETTINGS["max_new_tokens"])
+    three = api.chat.completions.create(model="chat-e", messages=messages, n=3, seed=11, **sampled)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    texts = [c.message.content for c in three.choices]
+    alone = [api.chat.completions.create(model="chat-e", messages=messages, seed=11 + i, **sampled) for i in range(3)]
+    assert texts == [a.choices[0].message.content for a in alone]
+    assert len(set(texts)) > 1  # sampled: another seed, another reply
+    assert three.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert three.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    stream = api.chat.completions.create(model="chat-e", messages=messages, n=2, seed=11, stream=True,
+                                         stream_options={"include_usage": True}, **sampled)  # fmt: skip
+    chunks = list(stream)
+    order = [c.index for chunk in chunks for c in chunk.choices]
+    assert order == sorted(order) and set(order) == {0, 1}  # choice 0's chunks, then choice 1's
+    for index in (0, 1):
+        parts = [c for chunk in chunks for c in chunk.choices if c.index == index]
+        assert "".join(c.delta.content or "" for c in parts) == texts[index]
+        assert [c.finish_reason for c in parts if c.finish_reason] == [three.choices[index].finish_reason]
+    assert chunks[-1].usage.completion_tokens == sum(a.usage.completion_tokens for a in alone[:2])
+
+
 def test_the_api_key_is_needed(servers):
     url = f"{servers['embedded'].url}v1"
     with pytest.raises(openai.AuthenticationError):
@@ -262,6 +286,13 @@ def test_backend_replies_are_transformers_serves(servers, model_dir):
     assert through == direct.strip()
     endpoint = servers["backend"].client().predict(message, [], "persona", PERSONA, api_name="/chat")
     assert endpoint == direct.strip()
+    # a seed goes to the backend: its sampled reply for a seed is the one transformers serve gives for that seed
+    sampled = dict(max_tokens=TEST_SETTINGS["max_new_tokens"], temperature=2.0)
+    for seed in (3, 4):
+        direct = streamed(remote.chat.completions.create(model=str(model_dir), messages=messages, stream=True,
+                                                         seed=seed, **sampled))  # fmt: skip
+        through = front.chat.completions.create(model=str(model_dir), messages=messages, seed=seed, **sampled)
+        assert through.choices[0].message.content == direct.strip()
 
 
 def test_a_backend_that_is_down_gets_an_apology_and_one_log_line_per_request(servers):

@@ -74,6 +74,7 @@ def store(tmp_path):
     (RunForm(preset="zero2"), "needs a distributed launcher"),
     (RunForm(held_out=0), "held-out rows=0: choose a whole number from 1 to 1024"),
     (RunForm(max_length=8), "max length=8: choose a whole number from 32 to 8192"),
+    (RunForm(method="dpo", replay=8), "replay=8 with DPO's loss sigmoid: a replayed row has no worse reply"),
 ])  # fmt: skip
 def test_bad_form_values_are_refused_in_one_line_before_anything_starts(form, says, store, tmp_path):
     store.add_feedback(**choice(0))
@@ -101,11 +102,11 @@ def test_corrections_train_sft_with_a_held_out_before_after(tiny_chat_model_dir,
     manager = RunManager(store, str(tiny_chat_model_dir), tmp_path / "runs", TRAIN_ARGS, EVAL_ARGS)
     manager.niceness = 0
     run_id = manager.start(
-        RunForm(method="sft", max_steps=10, lora_rank=0, learning_rate=1e-2, launcher="python", held_out=4)
+        RunForm(method="sft", max_steps=10, lora_rank=0, learning_rate=1e-2, launcher="python", held_out=4, replay=6)
     )
     run = wait_for(lambda: manager.refresh() and (r := store.run(run_id))["status"] != RUNNING and r, timeout=300)
     assert run["status"] == DONE, run["detail"]
-    assert run["settings"]["command"][-4:] == ["--loss_type", "sft", "--loss", "dpo"]
+    assert run["settings"]["command"][-6:] == ["--replay", "6", "--loss_type", "sft", "--loss", "dpo"]
     folder = Path(run["log_path"]).parent
     assert sorted(p.name for p in folder.glob("*.jsonl")) == ["dpo.jsonl", "progress.jsonl"]
     report = json.loads((Path(run["output_dir"]) / "preference_metrics.json").read_text())
@@ -117,12 +118,13 @@ def test_corrections_train_sft_with_a_held_out_before_after(tiny_chat_model_dir,
     records = read_progress(folder / "progress.jsonl")
     parts = [r["phase"] if r["event"] == "phase" else r["event"] for r in records if r["event"] not in ("log", "rows")]
     assert parts == [PREPARING, EVAL_BEFORE, "begin", "end", EVAL_AFTER, SAVING]
-    assert records[1]["training_rows"] == report["train_rows"] == 12 and records[1]["held_out_rows"] == 4
+    # 12 corrections and 6 replayed rows of make demo's corpus trained on; only corrections held out
+    assert records[1]["training_rows"] == report["train_rows"] == 12 + 6 and records[1]["held_out_rows"] == 4
     # each evaluation says how far it has come: 4 held-out pairs, 8 replies scored in one pass of the eval batch (8)
     rows = [(r["phase"], r["done"], r["total"]) for r in records if r["event"] == "rows"]
     assert rows == [(EVAL_BEFORE, 8, 8), (EVAL_AFTER, 8, 8)]
     assert current_phase(records[:3]) == {"phase": EVAL_BEFORE, "phase_since": records[1]["time"], "rows": (8, 8),
-                                          "split": {"training_rows": 12, "held_out_rows": 4}}  # fmt: skip
+                                          "split": {"training_rows": 18, "held_out_rows": 4}}  # fmt: skip
     assert current_phase(records)["phase"] == SAVING and current_phase(records)["rows"] is None
     begin = next(i for i, r in enumerate(records) if r["event"] == "begin")
     assert current_phase(records[: begin + 1])["phase"] == TRAINING

@@ -171,8 +171,8 @@ def test_a_checkpoint_the_tool_cannot_convert_stops_every_rank_with_one_line(run
 
 
 def test_convert_refuses_a_checkpoint_whose_schedule_deepspeed_keeps(runs, tmp_path, capsys):
-    """``hf-ext convert`` of this ZeRO-3 checkpoint (hf-ext's preset: DeepSpeed's WarmupDecayLR, kept in the engine
-    state) to FSDP2: one line naming the schedule and the fix, and nothing written (the Trainer's own schedule, which
+    """``hf-ext convert`` of this ZeRO-3 checkpoint (a config with DeepSpeed's own WarmupDecayLR block, as make demo's:
+    the schedule kept in the engine state) to FSDP2: one line naming the schedule and the fix, and nothing written (the Trainer's own schedule, which
     transformers hands to DeepSpeed's engine, converts: tests/distributed/test_engines.py)."""
     from hf_ext.cli import main
 

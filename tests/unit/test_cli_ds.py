@@ -30,7 +30,9 @@ def split_resolve_output(out: str) -> tuple[dict, list[str]]:
 
 
 def test_resolve_prints_json_then_every_filled_key_with_its_source(capsys, tiny_model_dir, tmp_path):
-    argv = ["ds", "resolve", "zero3", "--model", str(tiny_model_dir), "--world_size", "2",
+    # a config with a scheduler block (the presets have none), whose step keys come from --max_steps
+    config_file = ROOT / "recipes" / "configs" / "ds_zero2_warmup_decay.json"
+    argv = ["ds", "resolve", str(config_file), "--model", str(tiny_model_dir), "--world_size", "2",
             "--per_device_train_batch_size", "3", "--max_steps", "7", "--output_dir", str(tmp_path)]  # fmt: skip
     assert main(argv) == 0
     config, rows = split_resolve_output(capsys.readouterr().out)
@@ -39,7 +41,7 @@ def test_resolve_prints_json_then_every_filled_key_with_its_source(capsys, tiny_
     header, *body = rows
     assert header.split()[:4] == ["key", "value", "action", "source"]
     listed = {row.split()[0] for row in body}
-    preset = json.loads((ROOT / "hf_ext" / "deepspeed" / "presets" / "zero3.json").read_text())
+    preset = json.loads(config_file.read_text())
     assert {key for key, value in walk(preset) if value == "auto"} <= listed  # every "auto" has a row and a source
     bucket_row = next(row for row in body if row.startswith("zero_optimization.reduce_bucket_size "))
     assert "hidden_size" in bucket_row

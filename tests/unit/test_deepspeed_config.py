@@ -27,7 +27,7 @@ from hf_ext.deepspeed.normalize import normalize
 from hf_ext.deepspeed.resolve import Hardware, fill_model_keys
 from hf_ext.memory.formulas import CPU_ZERO3_GRANULARITY, CPU_ZERO3_KEYS
 
-from ..conftest import walk
+from ..conftest import ROOT, walk
 from ..ds_support import deepspeed_accepts, make_args, single_line_problems
 
 
@@ -59,9 +59,26 @@ def test_zero3_presets_bound_ram_on_cpu_only_hosts(preset, args, tmp_path):
     assert all(mine.config["zero_optimization"][key] == 10**9 for key in CPU_ZERO3_KEYS)
 
 
+WARMUP_DECAY = ROOT / "recipes" / "configs" / "ds_zero2_warmup_decay.json"
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_presets_leave_the_schedule_to_the_trainer(preset, tmp_path):
+    """No preset has a scheduler section: transformers builds the Trainer's schedule (--lr_scheduler_type runs, as
+    without DeepSpeed, and the checkpoint converts to FSDP2: tests/distributed/test_engines.py)."""
+    assert "scheduler" not in load_deepspeed_config(preset)
+    args, model = make_args(tmp_path, lr_scheduler_type="cosine"), SimpleNamespace(config=GPT2Config())
+    if preset != "auto":  # auto's stage needs the memory planner's model (test_planner.py)
+        resolution = explain_deepspeed_config(preset, args, model=model, world_size=1)
+        assert "scheduler" not in resolution.config and not any("is ignored" in w for w in resolution.warnings)
+    with_block = explain_deepspeed_config(str(WARMUP_DECAY), args, model=model, world_size=1)
+    assert any("lr_scheduler_type cosine is ignored" in w for w in with_block.warnings)  # the block would win
+
+
 @pytest.mark.parametrize("model_config", [GPT2Config(), "tiny"], ids=["gpt2-h768", "tiny-blenderbot"])
 # the `auto` preset asks the memory planner for its stage, which transformers cannot fill (test_planner.py)
-@pytest.mark.parametrize("preset", [p for p in PRESETS if p != "auto"])
+# and a config with DeepSpeed's own scheduler block (make demo's), whose "auto" keys transformers fills too
+@pytest.mark.parametrize("preset", [*(p for p in PRESETS if p != "auto"), str(WARMUP_DECAY)])
 def test_presets_match_what_transformers_fills(preset, model_config, args, tiny_model_dir):
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
@@ -261,7 +278,7 @@ def test_auto_with_no_source_is_an_error_naming_the_key(args):
 def test_model_and_step_keys_need_their_source(tmp_path):
     args = make_args(tmp_path, max_steps=-1, num_train_epochs=1)
     with pytest.raises(DeepSpeedConfigError) as err:
-        resolve_deepspeed_config("zero3", args, world_size=1)
+        resolve_deepspeed_config(str(WARMUP_DECAY), args, world_size=1)
     keys = {p.key for p in err.value.problems}
     assert "zero_optimization.reduce_bucket_size" in keys and "scheduler.params.total_num_steps" in keys
 

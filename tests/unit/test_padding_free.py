@@ -266,3 +266,23 @@ def test_the_stock_sampler_gets_the_runs_seed_and_the_packed_cost(tmp_path):
     assert type(packed) is PackedRebalanceSampler and packed.seed == 5
     other = torch.utils.data.RandomSampler(range(4))
     assert run_sampler(padded, other) is other
+
+
+def test_group_by_length_is_stocks_order_over_the_global_batch_drawn_again_per_epoch(tmp_path):
+    """Stock's LengthGroupedSampler (grouped by micro-batch x accumulation, torch's global generator) becomes stock's
+    order grouped by the global batch from the run's seed and epoch: a resumed epoch draws its order again."""
+    from transformers.trainer_pt_utils import LengthGroupedSampler, get_length_grouped_indices
+
+    args = hf_ext.TrainingArguments(output_dir=str(tmp_path), report_to=[], seed=3, per_device_train_batch_size=2,
+                                    gradient_accumulation_steps=3)  # fmt: skip
+    mine = run_sampler(args, LengthGroupedSampler(6, lengths=DATA_LENGTHS))
+    assert mine.batch_size == 2 * 3 * args.world_size and sorted(mine) == list(range(len(DATA_LENGTHS)))
+    assert list(mine) == get_length_grouped_indices(DATA_LENGTHS, 6, generator=torch.Generator().manual_seed(3))
+    again = run_sampler(args, LengthGroupedSampler(6, lengths=DATA_LENGTHS))
+    mine.set_epoch(1)
+    again.set_epoch(1)
+    assert (
+        list(mine)
+        == list(again)
+        != get_length_grouped_indices(DATA_LENGTHS, 6, generator=torch.Generator().manual_seed(3))
+    )

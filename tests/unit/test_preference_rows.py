@@ -144,3 +144,67 @@ def test_a_held_out_set_truncated_away_stops_the_run_in_one_line(recipe):
         recipe.check_rows_left(SimpleNamespace(train_dataset=[], eval_dataset=[{}]), 5, 4, 64)
     recipe.check_rows_left(SimpleNamespace(train_dataset=[{}], eval_dataset=[{}]), 5, 4, 64)
     recipe.check_rows_left(SimpleNamespace(train_dataset=[{}], eval_dataset=None), 5, 0, 64)  # nothing held out
+
+
+def test_replayed_rows_are_human_replies_of_the_train_split_in_the_rows_format(recipe, chat_tokenizer):
+    """Replay (rehearsal): the corpus's train split only (chat-e eval's NLL reads its validation split), the human
+    reply as the chosen and rejected one (DPO: only an SFT term learns from it) or desirable (KTO), the prompt
+    conversational within max_source_length tokens, or the text SPIN renders."""
+    from chat_e.data.corpora import load_offline
+    from chat_e.data.dialogue import parse_texts
+
+    corpus = load_offline("chatterbot", seed=42)
+    train_pairs = {(parse_texts(r["texts"])[1][-1], r["labels"].strip()) for r in corpus["train"]}
+    args = recipe.PreferenceDataArguments(replay=12, replay_dataset="chatterbot", max_source_length=48)
+    rows = recipe.replay_rows(args, chat_tokenizer, conversational=True)
+    assert len(rows) == 12
+    for row in rows:
+        assert row["rejected"] == row["chosen"] and [m["role"] for m in row["chosen"]] == ["assistant"]
+        assert (row["prompt"][-1]["content"], row["chosen"][0]["content"]) in train_pairs
+        assert row["prompt"][-1]["role"] == "user"
+        rendered = chat_tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
+        turns = [m for m in row["prompt"] if m["role"] != "system"]
+        assert len(chat_tokenizer(rendered)["input_ids"]) <= 48 or len(turns) == 1
+    # plain text (rows that join plain-text ones): the same sample, the reply as chat_e.data.dialogue ends it
+    for conversational, text in zip(rows, recipe.replay_rows(args, chat_tokenizer, conversational=False), strict=True):
+        reply = chat_tokenizer.decode(chat_reply_ids(chat_tokenizer, conversational["chosen"][0]["content"], 32))
+        assert text["chosen"] == text["rejected"] == reply
+        assert len(chat_tokenizer(text["prompt"])["input_ids"]) <= 48
+    args.loss = "kto"
+    assert all(r["label"] is True and r["completion"] for r in recipe.replay_rows(args, chat_tokenizer, True))
+
+
+@pytest.mark.parametrize("loss, loss_types, replay, refused", [
+    ("dpo", ["sigmoid"], 8, "only an SFT term learns from it"),
+    ("dpo", ["sft"], 8, None),
+    ("dpo", ["sigmoid", "sft"], 8, None),
+    ("kto", ["kto"], 8, None),
+    ("dpo", ["sigmoid"], 0, None),
+    ("kto", ["kto"], -1, "replay=-1: give 0"),
+])  # fmt: skip
+def test_replay_is_refused_where_nothing_would_learn_from_it(loss, loss_types, replay, refused):
+    from chat_e.training.launch import replay_problem
+
+    problem = replay_problem(loss, loss_types, replay)
+    assert (problem is None) if refused is None else (refused in problem and "\n" not in problem)
+
+
+def test_the_turns_kept_as_messages_are_the_whole_turns_chat_e_serves(chat_tokenizer):
+    """chat_turns_that_fit (rows kept as messages) keeps the whole newest turns that encode_chat_prompt (what
+    Chat-E serves) keeps: the same ids where whole turns fit, one older turn more would not fit."""
+    from chat_e.data.dialogue import chat_messages, chat_turns_that_fit, encode_chat_prompt
+
+    turns = [f"turn {i}: " + "words " * (3 + 2 * i) for i in range(6)]
+    header = "your persona: I like tea."
+
+    def ids(kept):  # the template's rendering, tokenized as TRL does
+        text = chat_tokenizer.apply_chat_template(chat_messages(kept, header), add_generation_prompt=True,
+                                                  tokenize=False)  # fmt: skip
+        return chat_tokenizer(text)["input_ids"]
+
+    sizes = {k: len(ids([t.strip() for t in turns[-k:]])) for k in range(1, 7)}
+    for budget, k in ((sizes[1], 1), (sizes[3] + 1, 3), (sizes[4] - 1, 3), (sizes[6], 6)):
+        kept = chat_turns_that_fit(chat_tokenizer, turns, header, budget)
+        assert kept == [t.strip() for t in turns[-k:]], budget
+        assert ids(kept) == encode_chat_prompt(chat_tokenizer, turns, header, budget), budget
+    assert chat_turns_that_fit(chat_tokenizer, turns, header, sizes[1] - 1) == [turns[-1].strip()]  # kept whole

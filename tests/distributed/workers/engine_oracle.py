@@ -6,7 +6,7 @@
 Segments: hf-ext under DDP, ZeRO-0/1/2/3, ZeRO-3 with CPU offload (the ``zero3_offload`` preset) and FSDP2, each
 with gradient accumulation 1 and 4 at the same global batch of 8 (micro-batch 4 and 1); stock transformers under the
 layouts it runs the same way on CPU ranks (DDP, ZeRO-2, ZeRO-3; stock's ``fsdp`` runs DDP on CPU). The schedule is
-the same on every engine: the presets' ``WarmupDecayLR`` against the Trainer's ``linear`` with one warm-up step.
+the Trainer's ``linear`` with one warm-up step on every engine (the presets have no scheduler section).
 Writes ``FILE`` (JSON, rank 0): per segment the per-step losses, grad norms and learning rates, the final weights'
 largest difference from the first segment's (hf-ext DDP, accumulation 1) and what ran (engine, ZeRO stage, optimizer,
 offload devices, whether a resolved config was left with an ``"auto"``).
@@ -52,10 +52,12 @@ LAUNCH_ENV = dict(os.environ)
 
 
 def preset(name: str, stage: int | None = None) -> dict:
-    """hf-ext's preset ``name`` without its scheduler section, so that every engine runs the Trainer's schedule
+    """hf-ext's preset ``name`` as a user gets it: no scheduler section, so every engine runs the Trainer's schedule
     (DeepSpeed's ``WarmupDecayLR`` is another schedule than transformers' ``linear`` with the same warm-up: docs/testing.md)."""
     config = load_deepspeed_config(name)
-    config.pop("scheduler")
+    assert "scheduler" not in config, (
+        f"the {name} preset has a scheduler section: the Trainer's schedule would not run"
+    )
     if stage is not None:
         config["zero_optimization"] = {"stage": stage}
     return config
@@ -86,7 +88,8 @@ JIT_LAYOUT = "zero2"
 #: resumed on 1 rank too (``--only resume``); ZeRO-3's checkpoint (its partitioned parameters) becomes the same FSDP2
 #: state as ZeRO-2's, resumed on 2 ranks only
 ROUND_TRIPS = [("zero2", "fsdp2"), ("fsdp2", "zero2")]
-CONVERSIONS = [*ROUND_TRIPS, ("zero3", "fsdp2")]
+#: and the FSDP2 checkpoint (one 8-step run) converted and resumed under ZeRO-1 and ZeRO-3 as well
+CONVERSIONS = [*ROUND_TRIPS, ("zero3", "fsdp2"), ("fsdp2", "zero1"), ("fsdp2", "zero3")]
 #: and a ZeRO-1 checkpoint: the preempted ZeRO-1 segment's checkpoint-2 converted, and resumed under FSDP2 to step 4
 CONVERTED_PREEMPTIONS = {"zero1": "fsdp2"}
 
@@ -262,8 +265,12 @@ def main() -> None:
         if weights:
             resumed["max_weight_difference"] = largest_difference(weights, uninterrupted[JIT_LAYOUT])
         results += [preempted, resumed]
+    wholes = {}  # each first layout's 8-step run, once
     for first, second in CONVERSIONS if opts.only in (None, "convert") else []:
-        whole, whole_weights = segment("hf-ext", first, 1, opts.model, out_dir, f"{first}-8", 2 * STEPS, STEPS)
+        if first not in wholes:
+            wholes[first] = segment("hf-ext", first, 1, opts.model, out_dir, f"{first}-8", 2 * STEPS, STEPS)
+            results.append(wholes[first][0])
+        whole_weights = wholes[first][1]
         converted = Path(out_dir) / f"{first}-to-{second}"
         convert(
             Path(out_dir) / f"{first}-8" / f"checkpoint-{STEPS}",
@@ -277,7 +284,7 @@ def main() -> None:
             resumed["weights_moved"] = largest_difference(weights, initial)
         if whole_weights:  # the oracle of the resumes on another world size (--only resume)
             torch.save(whole_weights, Path(out_dir) / f"{first}-8.pt")
-        results += [whole, resumed]
+        results.append(resumed)
     for first, second in ROUND_TRIPS if opts.only == "resume" else []:
         # micro-batch 4 as written: on another world size hf-ext sets the accumulation that keeps the global batch 8
         resumed, weights = segment("hf-ext", second, 1, opts.model, out_dir, f"{first}-to-{second}-on-1",
@@ -286,8 +293,13 @@ def main() -> None:
         resumed["max_weight_difference"] = largest_difference(weights, whole_weights)
         resumed["world_size"] = torch.distributed.get_world_size()
         results.append(resumed)
+    publish(results, opts.out)
+
+
+def publish(results: list[dict], out: str) -> None:
+    """The launch's end: rank 0 writes ``results`` to ``out`` (JSON), then every rank leaves the process group."""
     if torch.distributed.get_rank() == 0:
-        with open(opts.out, "w") as f:
+        with open(out, "w") as f:
             json.dump(results, f, indent=1)
     hf_ext.end_distributed()
 

@@ -30,6 +30,7 @@ import re
 import signal
 import threading
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed.fsdp
@@ -46,10 +47,15 @@ from tests.saving_support import gathered_state_dict
 GATHER_KEY = "stage3_gather_16bit_weights_on_model_save"
 
 
+#: a config that writes DeepSpeed's own schedule (the presets leave it to the Trainer): make demo's
+DEEPSPEED_SCHEDULE = json.loads((Path(__file__).resolve().parents[3] / "recipes" / "configs" /
+                                 "ds_zero2_warmup_decay.json").read_text())["scheduler"]  # fmt: skip
+
+
 def ds_config(stage: int, gather: str, own_scheduler: bool = True) -> dict:
     config = load_deepspeed_config(f"zero{stage}")
-    if not own_scheduler:  # transformers' schedule, as in a run without DeepSpeed
-        config.pop("scheduler")
+    if own_scheduler:  # DeepSpeed's schedule kept in its engine; else transformers', as in a run without DeepSpeed
+        config["scheduler"] = DEEPSPEED_SCHEDULE
     zero = config["zero_optimization"]
     zero.pop(GATHER_KEY, None)
     if stage == 3:
