@@ -18,7 +18,9 @@ With ``save_on_preemption`` (on by default), :class:`PreemptionCallback`
   every rank is done) and stop, skipping an evaluation due at that step;
 * after ``train()`` returns, :func:`exit_if_preempted` tears the process group down and exits with
   :data:`PREEMPTED_EXIT_CODE` (75, ``EX_TEMPFAIL``: the run is not finished; ``resume_from_checkpoint=True`` goes on
-  from that checkpoint).
+  from that checkpoint). Rank 0 first writes the preemption's record (JSON: the checkpoint, its step, the signal)
+  where :data:`RECORD_ENV` says: the fact a launcher's own exit status loses, for ``hf-ext launch``
+  (:mod:`hf_ext.cli.launch`) and Chat-E's Train page to read (:mod:`hf_ext.exit_status`).
 
 A signal during a checkpoint or an evaluation lets it finish; the run stops at the end of the next step. The same
 signal arriving again within :data:`REPEAT_WINDOW_S` is the same request (SLURM signals every process and the launcher
@@ -45,16 +47,13 @@ from dataclasses import dataclass, field
 from transformers import TrainerCallback
 from transformers.trainer_jit_checkpoint import CheckpointManager, JITCheckpointCallback
 
+from .exit_status import PREEMPTED_EXIT_CODE, RECORD_ENV, REPEAT_WINDOW_S, write_preemption_record
 from .ranks import max_over_ranks
 from .runtime import end_distributed, local_rank
 
 logger = logging.getLogger(__name__)
 
-#: the exit status of a run that stopped with a preemption checkpoint (sysexits.h ``EX_TEMPFAIL``)
-PREEMPTED_EXIT_CODE = 75
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
-#: seconds within which a repeated signal is the same preemption, not a request to exit at once
-REPEAT_WINDOW_S = 2.0
 
 
 def parse_signal(name: str | int) -> signal.Signals:
@@ -256,6 +255,9 @@ def exit_if_preempted(trainer) -> None:
     callback = preemption_callback(trainer)
     if callback is None or callback.saved_at is None:
         return
+    if (record := os.environ.get(RECORD_ENV)) and trainer.is_world_process_zero():
+        checkpoint = os.path.join(os.path.abspath(trainer.args.output_dir), f"checkpoint-{callback.saved_at}")
+        write_preemption_record(record, checkpoint, callback.saved_at, callback.signal_name)
     if trainer.args.should_log:
         logger.warning(f"Preempted ({callback.signal_name}): checkpoint-{callback.saved_at} is saved in "
                        f"{trainer.args.output_dir}; exiting with status {PREEMPTED_EXIT_CODE}. Resume with "

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .dialogue import normalize_mode, without_nul
-from .messages import MAX_MESSAGE_CHARS, Role, message_text, pieces, plain_turn, turns_of
+from .messages import MAX_HISTORY_TURNS, MAX_MESSAGE_CHARS, Role, message_text, pieces, plain_turn, turns_of
 from .settings import SETTINGS, setting_type
 
 #: roles of a ``{"role", "content"}`` history message
@@ -46,7 +46,7 @@ class ChatLimits:
         default=4000, metadata={"help": "Longest persona / emotion / domain / topic context in characters."}
     )
     max_history_turns: int = field(
-        default=50,
+        default=MAX_HISTORY_TURNS,
         metadata={"help": "Most earlier messages in a chat (a [user, bot] pair counts 2); a longer chat is refused."},
     )
     max_history_chars: int = field(

@@ -21,7 +21,7 @@ from .dialogue import clean_turn, without_nul
 #: Longest turn (characters) kept by default; :mod:`chat_e.data.limits` passes the server's ``--max_message_chars``.
 MAX_MESSAGE_CHARS = 2000
 #: Newest turns of a history kept by default; :mod:`chat_e.data.limits` passes the server's ``--max_history_turns``.
-MAX_HISTORY_TURNS = 128
+MAX_HISTORY_TURNS = 50
 #: Who speaks a piece of a history: ``user``, ``assistant``, ``system`` or None (a plain string: turns alternate)
 Role = str | None
 

@@ -38,6 +38,7 @@ import psutil
 
 from hf_ext.atomic import write_text_atomically
 from hf_ext.deepspeed.load import PRESETS
+from hf_ext.exit_status import PREEMPTED_EXIT_CODE, RECORD_ENV, read_preemption_record
 
 from ..data.progress import ENV as PROGRESS_ENV
 from ..data.progress import NICENESS_ENV, PREPARING, TRAINING, read_progress
@@ -58,6 +59,7 @@ from ..feedback.store import (
 from ..training.eval_cli import command as eval_command
 from ..training.launch import (
     LAUNCHERS,
+    PREFERENCE_REPORT,
     PREFERRED_PER_TOKEN,
     PREFERRED_SUM,
     REPLY_NLL,
@@ -99,10 +101,8 @@ METHOD_RUNS = {
     "sft": ("dpo", "dpo", ["--loss_type", "sft"]),
 }
 APP_METHODS = tuple(METHOD_RUNS)
-#: the exit status of a run that saved a preemption checkpoint (hf_ext.preemption.PREEMPTED_EXIT_CODE)
-PREEMPTED = 75
-#: the report the preference training writes when it finished (chat_e.training.preference)
-REPORT = "preference_metrics.json"
+#: the preemption's record a run's rank 0 writes in the run's folder (hf_ext.exit_status)
+PREEMPTION_RECORD = "preempted.json"
 #: how nice the training runs (its launcher, and each rank's session), so that chat stays responsive on a small
 #: machine (docs/benchmarks.md, "Chat-E's fine-tune loop")
 NICENESS = 10
@@ -265,7 +265,9 @@ class RunManager:
         folder = Path(run["log_path"]).parent
         niced = self._niced()
         # each rank gives its own session the same niceness (chat_e.data.progress says why)
-        env = {**os.environ, PROGRESS_ENV: str(folder / "progress.jsonl"), NICENESS_ENV: str(self.niceness)}
+        (folder / PREEMPTION_RECORD).unlink(missing_ok=True)  # an earlier launch's (this one may resume it)
+        env = {**os.environ, PROGRESS_ENV: str(folder / "progress.jsonl"), NICENESS_ENV: str(self.niceness),
+               RECORD_ENV: str(folder / PREEMPTION_RECORD)}  # fmt: skip
         with open(run["log_path"], "ab") as log:
             log.write(f"{LAUNCH_MARK} #{run_id} at {utcnow():%Y-%m-%d %H:%M:%S} UTC: {' '.join(cmd)}\n".encode())
             log.flush()
@@ -394,10 +396,11 @@ class RunManager:
         text = _log_text(log)
         text = text[text.rfind(LAUNCH_MARK) :] if LAUNCH_MARK in text else text  # this launch's lines only
         tail = "\n".join(_lines(text)[-LOG_TAIL_LINES:])
-        report = out / REPORT
-        # hf-ext's line once every rank saved the preemption checkpoint (the launcher's own exit status varies:
+        report = out / PREFERENCE_REPORT
+        # hf-ext's record once every rank saved the preemption checkpoint (the launcher's own exit status varies:
         # torchrun's agent, signalled too, exits 1)
-        preempted = code == PREEMPTED or "Preempted (" in text
+        record = read_preemption_record(log.parent / PREEMPTION_RECORD)
+        preempted = code == PREEMPTED_EXIT_CODE or record is not None
         fields: dict[str, Any] = {"ended_at": utcnow()}
         if code in (0, None) and report.is_file():
             metrics = json.loads(report.read_text())

@@ -30,6 +30,8 @@ LAUNCHERS = ("torchrun", "deepspeed", "python")
 #: the held-out report's keys (chat_e.training.heldout writes them, the app's Train page reads them): the shares of
 #: pairs whose preferred reply the model finds likelier, summed and per token, and the preferred replies' NLL/token
 PREFERRED_SUM, PREFERRED_PER_TOKEN, REPLY_NLL = "preferred_sum", "preferred_per_token", "reply_nll"
+#: the report the preference training writes when it finished (its before/after), in its output dir
+PREFERENCE_REPORT = "preference_metrics.json"
 #: how the training says why it stopped early, in one line of its log (the app's Train page shows that line)
 STOP_MARK = "chat-e training stopped: "
 

@@ -71,7 +71,7 @@ from ..data.models import BUILDERS, build_model
 from ..data.progress import EVAL_AFTER, EVAL_BEFORE, PREPARING, SAVING
 from ..data.stats import share
 from .heldout import heldout_metrics
-from .launch import PREFERRED_PER_TOKEN, PREFERRED_SUM, REPLY_NLL, replay_problem, stop
+from .launch import PREFERENCE_REPORT, PREFERRED_PER_TOKEN, PREFERRED_SUM, REPLY_NLL, replay_problem, stop
 from .progress import join_run_niceness, phase, phase_rows, progress_callbacks
 
 logger = logging.getLogger(__name__)
@@ -623,7 +623,7 @@ def main(argv: list[str] | None = None) -> dict:
         "data_args": asdict(data_args),
     }
     if trainer.is_world_process_zero():
-        write_text_atomically(out / "preference_metrics.json", json.dumps(report, indent=1, default=str) + "\n")
+        write_text_atomically(out / PREFERENCE_REPORT, json.dumps(report, indent=1, default=str) + "\n")
         trained = loss.upper() + (
             f" (loss {' + '.join(loss_types)})" if loss_types != ["sigmoid"] and loss == "dpo" else ""
         )

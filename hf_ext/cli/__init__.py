@@ -10,8 +10,10 @@ from .convert import convert_command_parser
 from .ds import ds_command_parser
 from .export import export_command_parser
 from .fsdp import fsdp_command_parser
+from .launch import launch_command_parser
 
-COMMANDS = (ds_command_parser, fsdp_command_parser, export_command_parser, convert_command_parser)
+COMMANDS = (ds_command_parser, fsdp_command_parser, export_command_parser, convert_command_parser,
+            launch_command_parser)  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -136,9 +136,12 @@ ROUND_TRIPS = [("zero2", "fsdp2"), ("fsdp2", "zero2")]
 #: and ZeRO-3's partitioned state to FSDP2 (resumed on 2 ranks; the FSDP2 side on 1 rank is ZeRO-2's round trip's),
 #: the FSDP2 checkpoint resumed under ZeRO-1 and ZeRO-3 too, and ZeRO-1's: the preempted ZeRO-1 segment's checkpoint-2
 #: (above) converted and resumed under FSDP2 for steps 3-4, against the uninterrupted 4-step ZeRO-1 segment. Every
-#: DeepSpeed side runs hf-ext's preset as a user gets it (the Trainer's schedule: what makes its checkpoint convert)
-CONVERSIONS = [*ROUND_TRIPS, ("zero3", "fsdp2"), ("fsdp2", "zero1"), ("fsdp2", "zero3"), ("zero1", "fsdp2")]
-ENGINE_OF = {"zero1": "DeepSpeedEngine", "zero2": "DeepSpeedEngine", "zero3": "DeepSpeedEngine", "fsdp2": "FSDPModule"}
+#: DeepSpeed side runs hf-ext's preset as a user gets it (the Trainer's schedule: what makes its checkpoint convert),
+#: zero3_offload's too (the `auto` preset resolves to one of these configs, its stage from the memory planner)
+CONVERSIONS = [*ROUND_TRIPS, ("zero3", "fsdp2"), ("fsdp2", "zero1"), ("fsdp2", "zero3"), ("zero3_offload", "fsdp2"),
+               ("zero1", "fsdp2")]  # fmt: skip
+ENGINE_OF = {"zero1": "DeepSpeedEngine", "zero2": "DeepSpeedEngine", "zero3": "DeepSpeedEngine",
+             "zero3_offload": "DeepSpeedEngine", "fsdp2": "FSDPModule"}  # fmt: skip
 
 
 def conversion(first: str, second: str) -> tuple[str, str, str, int]:

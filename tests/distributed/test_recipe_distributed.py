@@ -24,6 +24,7 @@ import torch
 from transformers import AutoTokenizer, BlenderbotForConditionalGeneration
 
 from chat_e.data.samples import SAMPLE_CHATS
+from hf_ext.exit_status import PREEMPTED_EXIT_CODE
 from hf_ext.runtime import usable_cores
 from hf_ext.saving.checkpoints import CHECKPOINT_MARKER
 from hf_ext.saving.resume import FSDP_MODEL_DIR
@@ -222,22 +223,24 @@ def preempted_runs(tmp_path_factory, tiny_model_no_dropout_dir):
             restarts = {} if first == "deepspeed" else {"max_restarts": 1, "store_per_attempt": False}
 
             def signalled_then_resumed():
-                signalled = launch(launcher_cmd(first, RECIPE, **restarts) + args(root / "launcher"),
-                                   {"HF_EXT_TEST_SIGNAL_AT": f"{SIGNAL_STEP}:SIGTERM:launcher"})  # fmt: skip
+                # as a scheduler runs it: hf-ext launch in front of the launch line, the signal to that command
+                signalled = launch([str(BIN / "hf-ext"), "launch", *launcher_cmd(first, RECIPE, **restarts),
+                                    *args(root / "launcher")],
+                                   {"HF_EXT_TEST_SIGNAL_AT": f"{SIGNAL_STEP}:SIGTERM:command"})  # fmt: skip
                 resume = launcher_cmd(TRAIN_LAUNCHER, RECIPE) + args(root / "launcher") + plain
                 return signalled, launch(resume + ["--resume_from_checkpoint", "True"], {})[0]
 
             with ThreadPoolExecutor(max_workers=2) as pool:
                 to_launcher = pool.submit(signalled_then_resumed)
-                to_worker = pool.submit(launch, launcher_cmd(elastic, RECIPE, max_restarts=1) + args(root / "worker")
-                                        + ["--resume_from_checkpoint", "last"],
+                to_worker = pool.submit(launch, [str(BIN / "hf-ext"), "launch", *launcher_cmd(elastic, RECIPE,
+                                        max_restarts=1), *args(root / "worker"), "--resume_from_checkpoint", "last"],
                                         {"HF_EXT_TEST_SIGNAL_AT": f"{SIGNAL_STEP}:SIGTERM:self",
                                          "HF_EXT_TEST_CLOCK": str(root / "worker.clock")})  # fmt: skip
                 (signalled, ended), resumed = to_launcher.result()
                 worker = to_worker.result()[0]
             log = signalled.stdout + signalled.stderr
             cache[name] = {
-                "launcher": (root / "launcher", log, signalled.returncode, ended - signal_sent(log, "launcher")),
+                "launcher": (root / "launcher", log, signalled.returncode, ended - signal_sent(log, "command")),
                 "resumed": resumed, "worker": (root / "worker", worker.stdout + worker.stderr, worker.returncode),
                 "first": first, "restarts": bool(restarts),
             }  # fmt: skip
@@ -260,7 +263,10 @@ def test_sigterm_to_the_launcher_saves_exits_and_resumes_to_the_uninterrupted_we
     step = int(saved[0].split("-")[1])
     assert SIGNAL_STEP < step < STEPS
     assert_preempted(log, step)
-    assert status != 0  # the launcher reports its own signal
+    # the command's status is the ranks' (the launcher's own is 1 under torchrun), with one line and no traceback
+    assert status == PREEMPTED_EXIT_CODE, log[-4000:]
+    assert f"hf-ext launch: preempted (SIGTERM): {out / saved[0]} is saved; exit status 75" in log
+    assert "Traceback" not in log, log[-4000:]
     # every process exited, within a minute of the signal
     assert seconds < 60
     assert not [p.pid for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])]

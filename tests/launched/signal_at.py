@@ -2,8 +2,9 @@
 
 ``HF_EXT_TEST_SIGNAL_AT="STEP:SIGNAL:TARGET[:RANK]"`` in a launched rank's environment (``sitecustomize`` installs it
 into every ``Trainer`` of that process through ``transformers.trainer.DEFAULT_CALLBACKS``): at the end of optimizer
-step STEP, rank RANK (default 1) sends SIGNAL to TARGET: ``self`` (that rank only) or ``launcher`` (its parent
-process: torchrun's agent, DeepSpeed's launcher). In-process tests add :class:`SignalAt` to a trainer directly.
+step STEP, rank RANK (default 1) sends SIGNAL to TARGET: ``self`` (that rank only), ``launcher`` (its parent
+process: torchrun's agent, DeepSpeed's launcher) or ``command`` (``hf-ext launch``, the command a scheduler runs:
+``HF_EXT_LAUNCH_PID``). In-process tests add :class:`SignalAt` to a trainer directly.
 """
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ class SignalAt(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step != self.step or args.process_index != min(self.rank, args.world_size - 1):
             return
-        pid = os.getppid() if self.target == "launcher" else os.getpid()
+        if self.target == "command":
+            pid = int(os.environ["HF_EXT_LAUNCH_PID"])  # a KeyError outside hf-ext launch: never pid 0, the group
+        else:
+            pid = os.getppid() if self.target == "launcher" else os.getpid()
         print(f"rank {args.process_index}: {self.sig.name} to {self.target} (pid {pid}) at step {self.step} at "
               f"{time.time()}", flush=True)  # fmt: skip
         os.kill(pid, self.sig)

@@ -202,7 +202,8 @@ def test_the_layer_rules_catch_a_sideways_import():
 # --- the package-level DAG, and docs/architecture.md written from it -------------------------------------------------
 
 #: the building blocks every feature may use
-FOUNDATIONS = {"sizes", "errors", "atomic", "batching", "ranks", "gather", "model_info", "schedule", "runtime", "lazy"}
+FOUNDATIONS = {"sizes", "errors", "atomic", "batching", "ranks", "gather", "model_info", "schedule", "runtime", "lazy",
+               "exit_status"}  # fmt: skip
 #: one folder (or module) per feature
 FEATURES = {"memory", "peft", "fsdp", "deepspeed", "saving", "evaluation", "packing", "loss", "preemption", "ray"}
 #: the only imports from one feature into another, each with its reason

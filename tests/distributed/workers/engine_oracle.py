@@ -88,8 +88,9 @@ JIT_LAYOUT = "zero2"
 #: resumed on 1 rank too (``--only resume``); ZeRO-3's checkpoint (its partitioned parameters) becomes the same FSDP2
 #: state as ZeRO-2's, resumed on 2 ranks only
 ROUND_TRIPS = [("zero2", "fsdp2"), ("fsdp2", "zero2")]
-#: and the FSDP2 checkpoint (one 8-step run) converted and resumed under ZeRO-1 and ZeRO-3 as well
-CONVERSIONS = [*ROUND_TRIPS, ("zero3", "fsdp2"), ("fsdp2", "zero1"), ("fsdp2", "zero3")]
+#: and the FSDP2 checkpoint (one 8-step run) converted and resumed under ZeRO-1 and ZeRO-3 as well, and the
+#: zero3_offload preset's checkpoint (its optimizer state kept on the CPU) to FSDP2
+CONVERSIONS = [*ROUND_TRIPS, ("zero3", "fsdp2"), ("fsdp2", "zero1"), ("fsdp2", "zero3"), ("zero3_offload", "fsdp2")]
 #: and a ZeRO-1 checkpoint: the preempted ZeRO-1 segment's checkpoint-2 converted, and resumed under FSDP2 to step 4
 CONVERTED_PREEMPTIONS = {"zero1": "fsdp2"}
 
