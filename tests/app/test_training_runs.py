@@ -167,7 +167,7 @@ def wait_for(what, timeout: float = 180):
 ADMIN = ("op", "s3cret")
 STEPS = 30
 FORM = {"method": "dpo", "max_steps": STEPS, "lora_rank": 0, "learning_rate": 5e-4, "launcher": "torchrun", "nproc": 2,
-        "preset": "none", "held_out": 4, "batch": 4, "max_length": 128}  # fmt: skip
+        "preset": "none", "held_out": 4, "batch": 4, "max_length": 128, "replay": 0}  # fmt: skip
 
 
 def train_page(server: ChatEServer):
