@@ -45,7 +45,7 @@ demo-preference: setup
 demo-loop: setup
 	@test -f $(DEMO_DIR)/config.json || { echo "$(DEMO_DIR) holds no model: run make demo first."; exit 1; }
 	$(ENV_PATH) $(BIN)/python -m benchmarks.bench_loop --model $(DEMO_DIR) --users 23 --messages 4 --votes 4 \
-		--method sft --steps 15 --learning_rate 1e-3 --out runs/bench/loop_sft_lr1e3_15.json
+		--method sft --steps 30 --learning_rate 1e-3 --replay 100 --out runs/bench/loop_sft_replay.json
 
 # the offline machinery on a random-init small BlenderBot and the chatterbot corpus
 demo-blenderbot: setup
