@@ -129,7 +129,7 @@ def check_request(
 
     Returns:
         The fields as the engine takes them (it trusts them): the message and the history as plain turns, made so
-        here, once per request (:func:`chat_e.data.messages.chat_turns`'s rules); the mode normalized.
+        here, once per request (:mod:`chat_e.data.messages`' rules); the mode normalized.
 
     Raises:
         Refused: the first field outside its limit or of the wrong type, with what to change.

@@ -2,8 +2,9 @@
 
 A history arrives as ``{"role", "content"}`` messages (the content a string, a ``{"text": ...}`` part or a list of
 parts, as Gradio's chat window holds it), ``[user, bot]`` pairs or plain strings, oldest first.
-:func:`chat_turns` is the one place a chat is made plain for the model, once per reply (the UI's ``respond`` and the
-``chat`` API endpoint reach it through :func:`chat_e.data.limits.check_request`): every turn's whitespace is collapsed
+:func:`plain_turn` (the newest message) and :func:`history_turns` (the turns before it) are the one place a chat is
+made plain for the model, once per reply (the UI's ``respond`` and the ``chat`` API endpoint reach them through
+:func:`chat_e.data.limits.check_request`): every turn's whitespace is collapsed
 and it is cut to a length (:data:`MAX_MESSAGE_CHARS` unless the server's limits say otherwise); empty turns and
 system messages are dropped, consecutive messages of one speaker are joined into one turn (MuDoConv alternates
 speakers), and the newest turns are kept (:data:`MAX_HISTORY_TURNS`, or the limits').
@@ -74,14 +75,6 @@ def turns_of(
 def history_turns(history: Sequence[Any] | None, text: Callable[[Any], str] = message_text) -> list[str]:
     """Plain turns, oldest first, from a history in any of the shapes above (None: none)."""
     return turns_of(piece for item in history or [] for piece in pieces(item, text))
-
-
-def chat_turns(
-    message: str, history: Sequence[Any] | None, text: Callable[[Any], str] = message_text
-) -> tuple[str, list[str]]:
-    """The user's newest ``message`` and the earlier ``history`` as :class:`~chat_e.engines.base.ChatEngine` takes them:
-    one plain turn, and the plain turns before it (the message is never joined with them)."""
-    return plain_turn(message), history_turns(history, text)
 
 
 def stripped_pieces(pieces: Iterable[str]) -> Iterator[str]:

@@ -219,11 +219,6 @@ def bt_fit(matrix: np.ndarray) -> np.ndarray:
     return choix.ilsr_pairwise_dense(matrix, alpha=BT_ALPHA, max_iter=BT_MAX_ITER, tol=BT_TOL)
 
 
-def bt_strengths(votes: Iterable[Any], models: Sequence[str]) -> np.ndarray:
-    """:func:`bt_fit` on ``votes``, for ``models`` in their order."""
-    return bt_fit(comparison_matrix(*comparisons(votes, models), len(models)))
-
-
 @dataclass
 class BTRow:
     """One model's Bradley-Terry score on the Elo-like scale, its bootstrap interval, and its votes."""
@@ -244,7 +239,7 @@ def bradley_terry(
     rounds: int = BOOTSTRAP_ROUNDS,
     seed: int | None = 0,
 ) -> list[BTRow]:
-    """Every model's Bradley-Terry score (:func:`bt_strengths` on :func:`elo_scale`), best first, with a
+    """Every model's Bradley-Terry score (:func:`bt_fit` on :func:`elo_scale`), best first, with a
     :data:`CONFIDENCE` percentile interval from ``rounds`` bootstrap resamples of the votes (drawn with replacement
     by a numpy Generator seeded with ``seed``; each resample refitted by choix). ``models``: those to rank (default:
     the ones the votes name); a model without votes scores :data:`ELO_BASE` plus what the others' results move it."""

@@ -13,9 +13,9 @@ from chat_e.data.limits import ChatLimits, check_request
 from chat_e.data.messages import (
     MAX_HISTORY_TURNS,
     MAX_MESSAGE_CHARS,
-    chat_turns,
     history_turns,
     message_text,
+    plain_turn,
     stripped_pieces,
 )
 from chat_e.data.settings import SETTING_NAMES, GenerationSettings, setting_ranges
@@ -43,13 +43,12 @@ def test_history_formats_give_the_same_turns():
     assert history_turns(None) == []
 
 
-def test_chat_turns_clean_cut_and_keep_the_newest():
-    message, turns = chat_turns("  what\n do you\tlike? ", [" hi ", {"role": "user", "content": "x" * 3000}])
-    assert message == "what do you like?"
-    assert turns == ["hi", "x" * MAX_MESSAGE_CHARS]
-    assert chat_turns("y" * 2500, [])[0] == "y" * MAX_MESSAGE_CHARS
-    # the newest message is a turn of its own, even after a user's message
-    assert chat_turns("again", [{"role": "user", "content": "first"}]) == ("again", ["first"])
+def test_turns_are_cleaned_cut_and_the_newest_kept():
+    assert plain_turn("  what\n do you\tlike? ") == "what do you like?"
+    assert history_turns([" hi ", {"role": "user", "content": "x" * 3000}]) == ["hi", "x" * MAX_MESSAGE_CHARS]
+    assert plain_turn("y" * 2500) == "y" * MAX_MESSAGE_CHARS
+    # the newest message is a turn of its own, even after a user's message (never joined with the history)
+    assert (plain_turn("again"), history_turns([{"role": "user", "content": "first"}])) == ("again", ["first"])
     many = [f"turn {i}" for i in range(MAX_HISTORY_TURNS + 5)]
     assert history_turns(many) == many[-MAX_HISTORY_TURNS:]
     assert message_text([{"type": "text", "text": "a"}, {"file": "x.png"}, "b"]) == "a b"
