@@ -17,8 +17,9 @@ from pathlib import Path
 
 def label(report: dict) -> str:
     run = report["run"]
-    return (f"{run['method'].upper()} {run['steps']} steps, LoRA {run['lora_rank']}, lr {run['learning_rate']:g}\n"
-            f"({report['feedback_rows']} feedback rows)")  # fmt: skip
+    replay = f", replay {run['replay']}" if run.get("replay") else ""
+    return (f"{run['method'].upper()} {run['steps']} steps, LoRA {run['lora_rank']}, lr {run['learning_rate']:g}"
+            f"{replay}\n({report['feedback_rows']} feedback rows)")  # fmt: skip
 
 
 def plot(reports: list[dict], png: Path) -> None:
