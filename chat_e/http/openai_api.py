@@ -110,8 +110,10 @@ MAX_CHOICES = 8
 
 
 def request_sampling(request: ChatCompletionRequest) -> RequestSampling:
-    """The request's seed and penalties (:class:`chat_e.data.settings.RequestSampling`); a penalty outside OpenAI's
-    range is refused naming it."""
+    """The request's seed and penalties (:class:`chat_e.data.settings.RequestSampling`); a seed outside a 64-bit
+    integer's range (OpenAI's, and torch's generator's) or a penalty outside OpenAI's range is refused naming it."""
+    if request.seed is not None and not -(2**63) <= request.seed < 2**63:
+        raise refusal("seed should be a whole number from -2**63 to 2**63 - 1.", param="seed")
     low, high = PENALTY_RANGE
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(request, name)

@@ -206,6 +206,7 @@ def test_requests_over_the_limits_or_beyond_chat_e_get_400(api):
         (dict(temperature=7), "^temperature should be a number from", "temperature"),
         (dict(extra_body={"mode": "poetry"}), "Unknown context mode 'poetry'", None),
         # what Chat-E cannot honour is refused, never ignored
+        (dict(seed=2**64), "^seed should be a whole number from", "seed"),
         (dict(presence_penalty=2.5), "^presence_penalty should be a number from -2 to 2", "presence_penalty"),
         (dict(frequency_penalty=-3), "^frequency_penalty should be a number from -2 to 2", "frequency_penalty"),
         (dict(logit_bias={"42": 5}), "does not apply logit_bias", "logit_bias"),
