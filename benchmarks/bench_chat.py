@@ -14,7 +14,7 @@ variants rotates from one prompt to the next) so that background load hits them 
 ``--num_beams 0`` generates with the model's own ``generation_config`` (BlenderBot: 10 beams, 19-59 new tokens, no
 repeated 3-grams) for stock and engine alike. ``--num_beams N`` (N >= 1) forces N beams, no sampling and replies of
 exactly ``--new_tokens`` tokens, so that every variant does the same work. Time to first token is how long
-``stream_chat`` takes to yield its first text; beam search cannot stream, and stock ``generate`` does not, so for
+``LocalEngine.stream`` takes to yield its first text; beam search cannot stream, and stock ``generate`` does not, so for
 stock, and for every variant when beams > 1, it is the whole reply. Reports p50 / p95 reply latency, time to first
 token, reply length (the reply re-tokenized), the ratio to stock's p50, and how often a reply equals stock's.
 
@@ -45,6 +45,7 @@ from benchmarks import harness
 from benchmarks.harness import load_average, percentile
 from chat_e.data.corpora import DataArguments, load_dialogue_dataset
 from chat_e.data.dialogue import encode_texts, parse_header, parse_texts
+from chat_e.data.limits import Request
 from chat_e.engines.local import LocalEngine
 from hf_ext.evaluation.bleu import compute_bleu_chrf
 from hf_ext.model_info import model_class
@@ -54,15 +55,17 @@ PRECISIONS = {"fp32": {}, "bf16": {"dtype": "bf16"}, "int8": {"quantize": "int8"
 #: latency variant -> precision (``stock`` is loaded without hf-ext)
 ENGINE_VARIANTS = {"engine": "fp32", "engine-bf16": "bf16", "engine-int8": "int8"}
 PROMPTS = [
-    ("Hi! What's your name?", [], "persona", "My name is Chat-E. I'm helpful, creative, clever and very friendly."),
-    ("I finally got the job!", [], "emotion", "happy"),
-    ("Where should I go in July?", ["I want a break.", "Where to?"], "domain", "vacation ideas"),
-    ("Do you like movies?", ["hello", "hi, how are you?", "good, thanks"], "none", None),
-    ("What's the best pizza topping?", [], "topic", "favorite foods"),
-    ("My dog is sick and I'm worried.", [], "emotion", "sad"),
-    ("Can you recommend a book?", ["I read a lot.", "What do you read?"], "persona", "I love science fiction."),
-    ("What is the capital of France?", [], "none", None),
-    ("Any tips for cheap flights?", ["We fly next week."], "domain", "travel"),
+    Request(
+        "Hi! What's your name?", [], "persona", "My name is Chat-E. I'm helpful, creative, clever and very friendly."
+    ),
+    Request("I finally got the job!", [], "emotion", "happy"),
+    Request("Where should I go in July?", ["I want a break.", "Where to?"], "domain", "vacation ideas"),
+    Request("Do you like movies?", ["hello", "hi, how are you?", "good, thanks"], "none", None),
+    Request("What's the best pizza topping?", [], "topic", "favorite foods"),
+    Request("My dog is sick and I'm worried.", [], "emotion", "sad"),
+    Request("Can you recommend a book?", ["I read a lot.", "What do you read?"], "persona", "I love science fiction."),
+    Request("What is the capital of France?", [], "none", None),
+    Request("Any tips for cheap flights?", ["We fly next week."], "domain", "travel"),
 ]
 
 
@@ -81,9 +84,9 @@ def stock_runner(
     decoder_only = engine.family == "causal"  # its output starts with the prompt
 
     def text_of(prompt) -> str:
-        text = engine.model_input_text(*prompt)  # the truncated context, ending in the </s> the tokenizer adds
+        text = engine.model_input_text(prompt)  # the truncated context, ending in the </s> the tokenizer adds
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if ids != engine.encode(*prompt):
+        if ids != engine.encode(prompt):
             raise RuntimeError(f"stock and engine inputs differ for {prompt!r}; the comparison would be unfair.")
         return text
 
@@ -103,12 +106,12 @@ def stock_runner(
 def engine_runner(engine: LocalEngine, settings, stream: bool):
     def run(prompt, text: str) -> tuple[str, float, float]:
         start = time.perf_counter()
-        reply = engine.chat(*prompt, settings)
+        reply = engine.reply(prompt.but(settings=settings)).text
         latency = time.perf_counter() - start
         first = latency
         if stream:
             start = time.perf_counter()
-            pieces = engine.stream_chat(*prompt, settings)
+            pieces = engine.stream(prompt.but(settings=settings))
             next(pieces, "")
             first = time.perf_counter() - start
             pieces.close()
@@ -199,18 +202,18 @@ def bleu_benchmark(model_dir: str, n_examples: int, dataset: str = "chatterbot")
     for texts in data["texts"]:
         header, turns = parse_texts(texts)
         mode, context = parse_header(header)
-        chats.append((turns[-1], turns[:-1], mode, context))
+        chats.append(Request(turns[-1], turns[:-1], mode, context))
     refs = list(data["labels"])
     results, replies = {}, {}
     for name, kwargs in PRECISIONS.items():
         engine = LocalEngine.from_pretrained(model_dir, **kwargs)
         settings = engine.default_settings()
         same_input = sum(
-            engine.encode(*chat) == encode_texts(engine.tokenizer, texts, engine.max_input_length, engine.family)
+            engine.encode(chat) == encode_texts(engine.tokenizer, texts, engine.max_input_length, engine.family)
             for chat, texts in zip(chats, data["texts"])
         )
         start = time.perf_counter()
-        replies[name] = [engine.chat(*chat, settings) for chat in chats]
+        replies[name] = [engine.reply(chat.but(settings=settings)).text for chat in chats]
         seconds = time.perf_counter() - start
         scores = compute_bleu_chrf(replies[name], refs)
         results[name] = {

@@ -24,7 +24,7 @@ Reported: p50 and p95 latency of each phase and their ratio to idle's, and the r
 from __future__ import annotations
 
 import argparse
-import signal
+import contextlib
 import statistics
 import tempfile
 import time
@@ -32,13 +32,14 @@ from dataclasses import astuple
 from pathlib import Path
 
 import httpx
+import psutil
 
 from benchmarks import harness
 from benchmarks.bench_api import Server
 from chat_e.data.corpora import DataArguments, load_dialogue_dataset
 from chat_e.data.dialogue import parse_texts
 from chat_e.feedback.store import DONE, RUNNING, FeedbackStore
-from chat_e.studio.runs import RunForm, RunManager, run_processes, share_text, signal_run
+from chat_e.studio.runs import RunForm, RunManager, run_processes, share_text
 from hf_ext.runtime import usable_cores
 
 MESSAGE = "I finally got the job! What should I do to celebrate?"
@@ -177,7 +178,9 @@ def main(argv: list[str] | None = None) -> dict:
             finally:
                 pid = store.run(control_id)["pid"]
                 processes = run_processes(pid)
-                signal_run(pid, signal.SIGKILL)
+                for process in processes:  # the control run is killed outright: its outcome is not measured
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        process.kill()
                 psutil_wait(processes)
         finally:
             server.stop()

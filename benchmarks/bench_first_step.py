@@ -24,9 +24,9 @@ from pathlib import Path
 
 from benchmarks import harness
 from benchmarks.simulated_users import FEEDBACK_MESSAGES, population
-from chat_e.data.progress import EVAL_BEFORE, PREPARING, read_progress
 from chat_e.feedback.store import ACTIVE_STATES, FeedbackStore
 from chat_e.studio.runs import RunForm, RunManager
+from chat_e.training.progress import EVAL_BEFORE, PREPARING, read_progress
 from hf_ext.runtime import usable_cores
 
 #: what the served model said, which each correction replaces (the rejected side of its DPO pair)

@@ -14,7 +14,8 @@ import logging
 import os
 import shlex
 import sys
-from dataclasses import fields
+from dataclasses import dataclass, fields
+from typing import Any
 
 from hf_ext.saving.model_dir import ModelDirError as ModelLoadError
 from hf_ext.saving.model_dir import describe_model_dir
@@ -97,91 +98,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser, arena: bool = False) ->
         parser.add_argument("--seed", type=int, default=None, help="Seed of the battles' draws (default: random).")
     else:
         parser.add_argument("--model", required=True, help=what)
-        train = parser.add_argument_group(
-            "training from the feedback (the operator's Train page at /admin; docs/feedback.md)"
-        )
-        train.add_argument(
-            "--admin",
-            default=None,
-            metavar="USER:PASSWORD",
-            help=f"Serve the Train page at /admin behind this login: train the served model on the feedback, watch "
-            f"and cancel runs. Default: ${ADMIN_ENV}, else no Train page (/admin does not exist).",
-        )
-        train.add_argument(
-            "--train_args",
-            "--train-args",
-            default="",
-            metavar="FLAGS",
-            help='Flags every run\'s training gets first, in one string (e.g. "--config my.yaml").',
-        )
-        train.add_argument(
-            "--eval_args",
-            "--eval-args",
-            default="",
-            metavar="FLAGS",
-            help='Flags the eval of every done run gets (chat-e eval\'s, in one string, e.g. "--n_nll 64").',
-        )
-        train.add_argument(
-            "--train_dir",
-            "--train-dir",
-            default=str(DEFAULT_RUN_DIR / "train"),
-            help=f"Where runs write their rows, logs and models (default {DEFAULT_RUN_DIR / 'train'}).",
-        )
-    parser.add_argument(
-        "--backend",
-        default=None,
-        metavar="URL",
-        help="Generate with a remote OpenAI-compatible server (vLLM, transformers serve, another Chat-E) at URL, "
-        "such as http://127.0.0.1:8000/v1, instead of loading --model here. The OpenAI API has no beam search and "
-        "no minimum length: --num_beams and --min_new_tokens do not reach it; --dtype, --quantize and --threads "
-        "do not apply.",
-    )
-    parser.add_argument(
-        "--backend_api_key",
-        "--backend-api-key",
-        default=None,
-        metavar="KEY",
-        help=f"The --backend server's API key (sent as 'Authorization: Bearer KEY'). Default: ${BACKEND_API_KEY_ENV}, "
-        "else none.",
-    )
-    parser.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1: this machine only).")
-    parser.add_argument("--port", type=int, default=7860, help="Port to serve on (default 7860; 0 picks a free one).")
-    parser.add_argument(
-        "--share",
-        action="store_true",
-        help="Not supported: Chat-E serves the UI and its API on one FastAPI app, which Gradio's share link cannot "
-        "tunnel. Publish a Space instead (make space) or put the server behind a reverse proxy.",
-    )
-    parser.add_argument(
-        "--auth",
-        default=None,
-        metavar="USER:PASSWORD",
-        help=f"Ask for this user and password (Gradio's login page; gradio_client: auth=(user, password)). Default: "
-        f"${AUTH_ENV}, else no login.",
-    )
-    parser.add_argument(
-        "--api_key",
-        "--api-key",
-        default=None,
-        metavar="KEY",
-        help=f"Let programs in with the header 'Authorization: Bearer KEY' (gradio_client: headers=...). Without "
-        f"--auth every request needs it. Default: ${API_KEY_ENV}, else none.",
-    )
-    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="Weights' precision (default fp32).")
-    parser.add_argument(
-        "--quantize",
-        choices=("auto", "none", "int8"),
-        default="auto",
-        help="int8: dynamic quantization of Linear layers; auto (default): int8 for fp32 weights (faster CPU serving "
-        "at about the same BLEU: docs/benchmarks.md, 'Chat-E serving'), else none.",
-    )
-    parser.add_argument("--concurrency", type=int, default=2, help="Replies generated at the same time (default 2).")
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="Torch threads per reply (default: OMP_NUM_THREADS, else CPU cores / --concurrency).",
-    )
+        _add_train_page_arguments(parser)
+    _add_access_arguments(parser)
+    _add_engine_arguments(parser)
     feedback = parser.add_argument_group(
         "feedback (thumbs, corrections, choices: stored to train on; 'chat-e feedback export' makes training rows)"
     )
@@ -209,6 +128,100 @@ def add_serve_arguments(parser: argparse.ArgumentParser, arena: bool = False) ->
             group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=None, help=f.metadata["help"])
         else:
             group.add_argument(*flags, type=setting_type(f), default=None, help=f.metadata["help"])
+
+
+def _add_train_page_arguments(parser: argparse.ArgumentParser) -> None:
+    train = parser.add_argument_group(
+        "training from the feedback (the operator's Train page at /admin; docs/feedback.md)"
+    )
+    train.add_argument(
+        "--admin",
+        default=None,
+        metavar="USER:PASSWORD",
+        help=f"Serve the Train page at /admin behind this login: train the served model on the feedback, watch and "
+        f"cancel runs. Default: ${ADMIN_ENV}, else no Train page (/admin does not exist).",
+    )
+    train.add_argument(
+        "--train_args",
+        "--train-args",
+        default="",
+        metavar="FLAGS",
+        help='Flags every run\'s training gets first, in one string (e.g. "--config my.yaml").',
+    )
+    train.add_argument(
+        "--eval_args",
+        "--eval-args",
+        default="",
+        metavar="FLAGS",
+        help='Flags the eval of every done run gets (chat-e eval\'s, in one string, e.g. "--n_nll 64").',
+    )
+    train.add_argument(
+        "--train_dir",
+        "--train-dir",
+        default=str(DEFAULT_RUN_DIR / "train"),
+        help=f"Where runs write their rows, logs and models (default {DEFAULT_RUN_DIR / 'train'}).",
+    )
+
+
+def _add_access_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1: this machine only).")
+    parser.add_argument("--port", type=int, default=7860, help="Port to serve on (default 7860; 0 picks a free one).")
+    parser.add_argument(
+        "--share",
+        action="store_true",
+        help="Not supported: Chat-E serves the UI and its API on one FastAPI app, which Gradio's share link cannot "
+        "tunnel. Publish a Space instead (make space) or put the server behind a reverse proxy.",
+    )
+    parser.add_argument(
+        "--auth",
+        default=None,
+        metavar="USER:PASSWORD",
+        help=f"Ask for this user and password (Gradio's login page; gradio_client: auth=(user, password)). Default: "
+        f"${AUTH_ENV}, else no login.",
+    )
+    parser.add_argument(
+        "--api_key",
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help=f"Let programs in with the header 'Authorization: Bearer KEY' (gradio_client: headers=...). Without "
+        f"--auth every request needs it. Default: ${API_KEY_ENV}, else none.",
+    )
+
+
+def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--backend",
+        default=None,
+        metavar="URL",
+        help="Generate with a remote OpenAI-compatible server (vLLM, transformers serve, another Chat-E) at URL, "
+        "such as http://127.0.0.1:8000/v1, instead of loading --model here. The OpenAI API has no beam search and "
+        "no minimum length: --num_beams and --min_new_tokens do not reach it; --dtype, --quantize and --threads "
+        "do not apply.",
+    )
+    parser.add_argument(
+        "--backend_api_key",
+        "--backend-api-key",
+        default=None,
+        metavar="KEY",
+        help=f"The --backend server's API key (sent as 'Authorization: Bearer KEY'). Default: ${BACKEND_API_KEY_ENV}, "
+        "else none.",
+    )
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="Weights' precision (default fp32).")
+    parser.add_argument(
+        "--quantize",
+        choices=("auto", "none", "int8"),
+        default="auto",
+        help="int8: dynamic quantization of Linear layers; auto (default): int8 for fp32 weights (faster CPU serving "
+        "at about the same BLEU: docs/benchmarks.md, 'Chat-E serving'), else none.",
+    )
+    parser.add_argument("--concurrency", type=int, default=2, help="Replies generated at the same time (default 2).")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="Torch threads per reply (default: OMP_NUM_THREADS, else CPU cores / --concurrency).",
+    )
 
 
 def torch_threads(requested: int | None, concurrency: int) -> int:
@@ -255,17 +268,34 @@ def remote_engine(args, model: str):
     return engine, settings
 
 
-def cannot_serve(args, err: OSError) -> int:
-    print(f"chat-e: error: cannot serve on {args.host}:{args.port}: {err}", file=sys.stderr)
-    return 2
-
-
 def parse(argv: list[str]) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
     """``argv`` parsed (no subcommand: ``serve``), and the parser of its command."""
     if not argv or argv[0] not in (*COMMANDS, "-h", "--help"):
         argv = ["serve", *argv]
     args = build_parser().parse_args(argv)
     return args, args.command_parser
+
+
+class Refusal(Exception):
+    """``chat-e serve`` cannot run as asked: the message says what to change. ``usage``: a flag is wrong (argparse's
+    form: the command's usage, then the message); else one line ``chat-e: error: ...``."""
+
+    def __init__(self, message: str, usage: bool = False):
+        super().__init__(message)
+        self.usage = usage
+
+
+@dataclass
+class ServeOptions:
+    """``chat-e serve`` / ``chat-e arena``'s arguments, checked (:func:`validate`)."""
+
+    args: argparse.Namespace
+    arena: bool
+    models: list[str]
+    limits: ChatLimits
+    auth: tuple[str, str] | None
+    admin: tuple[str, str] | None
+    api_key: str | None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,19 +307,34 @@ def main(argv: list[str] | None = None) -> int:
         return run_training(args, parser)
     if args.command == "eval":
         return run_eval(args, parser, argv[1:])
+    try:
+        options = validate(args)
+        configure_logging()
+        warning = exposure_warning(args.host, options.auth is not None, options.api_key is not None)
+        if warning:
+            logger.warning(warning)
+            print(f"chat-e: WARNING: {warning}", file=sys.stderr, flush=True)
+        return run_server(options)
+    except Refusal as err:
+        if err.usage:
+            parser.error(str(err))
+        print(f"chat-e: error: {err}", file=sys.stderr)
+        return 2
+
+
+def validate(args: argparse.Namespace) -> ServeOptions:
+    """``chat-e serve``'s (or ``arena``'s) arguments checked, every refusal here and before any heavy import: the flags
+    together, the logins, and the model directories (without loading them)."""
     arena = args.command == "arena"
     models = list(dict.fromkeys(args.model)) if arena else [args.model]
     if arena and len(models) < 2:
-        parser.error("the arena compares models: give --model twice or more, each a different model.")
+        raise Refusal("the arena compares models: give --model twice or more, each a different model.", usage=True)
     if arena and args.no_feedback:
-        parser.error("the arena keeps its votes in the feedback database: drop --no_feedback.")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for name in ("httpx", "httpx2"):  # a line per request otherwise (the openai client logs through httpx2)
-        logging.getLogger(name).setLevel(logging.WARNING)
+        raise Refusal("the arena keeps its votes in the feedback database: drop --no_feedback.", usage=True)
     if args.concurrency < 1:
-        parser.error("--concurrency must be at least 1.")
+        raise Refusal("--concurrency must be at least 1.", usage=True)
     if args.quantize == "int8" and args.dtype != "fp32":
-        parser.error("--quantize int8 works on fp32 weights: drop --dtype bf16 or --quantize int8.")
+        raise Refusal("--quantize int8 works on fp32 weights: drop --dtype bf16 or --quantize int8.", usage=True)
     try:
         limits = ChatLimits(**{f.name: getattr(args, f.name) for f in fields(ChatLimits)})
         auth_value = args.auth or os.environ.get(AUTH_ENV)
@@ -297,114 +342,125 @@ def main(argv: list[str] | None = None) -> int:
         admin_value = None if arena else args.admin or os.environ.get(ADMIN_ENV)
         admin = parse_auth(admin_value, "--admin") if admin_value else None
     except ValueError as err:
-        parser.error(str(err))
+        raise Refusal(str(err), usage=True) from None
     if args.share:
-        print(f"chat-e: error: {SHARE_REFUSAL}", file=sys.stderr)
-        return 2
+        raise Refusal(SHARE_REFUSAL)
     if admin and args.no_feedback:
-        parser.error("--admin trains on the feedback database: drop --no_feedback.")
+        raise Refusal("--admin trains on the feedback database: drop --no_feedback.", usage=True)
     if admin and args.backend:
-        parser.error("--admin trains the served model on this machine: give --model DIR without --backend.")
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    warning = exposure_warning(args.host, auth is not None, api_key is not None)
-    if warning:
-        logger.warning(warning)
-        print(f"chat-e: WARNING: {warning}", file=sys.stderr, flush=True)
+        raise Refusal(
+            "--admin trains the served model on this machine: give --model DIR without --backend.", usage=True
+        )
     if not args.backend:
         try:
             for model in models:
-                describe_model_dir(model)  # fail fast, before the heavy imports
+                describe_model_dir(model)
         except ModelLoadError as err:
-            print(f"chat-e: error: {err}", file=sys.stderr)
-            return 2
-    from .web.ui import build_app, import_gradio  # noqa: PLC0415 (heavy: only once the arguments and the model are checked)
+            raise Refusal(str(err)) from None
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    return ServeOptions(args, arena, models, limits, auth, admin, api_key)
+
+
+def configure_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in ("httpx", "httpx2"):  # a line per request otherwise (the openai client logs through httpx2)
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def run_server(options: ServeOptions) -> int:
+    """Open the feedback database, check the port, load the models, build the app and serve it until stopped."""
+    args = options.args
+    from .web.ui import import_gradio  # noqa: PLC0415 (heavy: only once the arguments and the model are checked)
 
     try:
         import_gradio()
     except ImportError as err:
-        print(f"chat-e: error: {err}", file=sys.stderr)
-        return 2
-    store = None
-    if not args.no_feedback:
-        url = args.feedback_db or default_url()
-        try:
-            store = FeedbackStore(url)
-        except Exception as err:
-            print(
-                f"chat-e: error: cannot open the feedback database {url}: {' '.join(str(err).split())}",
-                file=sys.stderr,
-            )
-            return 2
-        logger.info("feedback: stored in %s", store.describe())
+        raise Refusal(str(err)) from None
+    store = None if args.no_feedback else open_store(args.feedback_db)
     if args.port:  # a port in use is said now, not after loading the models (port 0: serving picks a free one)
         try:
             bind(args.host, args.port).close()
         except OSError as err:
-            return cannot_serve(args, err)
-    engines, settings = {}, {}
+            raise Refusal(f"cannot serve on {args.host}:{args.port}: {err}") from None
     try:
-        for model in models:
-            engines[model], settings[model] = (remote_engine if args.backend else embedded_engine)(args, model)
+        loaded = {model: (remote_engine if args.backend else embedded_engine)(args, model) for model in options.models}
     except ModelLoadError as err:
-        print(f"chat-e: error: {err}", file=sys.stderr)
-        return 2
-    # the heavy imports, once the arguments and the model are known to be good
-    from .engines.gate import GatedEngine  # noqa: PLC0415 (heavy: only once the arguments and the model are checked)
-    from .http.openai_api import openai_router  # noqa: PLC0415 (heavy: only once the arguments and the model are checked)
+        raise Refusal(str(err)) from None
+    demo, routers, mounts = build_server(options, loaded, store)
+    logger.info("limits: %s; login %s, API key %s", options.limits, "on" if options.auth else "off",
+                "on" if options.api_key else "off")  # fmt: skip
     from .server import serve  # noqa: PLC0415 (heavy: only once the arguments and the model are checked)
 
-    # the one limit on each engine's replies at once, for the UI and the API; with the Train page, the served model
-    # is swappable (its Promote and Roll back)
-    if admin:
-        from .engines.switch import SwitchableEngine  # noqa: PLC0415 (the operator's page only)
-
-        engines = {name: SwitchableEngine(engine) for name, engine in engines.items()}
-    engines = {name: GatedEngine(engine, args.concurrency) for name, engine in engines.items()}
-    if arena:
-        from .web.arena import build_arena  # noqa: PLC0415 (heavy: scipy and choix, for the arena only)
-
-        demo = build_arena(
-            engines,
-            record_vote=lambda vote: store.add_vote(**vote),
-            load_votes=store.vote_outcomes,
-            settings=settings,
-            limits=limits,
-            seed=args.seed,
-            concurrency_limit=args.concurrency,
-        )
-        routers = []
-    else:
-        (engine,), (default,) = engines.values(), settings.values()
-        demo = build_app(engine, default, concurrency_limit=args.concurrency, limits=limits, store=store)
-        routers = [openai_router(engine, default, limits)]
-    mounts = []
-    if admin:
-        from .studio.runs import RunManager  # noqa: PLC0415 (heavy: the operator's page only)
-        from .studio.serving import ServingDesk  # noqa: PLC0415 (heavy: the operator's page only)
-        from .web.arena import Arena, arena_blocks  # noqa: PLC0415 (heavy: scipy and choix)
-        from .web.train import build_train_app  # noqa: PLC0415 (heavy: the operator's page only)
-
-        manager = RunManager(
-            store, args.model, args.train_dir, shlex.split(args.train_args), shlex.split(args.eval_args)
-        )
-        # the app's own blind arena (at /arena, behind the chat's login), opened by the Train page
-        in_app = Arena({}, record_vote=lambda vote: store.add_vote(**vote), load_votes=store.vote_outcomes,
-                       limits=limits, closed=True)  # fmt: skip
-        desk = ServingDesk(engine, default, manager, load=lambda path: embedded_engine(args, path),
-                           open_arena=in_app.set_models)  # fmt: skip
-        mounts.append(("/admin", build_train_app(manager, store, desk, limits), admin))
-        mounts.append(("/arena", arena_blocks(in_app, args.concurrency), auth))
-        logger.info("the Train page: /admin (its own login), its arena: /arena; runs in %s", args.train_dir)
-    logger.info("limits: %s; login %s, API key %s", limits, "on" if auth else "off", "on" if api_key else "off")
     try:
-        serve(demo, host=args.host, port=args.port, auth=auth, api_key=api_key, limits=limits, routers=routers,
-              mounts=mounts)  # fmt: skip
+        serve(demo, host=args.host, port=args.port, auth=options.auth, api_key=options.api_key, limits=options.limits,
+              routers=routers, mounts=mounts)  # fmt: skip
     except OSError as err:
-        return cannot_serve(args, err)
+        raise Refusal(f"cannot serve on {args.host}:{args.port}: {err}") from None
     except RuntimeError as err:
         print(f"chat-e: error: {err}", file=sys.stderr)
         return 1
     return 0
+
+
+def open_store(url: str | None) -> FeedbackStore:
+    """The feedback database at ``url`` (the default one when None), created or upgraded as needed."""
+    url = url or default_url()
+    try:
+        store = FeedbackStore(url)
+    except Exception as err:
+        raise Refusal(f"cannot open the feedback database {url}: {' '.join(str(err).split())}") from None
+    logger.info("feedback: stored in %s", store.describe())
+    return store
+
+
+def build_server(options: ServeOptions, loaded: dict, store: FeedbackStore | None) -> tuple[Any, list, list]:
+    """The app's parts from the loaded ``{model: (engine, settings)}``: the Gradio UI (the chat, or the arena), the
+    API routers and the mounted pages (the Train page and its arena). Each engine gets the one limit on its replies
+    at once, for the UI and the API alike; with the Train page the served model is swappable (Promote, Roll back)."""
+    from .engines.gate import GatedEngine  # noqa: PLC0415 (heavy: only once the arguments and the model are checked)
+
+    args, limits = options.args, options.limits
+    settings = {name: default for name, (_, default) in loaded.items()}
+    engines = {name: engine for name, (engine, _) in loaded.items()}
+    if options.admin:
+        from .engines.switch import SwitchableEngine  # noqa: PLC0415 (the operator's page only)
+
+        engines = {name: SwitchableEngine(engine) for name, engine in engines.items()}
+    engines = {name: GatedEngine(engine, args.concurrency) for name, engine in engines.items()}
+    if options.arena:
+        from .web.arena import build_arena  # noqa: PLC0415 (heavy: scipy and choix, for the arena only)
+
+        demo = build_arena(engines, record_vote=lambda vote: store.add_vote(**vote), load_votes=store.vote_outcomes,
+                           settings=settings, limits=limits, seed=args.seed, concurrency_limit=args.concurrency)  # fmt: skip
+        return demo, [], []
+    from .http.openai_api import openai_router  # noqa: PLC0415 (heavy: only once the arguments and the model are checked)
+    from .web.ui import build_app  # noqa: PLC0415 (heavy: gradio)
+
+    (engine,), (default,) = engines.values(), settings.values()
+    demo = build_app(engine, default, concurrency_limit=args.concurrency, limits=limits, store=store)
+    mounts = train_page_mounts(options, engine, default, store) if options.admin else []
+    return demo, [openai_router(engine, default, limits)], mounts
+
+
+def train_page_mounts(options: ServeOptions, engine, default, store: FeedbackStore) -> list:
+    """The Train page at ``/admin`` (behind ``--admin``'s login) and the app's own blind arena at ``/arena`` (behind
+    the chat's), which the Train page opens between the served model and a run's."""
+    from .studio.page import build_train_app  # noqa: PLC0415 (heavy: the operator's page only)
+    from .studio.runs import RunManager  # noqa: PLC0415 (heavy: the operator's page only)
+    from .studio.serving import ServingDesk  # noqa: PLC0415 (heavy: the operator's page only)
+    from .web.arena import Arena, arena_blocks  # noqa: PLC0415 (heavy: scipy and choix)
+
+    args = options.args
+    manager = RunManager(store, args.model, args.train_dir, shlex.split(args.train_args), shlex.split(args.eval_args))
+    in_app = Arena({}, record_vote=lambda vote: store.add_vote(**vote), load_votes=store.vote_outcomes,
+                   limits=options.limits, closed=True)  # fmt: skip
+    desk = ServingDesk(engine, default, manager, load=lambda path: embedded_engine(args, path),
+                       open_arena=in_app.set_models)  # fmt: skip
+    logger.info("the Train page: /admin (its own login), its arena: /arena; runs in %s", args.train_dir)
+    return [
+        ("/admin", build_train_app(manager, store, desk, options.limits), options.admin),
+        ("/arena", arena_blocks(in_app, args.concurrency), options.auth),
+    ]
 
 
 if __name__ == "__main__":

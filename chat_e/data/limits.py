@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from .dialogue import normalize_mode, without_nul
 from .messages import MAX_HISTORY_TURNS, MAX_MESSAGE_CHARS, Role, message_text, pieces, plain_turn, turns_of
-from .settings import SETTINGS, setting_type
+from .settings import SETTINGS, GenerationSettings, RequestSampling, setting_type
 
 #: roles of a ``{"role", "content"}`` history message
 ROLES = ("user", "assistant", "system")
@@ -91,16 +91,30 @@ class ChatLimits:
         return JSON_BYTES_PER_CHAR * chars + BODY_OVERHEAD_BYTES
 
 
-@dataclass
+@dataclass(frozen=True)
 class Request:
-    """A request's fields after :func:`check_request`, as :class:`~chat_e.engines.base.ChatEngine` takes them: the message
-    one plain turn, the history plain turns (:mod:`chat_e.data.messages`), a known mode, settings in range."""
+    """One chat request as every engine takes it (:meth:`chat_e.engines.base.ChatEngine.reply`): the user's newest
+    ``message`` (one plain turn), the earlier ``history`` (plain turns, oldest first, speakers alternating, the bot's
+    last), a context ``mode`` and its ``context``, the reply's ``settings`` (None: the engine's defaults) and an
+    OpenAI request's ``sampling`` (seed and penalties; None: none).
+
+    :func:`check_request` makes one of what a caller sent (the UI's events, the APIs), within the limits; the engine
+    trusts it. Other callers (the evaluation, benchmarks) build one directly from plain turns."""
 
     message: str | None = None
-    history: list[str] | None = None
-    mode: str | None = None
+    history: tuple[str, ...] | list[str] = ()
+    mode: str = "none"
     context: str | None = None
-    settings: dict[str, Any] | None = None
+    settings: GenerationSettings | None = None
+    sampling: RequestSampling | None = None
+
+    def turns(self) -> list[str]:
+        """All turns so far, oldest first, with the message (the user's newest) last (none when it is empty)."""
+        return [*self.history, self.message] if self.message else list(self.history)
+
+    def but(self, **fields: Any) -> Request:
+        """This request with ``fields`` replaced."""
+        return replace(self, **fields)
 
 
 def check_request(
@@ -112,7 +126,9 @@ def check_request(
     mode: Any = _UNSET,
     context: Any = _UNSET,
     settings: Mapping[str, Any] | None = None,
+    defaults: GenerationSettings | None = None,
     ranges: Mapping[str, tuple[float, float]] | None = None,
+    sampling: RequestSampling | None = None,
     text: Callable[[Any], str] = message_text,
 ) -> Request:
     """Check the fields a request carries (those given) against ``limits``, cheapest checks first.
@@ -124,7 +140,9 @@ def check_request(
         chat: a history of ``{"role", "content"}`` messages only (the chat window's), under the same limits.
         mode: a context mode name (``persona``, ``emotion``, ``domain``, ``topic``, ``free``).
         context: the mode's context: a string of at most ``max_context_chars`` (None: none).
-        settings: generation settings by name, each checked against ``ranges[name]`` (``do_sample``: a bool).
+        settings: generation settings by name, each checked against ``ranges[name]`` (``do_sample``: a bool); the
+            request's settings are ``defaults`` (:class:`GenerationSettings`' own when None) with these.
+        sampling: an OpenAI request's seed and penalties, carried as given (the API checks them).
         text: a history message content's text (the UI passes its display -> typed-text inverse).
 
     Returns:
@@ -134,21 +152,21 @@ def check_request(
     Raises:
         Refused: the first field outside its limit or of the wrong type, with what to change.
     """
-    checked = Request()
+    checked: dict[str, Any] = {"sampling": sampling}
     if message is not _UNSET:
         typed = _check_text("message", message, limits.max_message_chars, required=True)
-        checked.message = plain_turn(typed, limits.max_message_chars)
+        checked["message"] = plain_turn(typed, limits.max_message_chars)
     if context is not _UNSET:
-        checked.context = _check_text("context", context, limits.max_context_chars, required=False)
+        checked["context"] = _check_text("context", context, limits.max_context_chars, required=False)
     if mode is not _UNSET:
-        checked.mode = _check_mode(mode)
+        checked["mode"] = _check_mode(mode)
     if history is not _UNSET:
-        checked.history = _check_history(history, limits, text)
+        checked["history"] = _check_history(history, limits, text)
     if chat is not _UNSET:
-        checked.history = _check_history(chat, limits, text, messages_only=True)
+        checked["history"] = _check_history(chat, limits, text, messages_only=True)
     if settings is not None:
-        checked.settings = _check_settings(settings, ranges or {})
-    return checked
+        checked["settings"] = (defaults or GenerationSettings()).replace(**_check_settings(settings, ranges or {}))
+    return Request(**checked)
 
 
 def _check_text(name: str, value: Any, limit: int, required: bool) -> str:

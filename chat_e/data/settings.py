@@ -100,19 +100,20 @@ def resolve_quantize(choice: str, dtype: str) -> str:
 STOP, LENGTH = "stop", "length"
 
 
-@dataclass
-class Completion:
-    """What an engine tells about a reply besides its text, filled in when the reply ends: pass one as
-    ``completion=`` to an engine's ``chat`` or ``stream_chat`` (the OpenAI API does, for ``finish_reason``)."""
+@dataclass(frozen=True)
+class Reply:
+    """What an engine makes of a :class:`~chat_e.data.limits.Request`: the reply's text and what is known of it."""
 
+    text: str
+    #: the name of the model that made it (the served one can change while replies are under way: the Train page's
+    #: Promote)
+    model: str
+    #: why it ended: :data:`STOP` (the model was done) or :data:`LENGTH` (it reached the reply's length limit)
     finish_reason: str = STOP
     #: the reply's tokens, where the engine counts them (None: not known)
     tokens: int | None = None
     #: the prompt's tokens, where the engine counts them (None: not known)
     prompt_tokens: int | None = None
-    #: the name of the model that made the reply, where the served model can change while replies are under way
-    #: (:class:`chat_e.engines.switch.SwitchableEngine`; None: the engine's ``name``)
-    model: str | None = None
 
 
 #: OpenAI's range of presence_penalty and frequency_penalty
@@ -121,8 +122,8 @@ PENALTY_RANGE = (-2.0, 2.0)
 
 @dataclass(frozen=True)
 class RequestSampling:
-    """What an OpenAI request adds to a reply's settings (pass it as ``sampling=`` to an engine's ``chat`` or
-    ``stream_chat``): ``seed`` makes a sampled reply repeatable (the engine draws from its own generator seeded with
+    """What an OpenAI request adds to a reply's settings (a :class:`~chat_e.data.limits.Request`'s ``sampling``):
+    ``seed`` makes a sampled reply repeatable (the engine draws from its own generator seeded with
     it, whatever else runs); ``presence_penalty`` and ``frequency_penalty`` as OpenAI defines them, each token's logit
     lowered by ``presence_penalty`` once it is in the reply and by ``frequency_penalty`` per time it is there."""
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from typing import Any
 
-from ..data.settings import GenerationSettings
-from .base import ChatEngine
+from ..data.limits import Request
+from ..data.settings import Reply
+from .base import ChatEngine, ProxyEngine, ReplyStream
 
 #: what a caller is told when too many wait for a slot (and the server's full queue answers)
 BUSY = "Chat-E is busy: too many requests are waiting for a reply. Try again in a moment."
@@ -23,16 +23,15 @@ class Busy(RuntimeError):
     """More callers wait for a slot than the caller allowed."""
 
 
-class GatedEngine(ChatEngine):
-    """``engine`` (any :class:`~chat_e.engines.base.ChatEngine`) whose ``chat`` and ``stream_chat`` run at most
-    ``concurrency`` at a time; its name, window, description and defaults are the engine's.
+class GatedEngine(ProxyEngine):
+    """``engine`` (any :class:`~chat_e.engines.base.ChatEngine`) whose replies run at most ``concurrency`` at a time.
 
     Args:
         engine: the engine behind the gate.
         concurrency: replies generated at the same time.
     """
 
-    def __init__(self, engine, concurrency: int):
+    def __init__(self, engine: ChatEngine, concurrency: int):
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, not {concurrency}")
         self.engine = engine
@@ -42,22 +41,8 @@ class GatedEngine(ChatEngine):
         self.waiting = 0
 
     @property
-    def name(self) -> str:
-        return self.engine.name
-
-    @property
-    def max_positions(self) -> int:
-        return self.engine.max_positions
-
-    @property
-    def info(self) -> dict[str, Any]:
-        return self.engine.info
-
-    def describe(self) -> str:
-        return self.engine.describe()
-
-    def default_settings(self) -> GenerationSettings:
-        return self.engine.default_settings()
+    def target(self) -> ChatEngine:
+        return self.engine
 
     @contextlib.contextmanager
     def slot(self, max_waiting: int | None = None) -> Iterator[None]:
@@ -77,13 +62,17 @@ class GatedEngine(ChatEngine):
         finally:
             self._slots.release()
 
-    def chat(self, *args, max_waiting: int | None = None, **kwargs) -> str:
-        """The engine's ``chat`` in a slot (``max_waiting``: see :meth:`slot`)."""
+    def reply(self, request: Request, max_waiting: int | None = None) -> Reply:
+        """The engine's reply in a slot (``max_waiting``: see :meth:`slot`)."""
         with self.slot(max_waiting):
-            return self.engine.chat(*args, **kwargs)
+            return self.engine.reply(request)
 
-    def stream_chat(self, *args, max_waiting: int | None = None, **kwargs) -> Iterator[str]:
-        """The engine's ``stream_chat`` in a slot, taken at the first piece and given back when the stream ends or
-        is closed (closing it stops generation)."""
-        with self.slot(max_waiting):
-            yield from self.engine.stream_chat(*args, **kwargs)
+    def stream(self, request: Request, max_waiting: int | None = None) -> ReplyStream:
+        """The engine's stream in a slot, taken at the first piece and given back when the stream ends or is closed
+        (closing it stops generation)."""
+
+        def pieces():
+            with self.slot(max_waiting):
+                return (yield from self.engine.stream(request))
+
+        return ReplyStream(pieces(), self.engine.name)

@@ -12,19 +12,21 @@ The context is built by :mod:`chat_e.data.dialogue` -- the same code that prepar
 sees at serving time is exactly what it was trained on::
 
     engine = LocalEngine.from_pretrained("runs/demo/final")
-    engine.chat("Hi! Any plans for the summer?", mode="domain", context="vacation ideas")
-    for piece in engine.stream_chat("Tell me more.", history=["Hi!", "Hello there."], num_beams=1):
+    engine.reply(Request("Hi! Any plans for the summer?", mode="domain", context="vacation ideas")).text
+    greedy = engine.default_settings().replace(num_beams=1)
+    for piece in engine.stream(Request("Tell me more.", ["Hi!", "Hello there."], settings=greedy)):
         print(piece, end="", flush=True)
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +37,11 @@ from hf_ext.model_info import model_class
 from hf_ext.saving.model_dir import ModelDirError as ModelLoadError
 from hf_ext.saving.model_dir import describe_model_dir
 
-from ..data.dialogue import encode_history, family_of, format_context, normalize_mode
+from ..data.dialogue import encode_history, family_of, normalize_mode
+from ..data.limits import Request
 from ..data.messages import stripped_pieces
-from ..data.settings import LENGTH, STOP, Completion, GenerationSettings, RequestSampling
-from .base import ChatEngine
+from ..data.settings import LENGTH, STOP, GenerationSettings, Reply
+from .base import ChatEngine, ReplyStream, StopReply
 from .sampling import sampling_processors
 
 logger = logging.getLogger(__name__)
@@ -119,7 +122,7 @@ class LocalEngine(ChatEngine):
     # ---- loading ---------------------------------------------------------------------------------------------
 
     @classmethod
-    def from_pretrained(
+    def from_pretrained(  # long: one load, each kind of directory and each failure said in one line
         cls, path: str | Path, dtype: str = "fp32", quantize: str = "none", device: str = "cpu"
     ) -> LocalEngine:
         """Load a recipe's model directory: a 16-bit save or an exported merge (``config.json``), or a PEFT adapter
@@ -208,29 +211,17 @@ class LocalEngine(ChatEngine):
         settings = GenerationSettings.from_generation_config(self.generation_config, self.family == "seq2seq")
         return settings.replace(max_new_tokens=min(settings.max_new_tokens, self.max_positions - 1))
 
-    @staticmethod
-    def turns(message: str | None, history: Sequence[str] = ()) -> list[str]:
-        """All turns so far, oldest first, with ``message`` (the user's newest) last (none when it is None or
-        empty)."""
-        return [*history, message] if message else list(history)
+    def encode(self, request: Request) -> list[int]:
+        """Model input ids of ``request``'s chat, left-truncated to the model's window: the header and the newest
+        turns stay."""
+        mode = normalize_mode(request.mode)
+        return encode_history(
+            self.tokenizer, request.turns(), mode, request.context, self.max_input_length, self.family
+        )
 
-    def build_context(
-        self, message: str | None, history: Sequence[str] = (), mode: str = "none", context: str | None = None
-    ) -> str:
-        """The MuDoConv ``texts`` string for this chat (before truncation and rendering), as
-        :func:`chat_e.data.dialogue.format_context`."""
-        return format_context(self.turns(message, history), normalize_mode(mode), context)
-
-    def encode(
-        self, message: str | None, history: Sequence[str] = (), mode: str = "none", context: str | None = None
-    ) -> list[int]:
-        """Model input ids, left-truncated to the model's window: the header and the newest turns stay."""
-        turns = self.turns(message, history)
-        return encode_history(self.tokenizer, turns, normalize_mode(mode), context, self.max_input_length, self.family)
-
-    def model_input_text(self, *args, **kwargs) -> str:
-        """What the model sees, as text (after truncation)."""
-        return self.tokenizer.decode(self.encode(*args, **kwargs), skip_special_tokens=False)
+    def model_input_text(self, request: Request) -> str:
+        """What the model sees of ``request``, as text (after truncation)."""
+        return self.tokenizer.decode(self.encode(request), skip_special_tokens=False)
 
     # ---- generation ------------------------------------------------------------------------------------------
 
@@ -254,66 +245,48 @@ class LocalEngine(ChatEngine):
         config.update(**update)
         return config
 
-    def _inputs(self, message, history, mode, context):
-        ids = self.encode(message, history, mode, context)
+    def _prepare(self, request: Request):
+        """What ``generate`` takes for ``request``: the inputs, the generation config and the logits processors of
+        its sampling."""
+        ids = self.encode(request)
         device = next(self.model.parameters(), torch.empty(0)).device
         input_ids = torch.tensor([ids], dtype=torch.long, device=device)
-        return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+        inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+        config = self._generation_config(request.settings or self.default_settings())
+        processors = sampling_processors(request.sampling, config, self._prompt_length(inputs))
+        return inputs, config, processors
 
-    def _settings(self, settings: GenerationSettings | None, overrides: dict) -> GenerationSettings:
-        return (settings or self.default_settings()).replace(**overrides)
-
-    def chat(
-        self,
-        message: str,
-        history: Sequence[str] = (),
-        mode: str = "none",
-        context: str | None = None,
-        settings: GenerationSettings | None = None,
-        completion: Completion | None = None,
-        sampling: RequestSampling | None = None,
-        **overrides,
-    ) -> str:
-        """The bot's reply to ``message`` after ``history`` under a context ``mode``.
+    def reply(self, request: Request) -> Reply:
+        """The bot's reply to ``request`` (:meth:`chat_e.engines.base.ChatEngine.reply`).
 
         The engine trusts its inputs: text is passed to the model as given (neither cleaned nor cut here; what is
         over the model's window is cut by :mod:`chat_e.data.dialogue`, oldest turns first). A server hands it what
-        :func:`chat_e.data.limits.check_request` made of a request; other callers give plain turns likewise.
-
-        Args:
-            message: the user's newest message: one turn, non-empty.
-            history: the earlier turns, oldest first, as strings: speakers alternate, the last is the bot's.
-            mode: a context mode, as :func:`chat_e.data.dialogue.normalize_mode` takes it (``persona``, ``emotion``,
-                ``domain``, ``topic``, or ``none``/``free``); another name is a ``ValueError``.
-            context: the persona sentences, emotion, domain or topic for the header.
-            settings: generation settings (:meth:`default_settings` when None); keyword overrides win.
-            completion: filled in with why the reply ended and its token count.
-            sampling: an OpenAI request's seed and penalties (:mod:`chat_e.engines.sampling`).
+        :func:`chat_e.data.limits.check_request` made of a request; other callers give plain turns likewise: the
+        message one turn, non-empty; the history's turns oldest first, speakers alternating, the bot's last; a mode
+        :func:`chat_e.data.dialogue.normalize_mode` takes (another name is a ``ValueError``).
         """
-        settings = self._settings(settings, overrides)
-        inputs = self._inputs(message, history, mode, context)
+        inputs, config, processors = self._prepare(request)
         started = time.perf_counter()
-        config = self._generation_config(settings)
-        processors = sampling_processors(sampling, config, self._prompt_length(inputs))
         with torch.inference_mode():
             out = self.model.generate(**inputs, generation_config=config, logits_processor=processors)
         new_tokens = self._new_tokens(out[0], inputs)
-        reply = "".join(stripped_pieces([self.tokenizer.decode(new_tokens, skip_special_tokens=True)]))
-        self._finished(inputs, new_tokens, config, completion)
-        self._log(inputs, len(new_tokens), started, mode)
-        return reply
+        text = "".join(stripped_pieces([self.tokenizer.decode(new_tokens, skip_special_tokens=True)]))
+        self._log(inputs, len(new_tokens), started, request.mode)
+        return self._finished(text, inputs, new_tokens, config)
 
-    def _finished(self, inputs, new_tokens, config, completion: Completion | None) -> None:
-        """Fill ``completion``: "length" when the reply ran to its limit without the model's end token; the token
-        counts of the prompt and of the reply (its end token not counted)."""
-        if completion is None:
-            return
-        completion.prompt_tokens = int(inputs["input_ids"].shape[-1])
+    def _finished(self, text: str, inputs, new_tokens, config) -> Reply:
+        """The reply: "length" when it ran to its limit without the model's end token; the token counts of the
+        prompt and of the reply (its end token not counted)."""
         ends = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
         limit = config.max_new_tokens if self.family != "seq2seq" else config.max_length - 1
         ended = len(new_tokens) > 0 and int(new_tokens[-1]) in ends
-        completion.finish_reason = LENGTH if not ended and len(new_tokens) >= limit else STOP
-        completion.tokens = len(new_tokens) - int(ended)
+        return Reply(
+            text=text,
+            model=self.name,
+            finish_reason=LENGTH if not ended and len(new_tokens) >= limit else STOP,
+            tokens=len(new_tokens) - int(ended),
+            prompt_tokens=int(inputs["input_ids"].shape[-1]),
+        )
 
     def _prompt_length(self, inputs) -> int:
         """Where the reply starts in what ``generate`` passes its logits processors: after the decoder start token,
@@ -324,34 +297,25 @@ class LocalEngine(ChatEngine):
         """The generated part of ``sequence``: after the decoder start token, or after a decoder-only prompt."""
         return sequence[1:] if self.family == "seq2seq" else sequence[inputs["input_ids"].shape[-1] :]
 
-    def stream_chat(
-        self,
-        message: str,
-        history: Sequence[str] = (),
-        mode: str = "none",
-        context: str | None = None,
-        settings: GenerationSettings | None = None,
-        completion: Completion | None = None,
-        sampling: RequestSampling | None = None,
-        **overrides,
-    ) -> Iterator[str]:
-        """Yield the reply in pieces as it is generated; their concatenation is what :meth:`chat` returns (the
-        arguments are :meth:`chat`'s; ``completion`` is filled in when the stream ends).
+    def stream(self, request: Request) -> ReplyStream:
+        """The reply in pieces as it is generated; their concatenation is :meth:`reply`'s text.
 
         Beam search cannot stream (the best beam is only known at the end): with ``num_beams > 1`` the whole reply
-        comes as one piece. Closing the iterator early stops generation.
+        comes as one piece. Closing the stream early stops generation.
         """
-        settings = self._settings(settings, overrides)
-        if settings.num_beams > 1:
-            yield self.chat(message, history, mode, context, settings, completion, sampling)
-            return
-        inputs = self._inputs(message, history, mode, context)
+        return ReplyStream(self._pieces(request), self.name)
+
+    def _pieces(self, request: Request) -> Generator[str, None, Reply]:
+        if (request.settings or self.default_settings()).num_beams > 1:
+            whole = self.reply(request)
+            with contextlib.suppress(StopReply):
+                yield whole.text
+            return whole
+        inputs, config, processors = self._prepare(request)
         streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)
         cancel = threading.Event()
         failure: list[BaseException] = []
-        lengths: list[int] = []
-        config = self._generation_config(settings)
-        processors = sampling_processors(sampling, config, self._prompt_length(inputs))
+        generated: list = []
 
         def run():
             try:
@@ -363,9 +327,7 @@ class LocalEngine(ChatEngine):
                         streamer=streamer,
                         stopping_criteria=StoppingCriteriaList([_Cancelled(cancel)]),
                     )
-                new_tokens = self._new_tokens(out[0], inputs)
-                lengths.append(len(new_tokens))
-                self._finished(inputs, new_tokens, config, completion)
+                generated.append(self._new_tokens(out[0], inputs))
             except BaseException as err:  # handed to the reading thread, which re-raises it
                 failure.append(err)
                 streamer.end()
@@ -373,14 +335,20 @@ class LocalEngine(ChatEngine):
         started = time.perf_counter()
         worker = threading.Thread(target=run, name="chat-e-generate", daemon=True)
         worker.start()
+        text = ""
         try:
-            yield from stripped_pieces(streamer)
+            for piece in stripped_pieces(streamer):
+                text += piece
+                yield piece
+        except StopReply:
+            pass  # the reader stopped the reply: what was generated so far is the reply
         finally:
             cancel.set()
             worker.join()
         if failure:
             raise failure[0]
-        self._log(inputs, lengths[0] if lengths else 0, started, mode)
+        self._log(inputs, len(generated[0]), started, request.mode)
+        return self._finished(text, inputs, generated[0], config)
 
     def _log(self, inputs, new_tokens: int, started: float, mode: str) -> None:
         logger.info(

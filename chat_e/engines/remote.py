@@ -14,13 +14,15 @@ one-line message; the UI apologises and logs that line.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator
 
 from ..data.dialogue import chat_messages, make_header, normalize_mode
+from ..data.limits import Request
 from ..data.messages import stripped_pieces
-from ..data.settings import Completion, GenerationSettings, RequestSampling
-from .base import BackendError, ChatEngine
+from ..data.settings import STOP, GenerationSettings, Reply, RequestSampling
+from .base import BackendError, ChatEngine, ReplyStream, StopReply
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +50,6 @@ class RemoteEngine(ChatEngine):
         max_positions: the model's window in tokens, which bounds a reply's length in the UI.
     """
 
-    family = "causal"  # the remote server renders chat messages with its chat template
-
     def __init__(
         self,
         base_url: str,
@@ -58,7 +58,6 @@ class RemoteEngine(ChatEngine):
         settings: GenerationSettings | None = None,
         max_positions: int = DEFAULT_MAX_POSITIONS,
     ):
-        import httpx  # noqa: PLC0415 (comes with the openai client)
         import openai  # noqa: PLC0415 (optional extra: app)
 
         self.base_url = base_url.rstrip("/")
@@ -72,7 +71,7 @@ class RemoteEngine(ChatEngine):
             base_url=self.base_url,
             api_key=api_key or "none",
             max_retries=0,  # a failure is reported at once; the user may send again
-            timeout=httpx.Timeout(READ_TIMEOUT, connect=CONNECT_TIMEOUT),
+            timeout=openai.Timeout(READ_TIMEOUT, connect=CONNECT_TIMEOUT),  # the HTTP client's own class
         )
         self.info = {"path": model, "backend": self.base_url}
         logger.info("remote engine %s: %s", self.describe(), UNSUPPORTED)
@@ -84,15 +83,12 @@ class RemoteEngine(ChatEngine):
     def default_settings(self) -> GenerationSettings:
         return self.settings
 
-    def messages(
-        self, message: str | None, history: Sequence[str] = (), mode: str = "none", context: str | None = None
-    ) -> list[dict]:
-        """The chat messages the remote model gets: :func:`chat_e.data.dialogue.chat_messages` of the turns under the
-        mode's header."""
-        turns = [*history, message] if message else list(history)
-        return chat_messages(turns, make_header(normalize_mode(mode), context))
+    def messages(self, request: Request) -> list[dict]:
+        """The chat messages the remote model gets: :func:`chat_e.data.dialogue.chat_messages` of the request's
+        turns under its mode's header."""
+        return chat_messages(request.turns(), make_header(normalize_mode(request.mode), request.context))
 
-    def request(self, settings: GenerationSettings, sampling: RequestSampling | None = None) -> dict:
+    def request_fields(self, settings: GenerationSettings, sampling: RequestSampling | None = None) -> dict:
         """The OpenAI request fields for ``settings``: ``max_tokens``, and temperature 0 (greedy) or the sampling
         temperature and top_p; and ``sampling``'s seed and penalties where given (the backend applies them)."""
         fields = {"max_tokens": max(1, min(int(settings.max_new_tokens), self.max_positions - 1))}
@@ -106,56 +102,47 @@ class RemoteEngine(ChatEngine):
             fields.update({k: v for k, v in given.items() if v is not None})
         return fields
 
-    def chat(
-        self,
-        message: str,
-        history: Sequence[str] = (),
-        mode: str = "none",
-        context: str | None = None,
-        settings: GenerationSettings | None = None,
-        completion: Completion | None = None,
-        sampling: RequestSampling | None = None,
-        **overrides,
-    ) -> str:
-        """The remote model's reply (the arguments are :meth:`chat_e.engines.base.ChatEngine.chat`'s)."""
-        return "".join(self.stream_chat(message, history, mode, context, settings, completion, sampling, **overrides))
+    def reply(self, request: Request) -> Reply:
+        """The remote model's reply (:meth:`chat_e.engines.base.ChatEngine.reply`)."""
+        stream = self.stream(request)
+        for _ in stream:
+            pass
+        return stream.reply
 
-    def stream_chat(
-        self,
-        message: str,
-        history: Sequence[str] = (),
-        mode: str = "none",
-        context: str | None = None,
-        settings: GenerationSettings | None = None,
-        completion: Completion | None = None,
-        sampling: RequestSampling | None = None,
-        **overrides,
-    ) -> Iterator[str]:
+    def stream(self, request: Request) -> ReplyStream:
         """The reply in pieces as the remote server streams it (stripped, as the embedded engine's); closing the
-        iterator closes the remote stream. ``completion`` gets the server's ``finish_reason``."""
+        stream closes the remote one. The reply's finish reason is the server's."""
+        return ReplyStream(self._pieces(request), self.name)
+
+    def _pieces(self, request: Request) -> Generator[str, None, Reply]:
         import openai  # noqa: PLC0415 (optional extra: app)
 
-        settings = (settings or self.settings).replace(**overrides)
-        messages = self.messages(message, history, mode, context)
+        fields = self.request_fields(request.settings or self.settings, request.sampling)
+        text, finish = "", [STOP]
         try:
             stream = self.client.chat.completions.create(
-                model=self.name, messages=messages, stream=True, **self.request(settings, sampling)
+                model=self.name, messages=self.messages(request), stream=True, **fields
             )
-            with stream:
-                yield from stripped_pieces(_contents(stream, completion))
+            with stream, contextlib.suppress(StopReply):  # StopReply: the reader stopped the reply
+                for piece in stripped_pieces(_contents(stream, finish)):
+                    text += piece
+                    yield piece
         except openai.APIStatusError as err:
             raise BackendError(f"{self.base_url} answered HTTP {err.status_code}: {_one_line(err.message)}") from None
         except openai.APIError as err:  # no connection, a timeout, a broken stream
             raise BackendError(f"{self.base_url}: {_one_line(str(err))}") from None
+        return Reply(text=text, model=self.name, finish_reason=finish[-1])
 
 
-def _contents(stream, completion: Completion | None) -> Iterator[str]:
+def _contents(stream, finish: list[str]) -> Iterator[str]:
+    """The texts of a chat completion stream's chunks; each finish reason the server gives is appended to
+    ``finish``."""
     for chunk in stream:
         for choice in chunk.choices or ():
             if choice.delta and choice.delta.content:
                 yield choice.delta.content
-            if choice.finish_reason and completion is not None:
-                completion.finish_reason = choice.finish_reason
+            if choice.finish_reason:
+                finish.append(choice.finish_reason)
 
 
 def _one_line(text: str, limit: int = 300) -> str:

@@ -44,8 +44,9 @@ from starlette.concurrency import run_in_threadpool
 
 from ..data.dialogue import parse_system_message
 from ..data.limits import ChatLimits, Refused, check_request
+from ..data.limits import Request as ChatRequest
 from ..data.messages import message_text
-from ..data.settings import PENALTY_RANGE, STOP, Completion, GenerationSettings, RequestSampling, setting_ranges
+from ..data.settings import PENALTY_RANGE, STOP, GenerationSettings, Reply, RequestSampling, setting_ranges
 from ..engines.gate import Busy, GatedEngine
 
 logger = logging.getLogger(__name__)
@@ -226,175 +227,201 @@ def openai_router(
     settings: GenerationSettings | None = None,
     limits: ChatLimits | None = None,
     model_id: str | None = None,
-):
-    """The ``/v1`` routes over ``engine`` (shared with the UI, see :mod:`chat_e.engines.gate`): ``settings`` are the server's
-    defaults (a request's fields override them), ``limits`` bound every request as the UI's, ``model_id`` is the
-    model's name in ``/v1/models`` and the answers (when None: the served model's name, and in an answer the name of
-    the model that made it, which a promotion can change between two requests: :mod:`chat_e.engines.switch`)."""
-    if not isinstance(engine, GatedEngine):
-        engine = GatedEngine(engine, concurrency=1)
-    defaults = settings or engine.default_settings()
-    limits = limits or ChatLimits()
-    ranges = setting_ranges(engine.max_positions - 1)
-    created = int(time.time())
+) -> APIRouter:
+    """The ``/v1`` routes over ``engine`` (shared with the UI, see :mod:`chat_e.engines.gate`): ``settings`` are the
+    server's defaults (a request's fields override them), ``limits`` bound every request as the UI's, ``model_id`` is
+    the model's name in ``/v1/models`` and the answers (when None: the served model's name, and in an answer the name
+    of the model that made it, which a promotion can change between two requests: :mod:`chat_e.engines.switch`)."""
+    completions = ChatCompletions(engine, settings, limits, model_id)
     router = APIRouter(prefix=PREFIX)
+    router.add_api_route("/models", completions.models, methods=["GET"])
+    router.add_api_route("/chat/completions", completions.create, methods=["POST"])
+    return router
 
-    def error(err: APIError) -> JSONResponse:
-        headers = {"retry-after": "5"} if err.status == 503 else None
-        return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
-    @router.get("/models")
-    async def models():
-        return {
-            "object": "list",
-            "data": [wire(Model(id=model_id or engine.name, object="model", created=created, owned_by="chat-e"))],
-        }
+class ChatCompletions:
+    """The API's two routes: ``GET /models`` and ``POST /chat/completions`` (whole, or streamed as server-sent
+    events), each request checked once (:meth:`check`) and made a :class:`~chat_e.data.limits.Request` per choice."""
 
-    def checked_request(body: Any):
+    def __init__(self, engine, settings: GenerationSettings | None, limits: ChatLimits | None, model_id: str | None):
+        self.engine = engine if isinstance(engine, GatedEngine) else GatedEngine(engine, concurrency=1)
+        self.defaults = settings or self.engine.default_settings()
+        self.limits = limits or ChatLimits()
+        self.ranges = setting_ranges(self.engine.max_positions - 1)
+        self.model_id = model_id
+        self.created = int(time.time())
+
+    async def models(self):
+        model = Model(id=self.model_id or self.engine.name, object="model", created=self.created, owned_by="chat-e")
+        return {"object": "list", "data": [wire(model)]}
+
+    async def create(self, raw: Request):
+        try:
+            try:
+                body = json.loads(await raw.body())
+            except ValueError:
+                raise refusal("The request body should be JSON.") from None
+            request, checked = self.check(body)
+        except APIError as err:
+            logger.info("refused (openai api): %s", err.message)
+            return error(err)
+        answer = Answer(request, checked, self.model_id)
+        if not request.stream:
+            return await self.whole(answer)
+        return await self.streamed(answer)
+
+    def check(self, body: Any) -> tuple[ChatCompletionRequest, ChatRequest]:
+        """The request's body validated against OpenAI's fields, what Chat-E does not honour refused, and its chat
+        checked within the limits (:func:`~chat_e.data.limits.check_request`); a refusal is an :class:`APIError`
+        naming the field."""
         try:
             request = ChatCompletionRequest.model_validate(body)
         except pydantic.ValidationError as err:
             first = err.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
             raise refusal(f"{where}: {first['msg']}" if where else first["msg"], param=where or None) from None
-        if request.n is not None and not 1 <= request.n <= MAX_CHOICES:
-            raise refusal(f"n should be a whole number from 1 to {MAX_CHOICES}.", param="n")
-        if request.tools or request.functions or request.tool_choice not in (None, "none"):
-            raise refusal("Chat-E does not call tools: send no tools, functions or tool_choice.", param="tools")
-        if request.logprobs:
-            raise refusal("Chat-E does not return log probabilities: send logprobs false.", param="logprobs")
-        for field, (asks, text) in UNHONOURED.items():
-            if asks(getattr(request, field)):
-                raise refusal(text, param=field)
-        if len(request.stops()) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in request.stops()):
-            raise refusal(f"stop takes up to {MAX_STOPS} strings of up to {MAX_STOP_CHARS} characters.", param="stop")
+        refuse_unhonoured(request)
         system, history, message = split_messages(request.messages)
         mode, context = chat_mode(request, system)
         try:
-            checked = check_request(
-                limits,
-                message=message_text(message),
-                history=history,
-                mode=mode,
-                context=context,
-                settings=request_settings(request),
-                ranges=ranges,
-            )
+            checked = check_request(self.limits, message=message_text(message), history=history, mode=mode,
+                                    context=context, settings=request_settings(request), defaults=self.defaults,
+                                    ranges=self.ranges, sampling=request_sampling(request))  # fmt: skip
         except Refused as err:
             name = given_field(request, err.setting)
             if name is None:
                 raise refusal(str(err)) from None
             raise refusal(str(err).replace(err.setting, name, 1), param=name) from None
-        return request, checked, request_sampling(request)
+        return request, checked
 
-    def usage(done: list[Completion]) -> CompletionUsage | None:
-        """Token counts, where the engine counts them (the local one): the prompt's, and the replies' as generated
-        (their end tokens not counted), summed over the choices."""
-        if not done or any(d.tokens is None or d.prompt_tokens is None for d in done):
-            return None
-        prompt, completion = done[0].prompt_tokens, sum(d.tokens for d in done)
-        return CompletionUsage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-
-    @router.post("/chat/completions")
-    async def chat_completions(raw: Request):
+    async def whole(self, answer: Answer) -> JSONResponse:
+        """Every choice's reply, one after the other, in one ``chat.completion``."""
         try:
-            try:
-                body = json.loads(await raw.body())
-            except ValueError:
-                raise refusal("The request body should be JSON.") from None
-            request, checked, sampling = checked_request(body)
-        except APIError as err:
-            logger.info("refused (openai api): %s", err.message)
-            return error(err)
-        reply_settings = defaults.replace(**checked.settings)
-        args = (checked.message, checked.history, checked.mode, checked.context, reply_settings)
-        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
-        now = int(time.time())
-        done = [Completion() for _ in range(request.n or 1)]  # one per choice, each generated in turn
+            for index in answer.choices:
+                reply = await run_in_threadpool(
+                    self.engine.reply, answer.choice(index), max_waiting=self.limits.max_queue
+                )
+                answer.add(index, reply)
+        except Busy as err:
+            return error(APIError(503, str(err), kind="server_error", code="busy"))
+        except Exception as err:
+            return error(failed(err, answer.checked))
+        return JSONResponse(wire(answer.completion()))
 
-        def start(index: int):
-            return engine.stream_chat(*args, completion=done[index], max_waiting=limits.max_queue,
-                                      sampling=sampling.for_choice(index))  # fmt: skip
-
-        if not request.stream:
-            choices = []
-            try:
-                for index, completion in enumerate(done):
-                    reply = await run_in_threadpool(engine.chat, *args, completion=completion,
-                                                    max_waiting=limits.max_queue, sampling=sampling.for_choice(index))  # fmt: skip
-                    scanner = StopScanner(request.stops())
-                    reply = scanner.feed(reply) + scanner.flush()
-                    message = ChatCompletionMessage(role="assistant", content=reply)
-                    finish = STOP if scanner.stopped else completion.finish_reason
-                    choices.append(Choice(index=index, message=message, finish_reason=finish))
-            except Busy as err:
-                return error(APIError(503, str(err), kind="server_error", code="busy"))
-            except Exception as err:
-                return error(failed(err, checked))
-            counts = usage(done)
-            answer = ChatCompletion(
-                id=completion_id,
-                object="chat.completion",
-                created=now,
-                model=model_id or done[0].model or engine.name,
-                choices=choices,
-                **({"usage": counts} if counts else {}),
-            )
-            return JSONResponse(wire(answer))
-
-        pieces = start(0)
-        try:  # the first piece before the answer starts: a busy server or a failure is still an HTTP status
+    async def streamed(self, answer: Answer):
+        """Every choice's reply as it is generated, as ``chat.completion.chunk`` events. A busy server or a failure
+        before the first piece is still an HTTP status; after it, the stream's last event."""
+        pieces = self.engine.stream(answer.choice(0), max_waiting=self.limits.max_queue)
+        try:
             first = await run_in_threadpool(next, pieces, None)
         except Busy as err:
             return error(APIError(503, str(err), kind="server_error", code="busy"))
         except Exception as err:
-            return error(failed(err, checked))
-        served = model_id or done[0].model or engine.name  # the model that makes this reply (named once it started)
-        include_usage = bool((request.stream_options or {}).get("include_usage"))
-
-        def event(**fields) -> str:
-            answer = ChatCompletionChunk(
-                id=completion_id, object="chat.completion.chunk", created=now, model=served, **fields
-            )
-            return f"data: {json.dumps(wire(answer))}\n\n"
-
-        def chunk(index: int, delta: dict, finish: str | None = None) -> str:
-            return event(choices=[ChunkChoice(index=index, delta=ChoiceDelta(**delta), finish_reason=finish)])
+            return error(failed(err, answer.checked))
+        answer.model = answer.model or pieces.model  # the model that makes this reply (named once it started)
 
         async def events():
             nonlocal pieces
+            piece = first
             try:
-                for index in range(len(done)):  # the choices one after another, each chunk naming its own
+                for index in answer.choices:  # the choices one after another, each chunk naming its own
                     if index:
-                        pieces = start(index)
+                        pieces = self.engine.stream(answer.choice(index), max_waiting=self.limits.max_queue)
                         piece = await run_in_threadpool(next, pieces, None)
-                    else:
-                        piece = first
-                    scanner = StopScanner(request.stops())
-                    yield chunk(index, {"role": "assistant", "content": ""})
+                    scanner = StopScanner(answer.request.stops())
+                    yield answer.chunk(index, {"role": "assistant", "content": ""})
                     while piece is not None:
                         if shown := scanner.feed(piece):
-                            yield chunk(index, {"content": shown})
+                            yield answer.chunk(index, {"content": shown})
                         if scanner.stopped:
                             break  # closing the stream (below) stops generating
                         piece = await run_in_threadpool(next, pieces, None)
                     if rest := scanner.flush():
-                        yield chunk(index, {"content": rest})
-                    await run_in_threadpool(pieces.close)
-                    # the stream has ended (the engine has filled finish_reason in) or a stop string ended it here
-                    yield chunk(index, {}, STOP if scanner.stopped else done[index].finish_reason)
-                if include_usage:
-                    yield event(choices=[], usage=usage(done))
+                        yield answer.chunk(index, {"content": rest})
+                    await run_in_threadpool(pieces.close)  # its reply: whole, or as far as a stop string let it go
+                    answer.done.append(pieces.reply)
+                    yield answer.chunk(index, {}, STOP if scanner.stopped else pieces.reply.finish_reason)
+                if (answer.request.stream_options or {}).get("include_usage"):
+                    yield answer.event(choices=[], usage=usage(answer.done))
                 yield "data: [DONE]\n\n"
             except Exception as err:  # after the answer started: the error as the stream's last event
-                yield f"data: {json.dumps(failed(err, checked).body())}\n\n"
+                yield f"data: {json.dumps(failed(err, answer.checked).body())}\n\n"
             finally:  # a client that left (or any end): close the stream, which stops generation
                 with anyio.CancelScope(shield=True):
                     await run_in_threadpool(pieces.close)
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
 
-    return router
+
+class Answer:
+    """One request's answer as it is made: its id and time, its choices' requests (each with its own seed) and the
+    replies made so far; its ``model`` is ``model_id``, else the model that made the first reply."""
+
+    def __init__(self, request: ChatCompletionRequest, checked: ChatRequest, model_id: str | None):
+        self.request, self.checked, self.model = request, checked, model_id
+        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.choices = range(request.n or 1)
+        self.done: list[Reply | None] = []
+        self.answers: list[Choice] = []
+
+    def choice(self, index: int) -> ChatRequest:
+        """The request of choice ``index``: its own seed (:meth:`RequestSampling.for_choice`)."""
+        return self.checked.but(sampling=self.checked.sampling.for_choice(index))
+
+    def add(self, index: int, reply: Reply) -> None:
+        """A whole choice's reply, cut at its first stop string."""
+        scanner = StopScanner(self.request.stops())
+        text = scanner.feed(reply.text) + scanner.flush()
+        finish = STOP if scanner.stopped else reply.finish_reason
+        message = ChatCompletionMessage(role="assistant", content=text)
+        self.answers.append(Choice(index=index, message=message, finish_reason=finish))
+        self.done.append(reply)
+        self.model = self.model or reply.model
+
+    def completion(self) -> ChatCompletion:
+        counts = usage(self.done)
+        return ChatCompletion(id=self.id, object="chat.completion", created=self.created, model=self.model,
+                              choices=self.answers, **({"usage": counts} if counts else {}))  # fmt: skip
+
+    def event(self, **fields) -> str:
+        chunk = ChatCompletionChunk(id=self.id, object="chat.completion.chunk", created=self.created,
+                                    model=self.model, **fields)  # fmt: skip
+        return f"data: {json.dumps(wire(chunk))}\n\n"
+
+    def chunk(self, index: int, delta: dict, finish: str | None = None) -> str:
+        return self.event(choices=[ChunkChoice(index=index, delta=ChoiceDelta(**delta), finish_reason=finish)])
+
+
+def refuse_unhonoured(request: ChatCompletionRequest) -> None:
+    """An :class:`APIError` naming the first field Chat-E cannot honour: more choices than it makes, tools, log
+    probabilities, a logit bias, a non-text format, too many or too long stop strings."""
+    if request.n is not None and not 1 <= request.n <= MAX_CHOICES:
+        raise refusal(f"n should be a whole number from 1 to {MAX_CHOICES}.", param="n")
+    if request.tools or request.functions or request.tool_choice not in (None, "none"):
+        raise refusal("Chat-E does not call tools: send no tools, functions or tool_choice.", param="tools")
+    if request.logprobs:
+        raise refusal("Chat-E does not return log probabilities: send logprobs false.", param="logprobs")
+    for field, (asks, text) in UNHONOURED.items():
+        if asks(getattr(request, field)):
+            raise refusal(text, param=field)
+    if len(request.stops()) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in request.stops()):
+        raise refusal(f"stop takes up to {MAX_STOPS} strings of up to {MAX_STOP_CHARS} characters.", param="stop")
+
+
+def usage(done: list[Reply | None]) -> CompletionUsage | None:
+    """Token counts, where the engine counts them (the local one): the prompt's, and the replies' as generated (their
+    end tokens not counted), summed over the choices."""
+    if not done or any(d is None or d.tokens is None or d.prompt_tokens is None for d in done):
+        return None
+    prompt, completion = done[0].prompt_tokens, sum(d.tokens for d in done)
+    return CompletionUsage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def error(err: APIError) -> JSONResponse:
+    """An :class:`APIError` as OpenAI's error body and status; a busy server's says when to retry."""
+    headers = {"retry-after": "5"} if err.status == 503 else None
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
 def failed(err: BaseException, checked) -> APIError:

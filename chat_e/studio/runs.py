@@ -5,7 +5,7 @@ feedback database (:class:`chat_e.feedback.store.TrainingRun`).
 * **Start** exports the database's rows of the run's method (:data:`METHOD_RUNS`: DPO pairs, KTO labels, or DPO
   pairs for SFT on their chosen replies) into the run's folder, then
   starts ``chat-e train`` (:mod:`chat_e.training.launch`) under ``nice`` (the ranks inherit it), in a new session
-  (so that it outlives a restarted server), with ``CHAT_E_PROGRESS_FILE`` set (:mod:`chat_e.data.progress`). One run at a
+  (so that it outlives a restarted server), with ``CHAT_E_PROGRESS_FILE`` set (:mod:`chat_e.training.progress`). One run at a
   time: a second Start while one runs is refused in one line.
 * **Cancel** sends SIGTERM to the run's ranks (not to its launcher, which would kill them 30 s later): hf-ext's preemption (``save_on_preemption``) has every rank save one
   checkpoint at the next step boundary and exit with status 75; the run is then ``stopped``. **Resume** starts the
@@ -40,8 +40,6 @@ from hf_ext.atomic import write_text_atomically
 from hf_ext.deepspeed.load import PRESETS
 from hf_ext.exit_status import PREEMPTED_EXIT_CODE, RECORD_ENV, read_preemption_record
 
-from ..data.progress import ENV as PROGRESS_ENV
-from ..data.progress import NICENESS_ENV, PREPARING, TRAINING, read_progress
 from ..data.stats import Share
 from ..feedback.export import export
 from ..feedback.store import (
@@ -67,6 +65,8 @@ from ..training.launch import (
     command,
     replay_problem,
 )
+from ..training.progress import ENV as PROGRESS_ENV
+from ..training.progress import NICENESS_ENV, PREPARING, TRAINING, read_progress
 
 logger = logging.getLogger(__name__)
 
@@ -264,7 +264,7 @@ class RunManager:
         run = self._get(run_id)
         folder = Path(run["log_path"]).parent
         niced = self._niced()
-        # each rank gives its own session the same niceness (chat_e.data.progress says why)
+        # each rank gives its own session the same niceness (chat_e.training.progress says why)
         (folder / PREEMPTION_RECORD).unlink(missing_ok=True)  # an earlier launch's (this one may resume it)
         env = {**os.environ, PROGRESS_ENV: str(folder / "progress.jsonl"), NICENESS_ENV: str(self.niceness),
                RECORD_ENV: str(folder / PREEMPTION_RECORD)}  # fmt: skip
@@ -442,7 +442,7 @@ class RunManager:
 
 
 def current_phase(records: list[dict]) -> dict[str, Any]:
-    """The part of its newest launch a run is in (:data:`chat_e.data.progress.PHASES`; None before the training
+    """The part of its newest launch a run is in (:data:`chat_e.training.progress.PHASES`; None before the training
     wrote any), since when (a timestamp), the replies an evaluation has scored of how many (None until known), and
     the rows' split as the training kept them (``training_rows``, ``held_out_rows``; {} until known)."""
     starts = [i for i, r in enumerate(records) if r.get("event") == "phase" and r.get("phase") == PREPARING]
@@ -483,16 +483,6 @@ def signal_ranks(pid: int, sig: signal.Signals) -> None:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     for process in ranks or processes[:1]:
-        try:
-            process.send_signal(sig)
-        except psutil.NoSuchProcess:
-            pass
-
-
-def signal_run(pid: int, sig: signal.Signals) -> None:
-    """``sig`` to every process of the run whose launcher is ``pid`` (a rank signalled by its launcher too counts it
-    once: hf-ext's preemption takes a repeated signal within seconds as the same one)."""
-    for process in run_processes(pid):
         try:
             process.send_signal(sig)
         except psutil.NoSuchProcess:

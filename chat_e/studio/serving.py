@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ..data.limits import Request
 from ..data.settings import GenerationSettings
 from ..engines.base import ChatEngine
 from ..engines.gate import GatedEngine
@@ -153,13 +154,14 @@ class ServingDesk:
 
     # ---- side by side ----------------------------------------------------------------------------------------
 
-    def side_by_side(self, run_id: int, message: str, history=(), mode: str = "free", context: str = "") -> dict:
-        """Both models' replies to one checked ``message`` (named, not blind): ``{name: reply}``, served first."""
+    def side_by_side(self, run_id: int, request: Request) -> dict:
+        """Both models' replies to one checked ``request`` (named, not blind), each with its own settings:
+        ``{name: reply}``, served first."""
         (engine, settings), gated = self.candidate(run_id)
         served, served_settings = self._serving
         return {
-            served.name: self.served.chat(message, history, mode, context, served_settings),
-            engine.name: gated.chat(message, history, mode, context, settings),
+            served.name: self.served.reply(request.but(settings=served_settings)).text,
+            engine.name: gated.reply(request.but(settings=settings)).text,
         }
 
     def status(self) -> dict[str, Any]:

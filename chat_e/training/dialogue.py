@@ -40,10 +40,11 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 # absolute imports: Ray Train's workers load this file by its path (hf_ext.ray.run_script), outside its package
 from chat_e.data.corpora import DataArguments, load_dialogue_dataset, tokenize_dataset
 from chat_e.data.dialogue import family_of, parse_header, parse_texts
-from chat_e.data.lora import LoraArguments
+from chat_e.data.limits import Request
 from chat_e.data.models import BUILDERS, build_model
-from chat_e.data.plotting import plot_training_curves
 from chat_e.data.samples import SAMPLE_CHATS
+from chat_e.training.lora import LoraArguments
+from chat_e.training.plotting import plot_training_curves
 from chat_e.training.progress import join_run_niceness, progress_callbacks
 from hf_ext import Seq2SeqTrainer, Seq2SeqTrainingArguments
 from hf_ext.atomic import write_text_atomically
@@ -147,7 +148,8 @@ def print_samples(model_dirs: dict[str, str], chats: list[dict], args) -> list[d
         engine = LocalEngine.from_pretrained(model_dir, device=str(args.device))
         settings = engine.default_settings().replace(num_beams=args.generation_num_beams)
         for row in rows:
-            row[name] = engine.chat(row["turns"][-1], row["turns"][:-1], row["mode"], row["context"], settings)
+            chat = Request(row["turns"][-1], row["turns"][:-1], row["mode"], row["context"], settings)
+            row[name] = engine.reply(chat).text
         del engine
     print("\n=== sample replies ===")
     for i, row in enumerate(rows, 1):
@@ -166,7 +168,7 @@ def bleu_before_after(log_history: list[dict]) -> tuple[dict, dict] | None:
     return (evals[0], evals[-1]) if len(evals) >= 2 else None
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> dict:  # long: the run's numbered steps in order, read top to bottom
     join_run_niceness()  # a run the app started: this rank's session niced as the run is
     # 1. arguments: dataclass defaults < --config YAML < CLI flags
     model_args, data_args, training_args = parse_args_with_config(

@@ -38,7 +38,8 @@ from hf_ext.evaluation.bleu import generate_in_order
 
 from ..data import adherence
 from ..data.corpora import OFFLINE_DATASETS, load_offline, sample
-from ..data.dialogue import encode_example, encode_history
+from ..data.dialogue import encode_example
+from ..data.limits import Request
 from ..data.settings import resolve_quantize
 from ..data.stats import paired_difference, share_of
 from ..engines.local import LocalEngine
@@ -62,10 +63,9 @@ SCORES = (
 def probe_inputs(engine: LocalEngine) -> list[dict]:
     """Every probe's model input, as Chat-E renders a first message: the instruction prompts in free chat, then the
     mode probes under their mode and context."""
-    family, limit = engine.family, engine.max_input_length
-    inputs = [(p.message, "none", None) for p in adherence.PROMPTS]
-    inputs += [(p.message, p.mode, p.context) for p in adherence.MODE_PROBES]
-    return [{"input_ids": encode_history(engine.tokenizer, [m], mode, ctx, limit, family)} for m, mode, ctx in inputs]
+    chats = [Request(p.message) for p in adherence.PROMPTS]
+    chats += [Request(p.message, mode=p.mode, context=p.context) for p in adherence.MODE_PROBES]
+    return [{"input_ids": engine.encode(chat)} for chat in chats]
 
 
 def human_rows(engine: LocalEngine, args) -> list[tuple[list[int], list[int]]]:

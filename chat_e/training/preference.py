@@ -66,13 +66,21 @@ from ..data.dialogue import (
     family_of,
     parse_texts,
 )
-from ..data.lora import LoraArguments
 from ..data.models import BUILDERS, build_model
-from ..data.progress import EVAL_AFTER, EVAL_BEFORE, PREPARING, SAVING
 from ..data.stats import share
 from .heldout import heldout_metrics
 from .launch import PREFERENCE_REPORT, PREFERRED_PER_TOKEN, PREFERRED_SUM, REPLY_NLL, replay_problem, stop
-from .progress import join_run_niceness, phase, phase_rows, progress_callbacks
+from .lora import LoraArguments
+from .progress import (
+    EVAL_AFTER,
+    EVAL_BEFORE,
+    PREPARING,
+    SAVING,
+    join_run_niceness,
+    phase,
+    phase_rows,
+    progress_callbacks,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -511,7 +519,7 @@ def check_rows_left(trainer, train_rows: int, eval_rows: int, max_length: int | 
         raise stop(f"no held-out row left of {eval_rows}, so nothing can be measured: {fix}.")
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> dict:  # long: the run's numbered steps in order, read top to bottom
     # TRL and the exporter are imported here: the row functions above are imported by the unit tests
     from hf_ext.saving.export import export  # noqa: PLC0415 (see above)
     from hf_ext.trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer  # noqa: PLC0415 (see above)

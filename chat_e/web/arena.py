@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..data.limits import ChatLimits
 from ..data.settings import GenerationSettings
+from ..engines.base import ReplyStream
 from ..feedback.leaderboard import DECISIVE, Leaderboard, as_vote, leaderboard, matrix_png
 from ..feedback.store import WINNERS, utcnow
 from .ui import (
@@ -210,6 +211,7 @@ class Arena:
         handlers = self.handlers
         return next(iter(handlers.values())).ranges if handlers else {}
 
+    # long: one battle from the message to the state, both streams read in turn and closed on any end
     def battle(self, message: Any, mode: Any, context: Any, battle: Battle | None) -> Iterator[tuple]:
         """Send ``message`` to both models of the session's battle (a new one is drawn when there is none) and stream
         both replies side by side: yields ``(message box, chat A, chat B, state)``, the state once, at the end."""
@@ -237,10 +239,10 @@ class Arena:
         yield "", chats[0], chats[1], gr.skip()
 
         replies, failed = ["", ""], [False, False]
-        streams: dict[int, Iterator[str]] = {}
+        streams: dict[int, ReplyStream] = {}
         for i, name in enumerate(sides):
             h = handlers[name]
-            streams[i] = h.engine.stream_chat(checked.message, histories[i], checked.mode, checked.context, h.settings)
+            streams[i] = h.engine.stream(checked.but(history=histories[i], settings=h.settings))
         try:
             while streams:  # one piece from each side in turn, so that both replies grow together
                 for i in list(streams):
@@ -409,7 +411,7 @@ def build_arena(
     return arena_blocks(arena, concurrency_limit)
 
 
-def arena_blocks(arena: Arena, concurrency_limit: int = 2):
+def arena_blocks(arena: Arena, concurrency_limit: int = 2):  # long: a Blocks layout, in the page's order
     """:func:`build_arena`'s Blocks over an :class:`Arena` made by the caller (one whose models change: the Train
     page's)."""
     gr = import_gradio()

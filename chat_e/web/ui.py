@@ -26,7 +26,7 @@ import pydantic
 from ..data.limits import ChatLimits, Refused, Request, check_request
 from ..data.messages import message_text
 from ..data.samples import EXAMPLES
-from ..data.settings import SETTING_NAMES, SETTINGS, Completion, GenerationSettings, setting_ranges
+from ..data.settings import SETTING_NAMES, SETTINGS, GenerationSettings, setting_ranges
 from ..engines.base import BackendError
 
 if TYPE_CHECKING:
@@ -212,19 +212,17 @@ class Handlers:
             mode=mode,
             context=context,
             settings=dict(zip(SETTING_NAMES, settings, strict=True)),
+            defaults=self.settings,
             text=from_display,
         )
-        settings = self.settings.replace(**checked.settings)
-        if same_prompt(replaced, checked) and not settings.do_sample:
-            settings = settings.replace(do_sample=True, num_beams=1)
+        if same_prompt(replaced, checked) and not checked.settings.do_sample:
+            checked = checked.but(settings=checked.settings.replace(do_sample=True, num_beams=1))
         chat = chat_messages(chat)
         chat.append({"role": "assistant", "content": ""})
-        reply, failed, done = "", False, Completion()
+        reply, failed = "", False
+        stream = self.engine.stream(checked)
         try:
-            pieces = self.engine.stream_chat(
-                checked.message, checked.history, checked.mode, checked.context, settings, completion=done
-            )
-            for piece in pieces:
+            for piece in stream:
                 reply += piece
                 chat[-1]["content"] = to_display(reply)
                 yield [dict(m) for m in chat], None
@@ -236,13 +234,13 @@ class Handlers:
             logger.exception("generation failed (mode=%s, %d messages)", checked.mode, len(checked.history))
             chat[-1]["content"] = APOLOGY
             failed = True
+        finally:
+            stream.close()
         if not chat[-1]["content"]:
             chat[-1]["content"] = to_display(reply) or EMPTY_REPLY
-        yield chat, (None if failed else self.record(checked, settings, reply, done.model))
+        yield chat, (None if failed else self.record(checked, reply, stream.model))
 
-    def record(
-        self, checked: Request, settings: GenerationSettings, reply: str, model: str | None = None
-    ) -> dict[str, Any]:
+    def record(self, checked: Request, reply: str, model: str | None = None) -> dict[str, Any]:
         """A reply and what it was made from, as feedback on it is stored (:class:`chat_e.feedback.store.Feedback`);
         ``model``: the model that made it (the engine's name when None)."""
         return {
@@ -252,7 +250,7 @@ class Handlers:
             "context": checked.context or "",
             "history": list(checked.history),
             "message": checked.message,
-            "settings": asdict(settings),
+            "settings": asdict(checked.settings or self.settings),
             "reply": reply,
         }
 
@@ -400,7 +398,7 @@ class Handlers:
         """
         checked = self.check("chat", message=message, history=history, mode=mode, context=context)
         try:
-            return self.engine.chat(checked.message, checked.history, checked.mode, checked.context, self.settings)
+            return self.engine.reply(checked.but(settings=self.settings)).text
         except BackendError as err:  # the remote server's failure, already one line
             logger.error("generation failed (api, mode=%s, %d messages): %s", checked.mode, len(checked.history), err)
             return APOLOGY
@@ -412,7 +410,7 @@ class Handlers:
 # ---- layout ----------------------------------------------------------------------------------------------------
 
 
-def build_app(
+def build_app(  # long: a Blocks layout, in the page's order
     engine: ChatEngine,
     settings: GenerationSettings | None = None,
     concurrency_limit: int = 2,

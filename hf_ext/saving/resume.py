@@ -301,15 +301,6 @@ def global_batch(args, checkpoint: ZeroCheckpoint) -> tuple[int | None, str]:
     )
 
 
-def keep_global_batch(trainer, checkpoint: ZeroCheckpoint) -> str:
-    """Set this run's gradient accumulation so that its global batch is the checkpoint's (:func:`global_batch`);
-    returns the phrase for the log line."""
-    accumulation, phrase = global_batch(trainer.args, checkpoint)
-    if accumulation is not None:
-        _set_accumulation(trainer, accumulation)
-    return phrase
-
-
 def _engine_configs(trainer) -> list[dict]:
     """The DeepSpeed config dicts the engine will start from (the arguments' and the accelerator plugin's)."""
     args = trainer.args

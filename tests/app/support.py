@@ -202,7 +202,7 @@ def served_engine(model_dir: Path, model_defaults: bool = False):
 
         def chat(message, history, mode, context):
             checked = check_request(ChatLimits(), message=message, history=history, mode=mode, context=context)
-            return engine.chat(checked.message, checked.history, checked.mode, checked.context, settings)
+            return engine.reply(checked.but(settings=settings)).text
 
         yield chat
     finally:
@@ -250,3 +250,11 @@ def stock_seq2seq_reply(
     finally:
         torch.set_num_threads(before)
     return tokenizer.decode(out[0], skip_special_tokens=True).strip()
+
+
+def request(engine, message, history=(), mode="none", context=None, settings=None, sampling=None, **overrides):
+    """An engine request of plain turns: ``settings`` (the engine's defaults when None) with ``overrides``."""
+    from chat_e.data.limits import Request
+
+    settings = (settings or engine.default_settings()).replace(**overrides)
+    return Request(message, list(history), mode, context, settings, sampling)

@@ -12,9 +12,10 @@ import torch
 
 from chat_e.data import dialogue
 from chat_e.data.dialogue import normalize_mode
+from chat_e.data.limits import Request
 from chat_e.engines.local import GenerationSettings, LocalEngine, ModelLoadError
 
-from .support import make_broken_model, make_sensitive_model, mudoconv_prompt, stock_seq2seq_reply
+from .support import make_broken_model, make_sensitive_model, mudoconv_prompt, request, stock_seq2seq_reply
 
 GREEDY = dict(num_beams=1, do_sample=False, max_new_tokens=12, min_new_tokens=3)
 HISTORY = ["hello, who are you?", "I am a bot. And you?", "a person who likes cats"]
@@ -49,23 +50,22 @@ def test_context_string_and_ids_per_mode(engine, ui_mode, mode, context):
     turns = [*HISTORY, "what do you like?"]
     expected = dialogue.format_context(turns, mode, context)
     assert normalize_mode(ui_mode) == normalize_mode(mode) == mode
-    for name in (ui_mode, mode):
-        assert engine.build_context("what do you like?", HISTORY, name, context) == expected
     header = dialogue.make_header(mode, context)
     assert (header != "") == (mode != "none") and expected.startswith(header)
     expected_ids = dialogue.encode_history(engine.tokenizer, turns, mode, context, 128)
-    assert engine.encode("what do you like?", HISTORY, ui_mode, context) == expected_ids
+    for name in (ui_mode, mode):
+        assert engine.encode(Request("what do you like?", HISTORY, name, context)) == expected_ids
 
 
 def test_unknown_mode_is_refused(engine):
     with pytest.raises(ValueError, match="persona, emotion, domain"):
-        engine.build_context("hi", [], "pirate", "arr")
+        engine.encode(Request("hi", [], "pirate", "arr"))
 
 
 def test_truncation_keeps_header_and_newest_turn(engine):
     history = [f"old turn number {i} with a few extra words to fill the window" for i in range(60)]
     newest = "this newest question must survive truncation"
-    ids = engine.encode(newest, history, "persona", "I love flowers.")
+    ids = engine.encode(Request(newest, history, "persona", "I love flowers."))
     assert len(ids) <= engine.max_input_length == 128
     text = engine.tokenizer.decode(ids, skip_special_tokens=False)
     assert text.strip().startswith(dialogue.make_header("persona", "I love flowers."))
@@ -77,11 +77,11 @@ def test_huge_message_is_cut_and_answered(engine, tiny_model_dir):
     """The engine takes a message as given (the request edge cuts what it keeps); the window keeps its newest
     tokens."""
     message = "word " * 20_000 + "the very end"
-    ids = engine.encode(message, HISTORY, "domain", "vacation ideas")
+    ids = engine.encode(Request(message, HISTORY, "domain", "vacation ideas"))
     assert len(ids) <= 128
     text = engine.tokenizer.decode(ids, skip_special_tokens=True)
     assert dialogue.make_header("domain", "vacation ideas") in text and text.rstrip().endswith("the very end")
-    reply = engine.chat(message, HISTORY, "domain", "vacation ideas", **GREEDY)
+    reply = engine.reply(request(engine, message, HISTORY, "domain", "vacation ideas", **GREEDY)).text
     assert reply and reply == stock_seq2seq_reply(tiny_model_dir, ids, **GREEDY)
 
 
@@ -94,7 +94,7 @@ def test_replies_equal_stock_generate_on_the_mudoconv_prompt(
     sensitive, sensitive_dir, message, history, mode, context
 ):
     """The BlenderBot oracle shares no code with Chat-E: the prompt as MuDoConv writes it, stock ``generate``."""
-    reply = sensitive.chat(message, history, mode, context, **GREEDY)
+    reply = sensitive.reply(request(sensitive, message, history, mode, context, **GREEDY)).text
     assert reply and reply == stock_seq2seq_reply(
         sensitive_dir, mudoconv_prompt(message, history, mode, context), **GREEDY
     )
@@ -104,16 +104,16 @@ def test_replies_equal_stock_generate_on_the_mudoconv_prompt(
 def test_stream_concatenation_equals_chat_under_greedy(sensitive, turn):
     message = ["hi there!", "tell me about your weekend plans", "<b>really?</b> & why"][turn]
     history = HISTORY[: turn + 1]
-    pieces = list(sensitive.stream_chat(message, history, "persona", "I like hiking.", **GREEDY))
-    reply = sensitive.chat(message, history, "persona", "I like hiking.", **GREEDY)
+    pieces = list(sensitive.stream(request(sensitive, message, history, "persona", "I like hiking.", **GREEDY)))
+    reply = sensitive.reply(request(sensitive, message, history, "persona", "I like hiking.", **GREEDY)).text
     assert reply and "".join(pieces) == reply
     assert len(pieces) > 1  # it did stream
 
 
 def test_beam_search_streams_the_whole_reply_at_once(sensitive):
     settings = dict(GREEDY, num_beams=3)
-    pieces = list(sensitive.stream_chat("hi", [], "emotion", "happy", **settings))
-    assert pieces == [sensitive.chat("hi", [], "emotion", "happy", **settings)]
+    pieces = list(sensitive.stream(request(sensitive, "hi", [], "emotion", "happy", **settings)))
+    assert pieces == [sensitive.reply(request(sensitive, "hi", [], "emotion", "happy", **settings)).text]
 
 
 def test_closing_the_stream_stops_generation(sensitive):
@@ -122,10 +122,10 @@ def test_closing_the_stream_stops_generation(sensitive):
     steps: list[int] = []
     hook = sensitive.model.register_forward_hook(lambda *_: steps.append(1))  # one call per generated token
     try:
-        full = "".join(sensitive.stream_chat("hi", [], "free", None, **long))
+        full = "".join(sensitive.stream(request(sensitive, "hi", [], "free", None, **long)))
         full_steps = len(steps)
         steps.clear()
-        stream = sensitive.stream_chat("hi", [], "free", None, **long)
+        stream = sensitive.stream(request(sensitive, "hi", [], "free", None, **long))
         first = next(stream)
         stream.close()
         closed_steps = len(steps)
@@ -134,6 +134,9 @@ def test_closing_the_stream_stops_generation(sensitive):
     assert full_steps == 100 and full.startswith(first)
     assert not [t for t in threading.enumerate() if t.name == "chat-e-generate"]
     assert closed_steps < full_steps // 4, f"{closed_steps} of {full_steps} steps ran after the stream was closed"
+    # the reply so far: the text read, the tokens generated before generation stopped, a stop not a length end
+    assert stream.reply.text == first and 0 < stream.reply.tokens <= closed_steps
+    assert stream.reply.finish_reason == "stop"
 
 
 def test_defaults_are_blenderbots_and_settings_apply(engine, caplog):
@@ -143,18 +146,18 @@ def test_defaults_are_blenderbots_and_settings_apply(engine, caplog):
     config = engine.generation_config
     assert (config.length_penalty, config.no_repeat_ngram_size, config.encoder_no_repeat_ngram_size) == (0.65, 3, 3)
     with caplog.at_level(logging.INFO, logger="chat_e.engines.local"):
-        engine.chat("hi", [], "free", None, num_beams=2, max_new_tokens=5, min_new_tokens=5)
+        engine.reply(request(engine, "hi", [], "free", None, num_beams=2, max_new_tokens=5, min_new_tokens=5))
     assert "new_tokens=5 " in caplog.text
     with pytest.raises(TypeError, match="Unknown generation setting"):
-        engine.chat("hi", beams=3)
+        engine.default_settings().replace(beams=3)
 
 
 def test_generation_errors_reach_the_caller(tiny_model_dir, tmp_path):
     broken = LocalEngine.from_pretrained(make_broken_model(tiny_model_dir, tmp_path / "broken"))
     with pytest.raises(IndexError):
-        broken.chat("hi", **GREEDY)
+        broken.reply(request(broken, "hi", **GREEDY))
     with pytest.raises(IndexError):
-        list(broken.stream_chat("hi", **GREEDY))
+        list(broken.stream(request(broken, "hi", **GREEDY)))
 
 
 # ---- the three model-dir kinds ---------------------------------------------------------------------------------
@@ -179,9 +182,9 @@ def lora_dirs(sensitive_dir, tmp_path_factory):
 
 
 def _logits(engine: LocalEngine) -> torch.Tensor:
-    inputs = engine._inputs("how are you?", HISTORY, "persona", "I like cats.")
+    ids = torch.tensor([engine.encode(Request("how are you?", HISTORY, "persona", "I like cats."))])
     with torch.no_grad():
-        return engine.model(**inputs, decoder_input_ids=torch.tensor([[1, 5, 9]])).logits.float()
+        return engine.model(input_ids=ids, decoder_input_ids=torch.tensor([[1, 5, 9]])).logits.float()
 
 
 def test_loads_a_16_bit_save(sensitive_dir, sensitive, tmp_path):
@@ -196,7 +199,7 @@ def test_loads_a_16_bit_save(sensitive_dir, sensitive, tmp_path):
     source = sensitive.model.state_dict()
     for name, value in engine.model.state_dict().items():  # the 16-bit weights, upcast
         assert torch.equal(value, source[name].to(torch.bfloat16).float()), name
-    reply = engine.chat("hi", **GREEDY)
+    reply = engine.reply(request(engine, "hi", **GREEDY)).text
     assert reply and reply == stock_seq2seq_reply(tmp_path, mudoconv_prompt("hi"), dtype=torch.float32, **GREEDY)
 
 
@@ -212,8 +215,9 @@ def test_loads_an_adapter_and_an_exported_merge_alike(lora_dirs, sensitive, sens
     assert merged.info["kind"] == "model"
     torch.testing.assert_close(_logits(adapter), _logits(merged), atol=1e-4, rtol=1e-4)
     assert not torch.allclose(_logits(adapter), _logits(sensitive), atol=1e-3)  # the adapter is applied
-    assert adapter.chat("hi", HISTORY, "emotion", "sad", **GREEDY) == merged.chat(
-        "hi", HISTORY, "emotion", "sad", **GREEDY
+    assert (
+        adapter.reply(request(adapter, "hi", HISTORY, "emotion", "sad", **GREEDY)).text
+        == merged.reply(request(merged, "hi", HISTORY, "emotion", "sad", **GREEDY)).text
     )
 
 
@@ -248,12 +252,12 @@ def test_bf16_and_int8(tiny_model_dir, sensitive_dir):
     prompt = ("hi, how are you?", HISTORY[:2], "persona", "I like cats.")
     bf16 = LocalEngine.from_pretrained(sensitive_dir, dtype="bf16")
     assert next(bf16.model.parameters()).dtype == torch.bfloat16
-    reply = bf16.chat(*prompt, **GREEDY)
+    reply = bf16.reply(request(bf16, *prompt, **GREEDY)).text
     assert reply and reply == stock_seq2seq_reply(
         sensitive_dir, mudoconv_prompt(*prompt), dtype=torch.bfloat16, **GREEDY
     )
     int8 = LocalEngine.from_pretrained(sensitive_dir, quantize="int8")
-    reply = int8.chat(*prompt, **GREEDY)
+    reply = int8.reply(request(int8, *prompt, **GREEDY)).text
     assert reply and reply == stock_seq2seq_reply(sensitive_dir, mudoconv_prompt(*prompt), int8=True, **GREEDY)
     int8 = LocalEngine.from_pretrained(tiny_model_dir, quantize="int8")
     modules = list(int8.model.modules())
@@ -303,7 +307,7 @@ def test_chat_model_replies_equal_stock_generate_on_the_chat_template(chat_engin
         {"role": "assistant", "content": HISTORY[1]},
         {"role": "user", "content": HISTORY[2]},
     ]
-    reply = chat_engine.chat(HISTORY[2], HISTORY[:2], "persona", "I like cats.", **GREEDY)
+    reply = chat_engine.reply(request(chat_engine, HISTORY[2], HISTORY[:2], "persona", "I like cats.", **GREEDY)).text
     stock = _stock_reply(
         chat_sensitive_dir, messages, do_sample=False, max_new_tokens=12, min_new_tokens=3, repetition_penalty=1.2
     )
@@ -316,14 +320,17 @@ def test_chat_model_replies_equal_stock_generate_on_the_chat_template(chat_engin
 
 @pytest.mark.parametrize("turn", ["hello there", "what is your favourite food?"])
 def test_chat_model_stream_concatenation_equals_chat(chat_engine, turn):
-    pieces = list(chat_engine.stream_chat(turn, HISTORY, "emotion", "happy", **GREEDY))
+    pieces = list(chat_engine.stream(request(chat_engine, turn, HISTORY, "emotion", "happy", **GREEDY)))
     assert len(pieces) > 1
-    assert "".join(pieces) == chat_engine.chat(turn, HISTORY, "emotion", "happy", **GREEDY)
+    assert "".join(pieces) == chat_engine.reply(request(chat_engine, turn, HISTORY, "emotion", "happy", **GREEDY)).text
 
 
 def test_chat_model_replies_depend_on_the_mode(chat_engine):
-    replies = {mode: chat_engine.chat("hello there", [], mode, "cats", **GREEDY) for mode in ("persona", "domain")}
-    replies["free"] = chat_engine.chat("hello there", [], "free", None, **GREEDY)
+    replies = {
+        mode: chat_engine.reply(request(chat_engine, "hello there", [], mode, "cats", **GREEDY)).text
+        for mode in ("persona", "domain")
+    }
+    replies["free"] = chat_engine.reply(request(chat_engine, "hello there", [], "free", None, **GREEDY)).text
     assert len(set(replies.values())) == 3
 
 
@@ -338,15 +345,15 @@ def test_chat_model_adapter_int8_and_window(chat_sensitive_dir, chat_engine, tmp
     adapter = LocalEngine.from_pretrained(tmp_path / "adapter")
     assert adapter.info["kind"] == "base + adapter" and adapter.family == "causal"
     merged = model.merge_and_unload().eval()
-    ids = adapter._inputs("hi", HISTORY, "domain", "food")
+    ids = torch.tensor([adapter.encode(Request("hi", HISTORY, "domain", "food"))])
     with torch.no_grad():
-        torch.testing.assert_close(adapter.model(**ids).logits, merged(**ids).logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(adapter.model(ids).logits, merged(ids).logits, atol=1e-4, rtol=1e-4)
     int8 = LocalEngine.from_pretrained(chat_sensitive_dir, quantize="int8")
     kinds = {name: type(module) for name, module in int8.model.named_modules()}
     # the feed-forward layers are int8; the attention projections and the tied output head stay fp32
     assert "quantized" in kinds["model.layers.0.mlp.up_proj"].__module__
     assert kinds["model.layers.0.self_attn.q_proj"] is torch.nn.Linear and kinds["lm_head"] is torch.nn.Linear
-    reply = int8.chat("hi", **GREEDY)
+    reply = int8.reply(request(int8, "hi", **GREEDY)).text
     stock = _stock_reply(
         chat_sensitive_dir,
         [{"role": "user", "content": "hi"}],
@@ -360,7 +367,7 @@ def test_chat_model_adapter_int8_and_window(chat_sensitive_dir, chat_engine, tmp
     # the prompt leaves room for the reply in the model's 256 positions
     assert chat_engine.max_input_length == 128
     long_history = [f"turn {i} with several words in it" for i in range(100)]
-    assert len(chat_engine.encode("newest", long_history, "persona", "I like cats.")) <= 128
+    assert len(chat_engine.encode(Request("newest", long_history, "persona", "I like cats."))) <= 128
 
 
 def test_regenerate_samples_under_greedy_settings_and_offers_a_choice_only_between_different_replies(sensitive):
@@ -396,37 +403,38 @@ def test_regenerate_samples_under_greedy_settings_and_offers_a_choice_only_betwe
 def test_a_swap_serves_the_next_reply_and_the_one_under_way_finishes_on_its_model(sensitive, engine):
     """The Train page's Promote (chat_e.engines.switch): a stream started before the swap ends as the model it began
     on would have it, named by that model; the next reply is the new model's, named by it."""
-    from chat_e.data.settings import Completion
     from chat_e.engines.gate import GatedEngine
     from chat_e.engines.switch import SwitchableEngine
 
     switch = SwitchableEngine(sensitive)
     served = GatedEngine(switch, concurrency=2)
     settings = sensitive.default_settings().replace(**GREEDY)
-    under_way, after = Completion(), Completion()
-    stream = served.stream_chat("hello, who are you?", HISTORY[:1], "none", None, settings, completion=under_way)
+    stream = served.stream(request(served, "hello, who are you?", HISTORY[:1], "none", None, settings))
+    assert stream.model == sensitive.name
     first = next(stream)
     assert switch.swap(engine) is sensitive and served.name == engine.name
     rest = "".join(stream)
     assert rest  # the swap came in the middle of the reply
-    assert first + rest == sensitive.chat("hello, who are you?", HISTORY[:1], "none", None, settings)
-    assert under_way.model == sensitive.name
-    reply = served.chat("hello, who are you?", HISTORY[:1], "none", None, settings, completion=after)
-    assert reply == engine.chat("hello, who are you?", HISTORY[:1], "none", None, settings)
-    assert after.model == engine.name != sensitive.name
+    assert (
+        first + rest
+        == sensitive.reply(request(sensitive, "hello, who are you?", HISTORY[:1], "none", None, settings)).text
+    )
+    assert stream.reply.model == sensitive.name and stream.reply.text == first + rest
+    reply = served.reply(request(served, "hello, who are you?", HISTORY[:1], "none", None, settings))
+    assert reply.text == engine.reply(request(engine, "hello, who are you?", HISTORY[:1], "none", None, settings)).text
+    assert reply.model == engine.name != sensitive.name
 
 
 def test_openai_penalties_break_the_greedy_loop_of_a_random_model(tiny_chat_model_dir):
     """The random-init chat model's greedy reply repeats one token (a newline) to its limit; OpenAI's penalties,
     applied to the reply generated so far (chat_e.engines.sampling), make every token of it a new one."""
-    from chat_e.data.settings import Completion, RequestSampling
+    from chat_e.data.settings import RequestSampling
 
     engine = LocalEngine.from_pretrained(tiny_chat_model_dir)
     settings = dict(num_beams=1, do_sample=False, max_new_tokens=16, min_new_tokens=1)
-    looped, done = Completion(), Completion()
-    plain = engine.chat("Hi! What's your name?", completion=looped, **settings)
-    assert looped.tokens == 16 and plain == ""  # 16 whitespace tokens, stripped
+    looped = engine.reply(request(engine, "Hi! What's your name?", **settings))
+    assert looped.tokens == 16 and looped.text == ""  # 16 whitespace tokens, stripped
     penalties = RequestSampling(presence_penalty=2.0, frequency_penalty=2.0)
-    penalized = engine.chat("Hi! What's your name?", completion=done, sampling=penalties, **settings)
-    ids = engine.tokenizer(penalized, add_special_tokens=False)["input_ids"]
-    assert penalized and len(set(ids)) == len(ids) > 8 and done.tokens > 8
+    done = engine.reply(request(engine, "Hi! What's your name?", sampling=penalties, **settings))
+    ids = engine.tokenizer(done.text, add_special_tokens=False)["input_ids"]
+    assert done.text and len(set(ids)) == len(ids) > 8 and done.tokens > 8

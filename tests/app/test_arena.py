@@ -26,7 +26,7 @@ from chat_e.web.arena import VOTE_KEYS, Arena, build_arena, draw_pair
 from chat_e.web.ui import APOLOGY, from_display
 
 from ..conftest import free_port
-from .support import TEST_SETTINGS, gradio_client, make_sensitive_model
+from .support import TEST_SETTINGS, gradio_client, make_sensitive_model, request
 
 REVEAL = re.compile(r"\*\*Model A\*\* was `(?P<a>[^`]+)`, \*\*Model B\*\* was `(?P<b>[^`]+)`")
 
@@ -101,7 +101,7 @@ def texts(chat):
 
 def reference_reply(engine, message, history, mode, context):
     """What the engine says to these plain turns with the arena's settings (as the arena shows it)."""
-    return engine.chat(message, history, mode, context, settings_of(engine)) or "…"
+    return engine.reply(request(engine, message, history, mode, context, settings_of(engine))).text or "…"
 
 
 def play(url, script, results, errors):
@@ -234,7 +234,7 @@ def test_three_models_leaderboard_is_choixs(engines, tmp_path):
 
 def test_a_failed_reply_shows_the_apology_and_cannot_be_voted_on(engines):
     class Broken(LocalEngine):
-        def stream_chat(self, *args, **kwargs):
+        def _pieces(self, request):
             raise RuntimeError("generation failed on purpose")
             yield  # a generator, like the real one
 

@@ -5,6 +5,7 @@ time; bad form values refused in one line before anything starts."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -16,9 +17,9 @@ import httpx
 import psutil
 import pytest
 
-from chat_e.data.progress import AUTOGROUP, EVAL_AFTER, EVAL_BEFORE, PREPARING, SAVING, TRAINING, read_progress
 from chat_e.feedback.store import DONE, RUNNING, FeedbackStore
-from chat_e.studio.runs import RunForm, RunManager, current_phase, run_processes, signal_run
+from chat_e.studio.runs import RunForm, RunManager, current_phase, run_processes
+from chat_e.training.progress import AUTOGROUP, EVAL_AFTER, EVAL_BEFORE, PREPARING, SAVING, TRAINING, read_progress
 
 from ..conftest import ROOT
 from .browser import BOT, keep_screenshot, needs_chromium, wait_for_reply
@@ -30,6 +31,13 @@ PREFERENCE_TINY = ROOT / "recipes" / "configs" / "preference_tiny.yaml"
 TRAIN_ARGS = ["--config", str(PREFERENCE_TINY)]
 #: a done run's eval beside the served model, kept short (its report is tested in tests/integration/test_chat_eval.py)
 EVAL_ARGS = ["--n_nll", "8", "--max_new_tokens", "8"]
+
+
+def signal_run(pid: int, sig: signal.Signals) -> None:
+    """``sig`` to every process of the run whose launcher is ``pid`` (as a scheduler or an operator would)."""
+    for process in run_processes(pid):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.send_signal(sig)
 
 
 def choice(i: int) -> dict:

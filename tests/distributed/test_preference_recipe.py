@@ -13,6 +13,7 @@ import pytest
 
 from chat_e.engines.local import LocalEngine
 
+from ..app.support import request
 from ..conftest import ROOT, TRAIN_LAUNCHER, launcher_cmd, run
 
 pytestmark = pytest.mark.distributed
@@ -101,5 +102,7 @@ def test_kto_trains_and_reports_before_and_after(preference_runs):
 def test_the_output_serves_in_chat_e(preference_runs):
     out, _ = preference_runs("dpo")
     engine = LocalEngine.from_pretrained(str(out), device="cpu")
-    reply = engine.chat("Hi! How was your weekend?", [], "topic", "Weekends", engine.default_settings())
+    reply = engine.reply(
+        request(engine, "Hi! How was your weekend?", [], "topic", "Weekends", engine.default_settings())
+    ).text
     assert isinstance(reply, str)

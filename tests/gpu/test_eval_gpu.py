@@ -16,10 +16,10 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from chat_e.data.dialogue import without_nul
-from chat_e.data.settings import Completion
 from chat_e.engines.local import LocalEngine
 from hf_ext.model_info import model_class
 
+from ..app.support import request as engine_request
 from ..conftest import ROOT, run
 from .conftest import DEVICE, one_gpu, report
 
@@ -85,16 +85,16 @@ def test_chat_e_engine_in_bf16_replies_as_stock_generate(model, request):
         max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)  # fmt: skip
     replies = []
     for prompt in PROMPTS:
-        ids = torch.tensor([engine.encode(*prompt)], device=DEVICE)
+        ids = torch.tensor([engine.encode(engine_request(engine, *prompt))], device=DEVICE)
         with torch.no_grad():
             out = stock.generate(input_ids=ids, attention_mask=torch.ones_like(ids), num_beams=1, do_sample=False,
                                  **lengths)  # fmt: skip
         expected = without_nul(tokenizer.decode(out[0, 0 if seq2seq else ids.shape[1] :], skip_special_tokens=True))
         settings = dict(num_beams=1, do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
-        completion = Completion()
-        reply = engine.chat(*prompt, completion=completion, **settings)
-        assert completion.tokens >= NEW_TOKENS - 1  # the last may be the end token (not counted)
+        answer = engine.reply(engine_request(engine, *prompt, **settings))
+        assert answer.tokens >= NEW_TOKENS - 1  # the last may be the end token (not counted)
+        reply = answer.text
         assert reply == expected.strip(), prompt
-        assert "".join(engine.stream_chat(*prompt, **settings)) == reply
+        assert "".join(engine.stream(engine_request(engine, *prompt, **settings))) == reply
         replies.append(reply)
     report(f"Chat-E engine bf16 {model}", replies=replies)

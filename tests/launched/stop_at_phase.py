@@ -1,7 +1,7 @@
 """Hold a Chat-E training run in one of its phases, for the Train page's browser walk: a real SIGSTOP to itself.
 
 ``CHAT_E_TEST_STOP_AT_PHASE="PHASE:FLAG"`` in a launched process's environment (``sitecustomize`` installs it): once
-rank 0 has announced PHASE (a name of :data:`chat_e.data.progress.PHASES`) in its progress file, it stops itself
+rank 0 has announced PHASE (a name of :data:`chat_e.training.progress.PHASES`) in its progress file, it stops itself
 with SIGSTOP, if the file FLAG exists, which it removes first (one run of the server's holds, the others go on). The
 test then acts on the paused run and sends SIGCONT.
 """

@@ -168,7 +168,7 @@ def test_every_engine_is_a_chat_engine_and_the_gate_adds_nothing_else():
         remote.name, remote.max_positions, remote.info, remote.describe(),
     )  # fmt: skip
     assert gated.default_settings() == remote.default_settings()
-    assert not hasattr(gated, "request")  # the remote engine's own method: the gate forwards the protocol only
+    assert not hasattr(gated, "request_fields")  # the remote engine's own method: the gate forwards the protocol only
 
 
 # ---- chat-e train ---------------------------------------------------------------------------------------------------

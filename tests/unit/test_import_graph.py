@@ -140,10 +140,10 @@ CHAT_E_MAY_IMPORT = {
     "data": set(),
     "engines": {"data"},
     "feedback": {"data"},
-    "web": {"data", "engines", "feedback", "studio"},
+    "web": {"data", "engines", "feedback"},
     "http": {"data", "engines"},
     "training": {"data", "engines"},
-    "studio": {"data", "engines", "feedback", "training"},
+    "studio": {"data", "engines", "feedback", "training", "web"},
 }
 CHAT_E_COMPOSITION = {"chat_e", "chat_e.__main__", "chat_e.server"}
 #: the serving and storage stacks, which the model-side layers (data, engines, training) never import
@@ -223,13 +223,14 @@ BEGIN, END = "<!-- import-graph: begin (written by tests/unit/test_import_graph.
 
 
 #: the product's units: Chat-E, and its training (chat_e.training's trainings and its eval; its ``launch`` and
-#: ``eval_cli``, which name them as strings or import them when run, are ``chat-e``'s), which uses hf-ext's trainer and settings as any user's script does
+#: ``eval_cli``, which name them as strings or import them when run, and ``progress``, the progress file a run writes
+#: and the Train page reads, are ``chat-e``'s), which uses hf-ext's trainer and settings as any user's script does
 PRODUCT = {"chat_e", "chat_e.training"}
 
 
 def unit_of(module: str) -> str:
     parts = module.split(".")
-    if parts[:2] == ["chat_e", "training"] and len(parts) > 2 and parts[2] not in ("launch", "eval_cli"):
+    if parts[:2] == ["chat_e", "training"] and len(parts) > 2 and parts[2] not in ("launch", "eval_cli", "progress"):
         return "chat_e.training"
     return parts[1] if parts[0] == "hf_ext" and len(parts) > 1 else parts[0]
 

@@ -55,6 +55,12 @@ What is touched, and why no public hook does it:
 * DeepSpeed's CPU shared-memory workspace (``hf_ext.runtime``): ``deepspeed.comm.comm.cdb.shm_comm_op`` says it exists,
   its name is built in C++ (``shm.cpp``) and never unlinked; there is no call that releases it.
 * DeepSpeed's LR schedulers' ``last_batch_iteration`` (``hf_ext.schedule``): the step they compute ``get_lr`` from.
+* torch's ``LambdaLR`` state keys (``hf_ext.saving.convert``): a converted checkpoint keeps the schedule's position
+  and leaves what depends on the optimizer's groups to the engine that loads it; torch documents no key.
+* ``PreTrainedModel._tp_size`` (``hf_ext.batching.layout_of``): where stock's ``Trainer.get_tp_size`` reads the
+  tensor-parallel size, read the same way.
+* ``torch.ao.quantization.quantize_dynamic`` (``chat_e.engines.local.quantize_int8``, the CLI's int8 serving):
+  deprecated in favour of torchao, which is not a dependency; its published speed and quality numbers are this path's.
 * ``Accelerator._models`` (``hf_ext.evaluation.zero_eval``): the models accelerate prepared, restored after an
   engine-free evaluation on ZeRO-1/2; and (``hf_ext.fsdp.engine.shard_for_evaluation``) the FSDP2 model sharded
   before an evaluation (with accelerate's own ``fsdp2_prepare_model``, which ``prepare`` runs for a model and its
@@ -286,6 +292,38 @@ def profiler_memory_events():
     assert all(isinstance(e.start_ns(), int) for e in events)
 
 
+def lambda_lr_state_keys():
+    """The keys of a ``LambdaLR`` state that ``hf-ext convert`` keeps (its position), and those it leaves to the
+    optimizer that loads it."""
+    import torch
+
+    from hf_ext.saving.convert import _schedule_position
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
+    optimizer.step()
+    scheduler.step()
+    state = scheduler.state_dict()
+    kept = _schedule_position(state)
+    assert set(state) == {*kept, "base_lrs"}, f"LambdaLR state keys {sorted(state)}"
+    assert kept["last_epoch"] == 1 and kept["_step_count"] == 2, kept
+
+
+def dynamic_int8_linear():
+    """``torch.ao.quantization.quantize_dynamic`` (deprecated in favour of torchao, still shipped): int8 weights for
+    the named ``nn.Linear`` layers only, quantized activations on the fly."""
+    import warnings
+
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantized = torch.ao.quantization.quantize_dynamic(model, {"0"}, dtype=torch.qint8)
+    assert isinstance(quantized[0], torch.ao.nn.quantized.dynamic.Linear), type(quantized[0])
+    assert type(quantized[1]) is torch.nn.Linear
+
+
 def module_tensor_dicts():
     import torch
 
@@ -433,6 +471,8 @@ PINS = [
     Pin("transformers", "PreTrainedModel._from_config / _no_split_modules / all_tied_weights_keys",
         "built on a tiny Llama", "hf_ext/model_info.py, hf_ext/saving/export.py, hf_ext/saving/writer.py "
         "tied_target_keys, hf_ext/fsdp/engine.py wrap_repeated_layers", from_config_and_tied_keys),
+    Pin("transformers", "PreTrainedModel._tp_size, read by Trainer.get_tp_size", "source lines",
+        "hf_ext/batching.py layout_of", source_has(f"{T}.get_tp_size", 'getattr(self.model, "_tp_size", None)')),
     Pin("transformers", "Trainer.model_accepts_loss_kwargs", "source lines (Trainer.__init__)",
         "hf_ext/trainer.py TrainerMixin.__init__",
         source_has(f"{T}.__init__", "self.model_accepts_loss_kwargs = ")),
@@ -557,6 +597,10 @@ PINS = [
         profiler_memory_events),
     Pin("torch", "Module._parameters / _buffers / _non_persistent_buffers_set", "read and rebound on a Linear",
         "hf_ext/evaluation/gathered.py gathered_copy, hf_ext/saving/writer.py model_entries", module_tensor_dicts),
+    Pin("torch", "LambdaLR.state_dict() keys", "a stepped LambdaLR's state", "hf_ext/saving/convert.py _schedule_position",
+        lambda_lr_state_keys),
+    Pin("torch", "torch.ao.quantization.quantize_dynamic (deprecated)", "two Linears, one named",
+        "chat_e/engines/local.py quantize_int8", dynamic_int8_linear),
     Pin("argparse", "ArgumentParser._actions", "read on an HfArgumentParser", "hf_ext/config_args.py", argparse_actions),
 ]  # fmt: skip
 

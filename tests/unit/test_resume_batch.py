@@ -14,11 +14,20 @@ from types import SimpleNamespace
 import pytest
 
 import hf_ext
-from hf_ext.saving.resume import ZeroCheckpoint, keep_global_batch
+from hf_ext.saving.resume import ResumePlan, ZeroCheckpoint, apply_resume_plan, global_batch
 
 
 def written_on_two_ranks(micro: int, accum: int) -> ZeroCheckpoint:
     return ZeroCheckpoint(Path("run/checkpoint-4"), "global_step4", 2, 2 * micro * accum, micro, accum)
+
+
+def keep_global_batch(trainer, checkpoint: ZeroCheckpoint) -> str:
+    """What a resume of ``checkpoint`` on this trainer's ranks does to the global batch: the plan's accumulation
+    (:func:`global_batch`), applied as ``train()`` applies it; the phrase of the log line."""
+    accumulation, said = global_batch(trainer.args, checkpoint)
+    path = checkpoint.path
+    apply_resume_plan(trainer, ResumePlan("as_written", path, path, checkpoint, accumulation, said))
+    return said
 
 
 def trainer_with(tmp_path, micro: int, accum: int, policy: str = "keep", **config):

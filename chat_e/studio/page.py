@@ -21,9 +21,10 @@ from typing import Any
 from hf_ext.deepspeed.load import PRESETS
 
 from ..data.limits import ChatLimits, Refused, check_request
-from ..data.progress import TRAINING
 from ..feedback.export import Examples
-from ..studio.runs import (
+from ..training.progress import TRAINING
+from ..web.ui import import_gradio, theme
+from .runs import (
     APP_METHODS,
     METHOD_RUNS,
     PREFERRED_SUM,
@@ -33,8 +34,7 @@ from ..studio.runs import (
     method_rows,
     share_text,
 )
-from ..studio.serving import ServingDesk
-from .ui import import_gradio, theme
+from .serving import ServingDesk
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +123,7 @@ def refusal(gr, err: Exception | str):
     return gr.Error(str(err), duration=None, print_exception=False)
 
 
+# long: a Blocks layout, in the page's order
 def build_train_app(manager: RunManager, store, desk: ServingDesk | None = None, limits: ChatLimits | None = None):
     """The Train page's Blocks; with a ``desk``, its "Served model" section (arena, Promote, Roll back, side by
     side)."""
@@ -225,7 +226,7 @@ def build_train_app(manager: RunManager, store, desk: ServingDesk | None = None,
     return demo
 
 
-def served_section(gr, desk: ServingDesk, limits: ChatLimits) -> None:
+def served_section(gr, desk: ServingDesk, limits: ChatLimits) -> None:  # long: a Blocks layout, in the page's order
     """The Train page's "Served model" section: a finished run's model against the served one in the app's blind
     arena, Promote, Roll back, and both models' replies side by side (named). Endpoints: ``/open_arena`` (the run's
     number), ``/promote`` (the run's number, and whether to promote anyway), ``/rollback`` and ``/side_by_side`` (the
@@ -261,7 +262,7 @@ def served_section(gr, desk: ServingDesk, limits: ChatLimits) -> None:
         except (ValueError, Refused) as err:
             raise refusal(gr, err) from None
         try:
-            replies = desk.side_by_side(number, checked.message)
+            replies = desk.side_by_side(number, checked)
         except ValueError as err:
             raise refusal(gr, err) from None
         except Exception:
