@@ -308,13 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "eval":
         return run_eval(args, parser, argv[1:])
     try:
-        options = validate(args)
         configure_logging()
-        warning = exposure_warning(args.host, options.auth is not None, options.api_key is not None)
-        if warning:
-            logger.warning(warning)
-            print(f"chat-e: WARNING: {warning}", file=sys.stderr, flush=True)
-        return run_server(options)
+        return run_server(validate(args))
     except Refusal as err:
         if err.usage:
             parser.error(str(err))
@@ -324,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def validate(args: argparse.Namespace) -> ServeOptions:
     """``chat-e serve``'s (or ``arena``'s) arguments checked, every refusal here and before any heavy import: the flags
-    together, the logins, and the model directories (without loading them)."""
+    together, the logins, and the model directories (without loading them); a server exposed without a login or a
+    key is warned of."""
     arena = args.command == "arena"
     models = list(dict.fromkeys(args.model)) if arena else [args.model]
     if arena and len(models) < 2:
@@ -351,13 +347,17 @@ def validate(args: argparse.Namespace) -> ServeOptions:
         raise Refusal(
             "--admin trains the served model on this machine: give --model DIR without --backend.", usage=True
         )
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    warning = exposure_warning(args.host, auth is not None, api_key is not None)
+    if warning:  # said whether or not the rest is refused: the command line is what exposes the server
+        logger.warning(warning)
+        print(f"chat-e: WARNING: {warning}", file=sys.stderr, flush=True)
     if not args.backend:
         try:
             for model in models:
                 describe_model_dir(model)
         except ModelLoadError as err:
             raise Refusal(str(err)) from None
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     return ServeOptions(args, arena, models, limits, auth, admin, api_key)
 
 
