@@ -71,17 +71,21 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
     serve = commands.add_parser("serve", help="Serve a model (the default command).", description=SERVE_DESCRIPTION)
     add_serve_arguments(serve)
-    arena = commands.add_parser("arena", help="A blind arena between models, and their leaderboard.",
-                                description=ARENA_DESCRIPTION)  # fmt: skip
+    arena = commands.add_parser(
+        "arena", help="A blind arena between models, and their leaderboard.", description=ARENA_DESCRIPTION
+    )
     add_serve_arguments(arena, arena=True)
-    feedback = commands.add_parser("feedback", help="Training rows from what users said; the database's upkeep.",
-                                   description=FEEDBACK_DESCRIPTION)  # fmt: skip
+    feedback = commands.add_parser(
+        "feedback", help="Training rows from what users said; the database's upkeep.", description=FEEDBACK_DESCRIPTION
+    )
     add_feedback_commands(feedback)
-    train = commands.add_parser("train", help="Train a model: dialogue fine-tuning (sft), DPO or KTO.",
-                                description=TRAIN_DESCRIPTION)  # fmt: skip
+    train = commands.add_parser(
+        "train", help="Train a model: dialogue fine-tuning (sft), DPO or KTO.", description=TRAIN_DESCRIPTION
+    )
     add_train_arguments(train)
-    evaluate = commands.add_parser("eval", help="An offline adherence report of one model, or two side by side.",
-                                   description=EVAL_DESCRIPTION)  # fmt: skip
+    evaluate = commands.add_parser(
+        "eval", help="An offline adherence report of one model, or two side by side.", description=EVAL_DESCRIPTION
+    )
     add_eval_arguments(evaluate)
     for command in (serve, arena, feedback, train, evaluate):
         command.set_defaults(command_parser=command)  # its own errors say "chat-e COMMAND: error: ..."
@@ -387,13 +391,25 @@ def run_server(options: ServeOptions) -> int:
     except ModelLoadError as err:
         raise Refusal(str(err)) from None
     demo, routers, mounts = build_server(options, loaded, store)
-    logger.info("limits: %s; login %s, API key %s", options.limits, "on" if options.auth else "off",
-                "on" if options.api_key else "off")  # fmt: skip
+    logger.info(
+        "limits: %s; login %s, API key %s",
+        options.limits,
+        "on" if options.auth else "off",
+        "on" if options.api_key else "off",
+    )
     from .server import serve  # noqa: PLC0415 (heavy: only once the arguments and the model are checked)
 
     try:
-        serve(demo, host=args.host, port=args.port, auth=options.auth, api_key=options.api_key, limits=options.limits,
-              routers=routers, mounts=mounts)  # fmt: skip
+        serve(
+            demo,
+            host=args.host,
+            port=args.port,
+            auth=options.auth,
+            api_key=options.api_key,
+            limits=options.limits,
+            routers=routers,
+            mounts=mounts,
+        )
     except OSError as err:
         raise Refusal(f"cannot serve on {args.host}:{args.port}: {err}") from None
     except RuntimeError as err:
@@ -430,8 +446,15 @@ def build_server(options: ServeOptions, loaded: dict, store: FeedbackStore | Non
     if options.arena:
         from .web.arena import build_arena  # noqa: PLC0415 (heavy: scipy and choix, for the arena only)
 
-        demo = build_arena(engines, record_vote=lambda vote: store.add_vote(**vote), load_votes=store.vote_outcomes,
-                           settings=settings, limits=limits, seed=args.seed, concurrency_limit=args.concurrency)  # fmt: skip
+        demo = build_arena(
+            engines,
+            record_vote=lambda vote: store.add_vote(**vote),
+            load_votes=store.vote_outcomes,
+            settings=settings,
+            limits=limits,
+            seed=args.seed,
+            concurrency_limit=args.concurrency,
+        )
         return demo, [], []
     from .http.openai_api import openai_router  # noqa: PLC0415 (heavy: only once the arguments and the model are checked)
     from .web.ui import build_app  # noqa: PLC0415 (heavy: gradio)
@@ -452,10 +475,16 @@ def train_page_mounts(options: ServeOptions, engine, default, store: FeedbackSto
 
     args = options.args
     manager = RunManager(store, args.model, args.train_dir, shlex.split(args.train_args), shlex.split(args.eval_args))
-    in_app = Arena({}, record_vote=lambda vote: store.add_vote(**vote), load_votes=store.vote_outcomes,
-                   limits=options.limits, closed=True)  # fmt: skip
-    desk = ServingDesk(engine, default, manager, load=lambda path: embedded_engine(args, path),
-                       open_arena=in_app.set_models)  # fmt: skip
+    in_app = Arena(
+        {},
+        record_vote=lambda vote: store.add_vote(**vote),
+        load_votes=store.vote_outcomes,
+        limits=options.limits,
+        closed=True,
+    )
+    desk = ServingDesk(
+        engine, default, manager, load=lambda path: embedded_engine(args, path), open_arena=in_app.set_models
+    )
     logger.info("the Train page: /admin (its own login), its arena: /arena; runs in %s", args.train_dir)
     return [
         ("/admin", build_train_app(manager, store, desk, options.limits), options.admin),

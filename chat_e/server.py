@@ -55,8 +55,17 @@ def create_app(
     demo.state_session_capacity = limits.max_sessions  # what launch(state_session_capacity=...) sets
     for path, blocks, login in mounts:
         blocks.state_session_capacity = limits.max_sessions
-        gr.mount_gradio_app(app, blocks, path=path, server_name=host, server_port=port, auth=login,
-                            auth_message=AUTH_MESSAGE, show_error=False, max_file_size=limits.max_body_bytes)  # fmt: skip
+        gr.mount_gradio_app(
+            app,
+            blocks,
+            path=path,
+            server_name=host,
+            server_port=port,
+            auth=login,
+            auth_message=AUTH_MESSAGE,
+            show_error=False,
+            max_file_size=limits.max_body_bytes,
+        )
     gr.mount_gradio_app(
         app,
         demo,
@@ -150,8 +159,9 @@ def serve(
     sock = bind(host, port)
     try:
         bound = sock.getsockname()[1]
-        app = create_app(demo, auth=auth, api_key=api_key, limits=limits, routers=routers, mounts=mounts, host=host,
-                         port=bound)  # fmt: skip
+        app = create_app(
+            demo, auth=auth, api_key=api_key, limits=limits, routers=routers, mounts=mounts, host=host, port=bound
+        )
         shown = f"[{host}]" if ":" in host else host
         logger.info("serving on http://%s:%d/", shown, bound)
         config = uvicorn.Config(

@@ -62,8 +62,10 @@ class Layout:
     def problem(self) -> str | None:
         """Why the world cannot be divided this way, or ``None``."""
         if self.world % self.model_parallel:
-            return (f"{self.world} ranks cannot be divided into groups of tensor-parallel {self.tp} x sequence-parallel "
-                    f"{self.sp} x context-parallel {self.cp} = {self.model_parallel}")  # fmt: skip
+            return (
+                f"{self.world} ranks cannot be divided into groups of tensor-parallel {self.tp} x sequence-parallel "
+                f"{self.sp} x context-parallel {self.cp} = {self.model_parallel}"
+            )
         return None
 
 

@@ -30,10 +30,26 @@ from .model_info import base_model_of
 #: ``tests/unit/test_loss_rule.py`` checks each against a hand-computed mean cross-entropy.
 OWN_MEAN_LOSS_MODEL_TYPES = frozenset(
     {
-        "bart", "mbart", "plbart", "mvp", "blenderbot", "blenderbot-small", "marian", "pegasus", "pegasus_x",
-        "bigbird_pegasus", "led", "m2m_100", "nllb-moe", "t5", "mt5", "umt5", "longt5", "switch_transformers",
+        "bart",
+        "mbart",
+        "plbart",
+        "mvp",
+        "blenderbot",
+        "blenderbot-small",
+        "marian",
+        "pegasus",
+        "pegasus_x",
+        "bigbird_pegasus",
+        "led",
+        "m2m_100",
+        "nllb-moe",
+        "t5",
+        "mt5",
+        "umt5",
+        "longt5",
+        "switch_transformers",
     }
-)  # fmt: skip
+)
 
 #: those whose loss adds mixture-of-experts router terms (with ``output_router_logits``): kept as the model computes it
 ROUTER_LOSS_MODEL_TYPES = frozenset({"nllb-moe", "switch_transformers"})
@@ -152,9 +168,11 @@ def ulysses_rule(factor: int) -> str:
     """The correction of :func:`ulysses_gradient_factor` in one line: the trainer says it at its start, ``hf-ext ds
     doctor`` lists it among the version rules that applied."""
     where = " with ".join(f"{package}{specifier}" for package, specifier in ULYSSES_SUMMED_GRADIENT.items())
-    return (f"parallelism_config.sp_size {factor} (Ulysses): transformers' loss gives every rank its share of the "
-            f"gradient {factor} times and DeepSpeed sums them; hf-ext divides the gradient by {factor}, the logged "
-            f"loss unchanged ({where}; {ULYSSES_SOURCES})")  # fmt: skip
+    return (
+        f"parallelism_config.sp_size {factor} (Ulysses): transformers' loss gives every rank its share of the "
+        f"gradient {factor} times and DeepSpeed sums them; hf-ext divides the gradient by {factor}, the logged "
+        f"loss unchanged ({where}; {ULYSSES_SOURCES})"
+    )
 
 
 def with_gradient_divided(loss: torch.Tensor, factor: int) -> torch.Tensor:

@@ -90,9 +90,11 @@ class PreemptionArguments:
 
     save_on_preemption: bool = field(
         default=True,
-        metadata={"help": "On SIGTERM/SIGUSR1 to any rank or the launcher, every rank saves one checkpoint at the "
-                  "same step and the run exits with status 75 (resume with --resume_from_checkpoint True)."},
-    )  # fmt: skip
+        metadata={
+            "help": "On SIGTERM/SIGUSR1 to any rank or the launcher, every rank saves one checkpoint at the "
+            "same step and the run exits with status 75 (resume with --resume_from_checkpoint True)."
+        },
+    )
     save_on_preemption_signals: list[str] = field(
         default_factory=lambda: list(DEFAULT_SIGNALS),
         metadata={"help": "The signals that mean preemption (default: SIGTERM SIGUSR1)."},
@@ -146,13 +148,18 @@ class PreemptionCallback(TrainerCallback):
         now = time.monotonic()
         if not self.received:
             self.received, self.first_received_at = signum, now
-            os.write(2, f"[hf-ext] {signal.Signals(signum).name} received: every rank saves a checkpoint at the end "
-                        "of the next step, then exits. A second signal exits at once.\n".encode())  # fmt: skip
+            os.write(
+                2,
+                f"[hf-ext] {signal.Signals(signum).name} received: every rank saves a checkpoint at the end "
+                "of the next step, then exits. A second signal exits at once.\n".encode(),
+            )
             return
         if now - self.first_received_at < REPEAT_WINDOW_S:
             return  # the same preemption, delivered twice (the launcher forwards it, SLURM signals every process)
-        os.write(2, f"[hf-ext] {signal.Signals(signum).name} again: exiting now; only complete checkpoints "
-                    "remain.\n".encode())  # fmt: skip
+        os.write(
+            2,
+            f"[hf-ext] {signal.Signals(signum).name} again: exiting now; only complete checkpoints remain.\n".encode(),
+        )
         os._exit(128 + signum)
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -163,8 +170,10 @@ class PreemptionCallback(TrainerCallback):
         if not getattr(args, "save_on_preemption", False):
             return
         if threading.current_thread() is not threading.main_thread():
-            logger.warning("save_on_preemption: training runs outside the main thread, where Python cannot catch "
-                           "signals; preemption signals keep their default action.")  # fmt: skip
+            logger.warning(
+                "save_on_preemption: training runs outside the main thread, where Python cannot catch "
+                "signals; preemption signals keep their default action."
+            )
             return
         signals = [parse_signal(name) for name in args.save_on_preemption_signals]
         if self.jit is not None:
@@ -203,8 +212,9 @@ class PreemptionCallback(TrainerCallback):
             return
         control.should_save, control.should_training_stop, control.should_evaluate = True, True, False
         self.saved_at, self.signal_name = state.global_step, signal.Signals(signum).name
-        logger.warning(f"{self.signal_name} reached rank {rank - 1}: every rank saves checkpoint-{state.global_step} "
-                       f"and stops.")  # fmt: skip
+        logger.warning(
+            f"{self.signal_name} reached rank {rank - 1}: every rank saves checkpoint-{state.global_step} and stops."
+        )
 
     def on_train_end(self, args, state, control, **kwargs):
         if self._agreement is not None:  # started by the last step, which ended the run: nothing left pending
@@ -259,9 +269,11 @@ def exit_if_preempted(trainer) -> None:
         checkpoint = os.path.join(os.path.abspath(trainer.args.output_dir), f"checkpoint-{callback.saved_at}")
         write_preemption_record(record, checkpoint, callback.saved_at, callback.signal_name)
     if trainer.args.should_log:
-        logger.warning(f"Preempted ({callback.signal_name}): checkpoint-{callback.saved_at} is saved in "
-                       f"{trainer.args.output_dir}; exiting with status {PREEMPTED_EXIT_CODE}. Resume with "
-                       "resume_from_checkpoint=True (--resume_from_checkpoint True).")  # fmt: skip
+        logger.warning(
+            f"Preempted ({callback.signal_name}): checkpoint-{callback.saved_at} is saved in "
+            f"{trainer.args.output_dir}; exiting with status {PREEMPTED_EXIT_CODE}. Resume with "
+            "resume_from_checkpoint=True (--resume_from_checkpoint True)."
+        )
     end_distributed()
     # a launcher's worker ignores the launcher's own SIGTERM while it exits (when one rank exits first, torchrun and
     # DeepSpeed's launcher signal the others); in-process, the signals get their previous handlers back

@@ -65,8 +65,11 @@ def rank_of(relative: str | Path) -> int:
 
 def rank_share(checkpoint: Path, rank: int) -> list[Path]:
     """The files of ``checkpoint`` that ``rank`` wrote, relative to it."""
-    return [p.relative_to(checkpoint) for p in sorted(checkpoint.rglob("*")) if p.is_file()
-            and rank_of(p.relative_to(checkpoint)) == rank]  # fmt: skip
+    return [
+        p.relative_to(checkpoint)
+        for p in sorted(checkpoint.rglob("*"))
+        if p.is_file() and rank_of(p.relative_to(checkpoint)) == rank
+    ]
 
 
 class RayCheckpointCallback(TrainerCallback):
@@ -85,8 +88,9 @@ class RayCheckpointCallback(TrainerCallback):
             for relative in rank_share(checkpoint, args.process_index):
                 (Path(staging) / relative).parent.mkdir(parents=True, exist_ok=True)
                 link_or_copy(str(checkpoint / relative), str(Path(staging) / relative))  # the checkpoint's own bytes
-            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(staging),
-                             checkpoint_dir_name=checkpoint.name)  # fmt: skip
+            ray.train.report(
+                metrics, checkpoint=ray.train.Checkpoint.from_directory(staging), checkpoint_dir_name=checkpoint.name
+            )
 
 
 def restore_latest_checkpoint(output_dir: str | Path) -> Path | None:
@@ -107,8 +111,16 @@ def restore_latest_checkpoint(output_dir: str | Path) -> Path | None:
     return target
 
 
-def run(train_fn, config: dict | None = None, *, num_workers: int | tuple[int, int] = 2, max_failures: int = 0,
-        use_gpu: bool | None = None, name: str | None = None, storage_path: str | None = None):  # fmt: skip
+def run(
+    train_fn,
+    config: dict | None = None,
+    *,
+    num_workers: int | tuple[int, int] = 2,
+    max_failures: int = 0,
+    use_gpu: bool | None = None,
+    name: str | None = None,
+    storage_path: str | None = None,
+):
     """Run ``train_fn(config)`` on Ray Train workers, one rank each (a ``(min, max)`` range: elastic), gloo on CPU and
     NCCL on GPUs; a failed group is started again up to ``max_failures`` times. Returns Ray's ``Result`` (its
     ``error`` is raised)."""
@@ -120,7 +132,7 @@ def run(train_fn, config: dict | None = None, *, num_workers: int | tuple[int, i
         scaling_config=ray.train.ScalingConfig(num_workers=num_workers, use_gpu=use_gpu),
         run_config=ray.train.RunConfig(
             name=name, storage_path=storage_path, failure_config=ray.train.FailureConfig(max_failures=max_failures)
-        ),  # fmt: skip
+        ),
     )
     return trainer.fit()
 
@@ -141,7 +153,11 @@ def _script_worker(config: dict) -> None:
 def run_script(script: str | Path, argv: list[str], launch) -> None:
     """Run ``script``'s ``main(argv)`` on Ray Train workers as :func:`run` does, with the settings of
     :func:`hf_ext.config_args.split_launcher_args` (``--num_workers``, ``--max_failures``, ``--ray_storage``)."""
-    result = run(_script_worker, {"script": str(Path(script).resolve()), "argv": list(argv), "cwd": os.getcwd()},
-                 num_workers=launch.num_workers, max_failures=launch.max_failures,
-                 storage_path=launch.ray_storage)  # fmt: skip
+    result = run(
+        _script_worker,
+        {"script": str(Path(script).resolve()), "argv": list(argv), "cwd": os.getcwd()},
+        num_workers=launch.num_workers,
+        max_failures=launch.max_failures,
+        storage_path=launch.ray_storage,
+    )
     logger.info(f"Ray Train run {result.path} ended; its last checkpoint: {result.checkpoint}.")

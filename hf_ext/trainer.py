@@ -59,8 +59,11 @@ def _bind_trainer_args(init, args: tuple, kwargs: dict, args_class, deepspeed):
     ``args`` is found by name in that ``__init__``'s signature, so any Trainer subclass works whatever comes before it
     (``Trainer(model, args)``, TRL's ``DPOTrainer(model, ref_model, args)``).
     """
-    names = [p.name for p in inspect.signature(init).parameters.values()
-             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]  # fmt: skip
+    names = [
+        p.name
+        for p in inspect.signature(init).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
     position = names.index("args") if "args" in names else None
     if position is not None and position < len(args):
         args = (*args[:position], as_hf_ext_args(args[position], args_class, deepspeed), *args[position + 1 :])
@@ -137,8 +140,10 @@ class TrainerMixin:
         ):
             self.compute_loss_func = losses.global_token_mean_loss
             self._decoder_inputs_from_labels = losses.decoder_inputs_from_labels(self.model)  # before any wrapping
-            logger.info(f"{name} averages its own micro-batch: its loss is taken from its logits over the labelled "
-                        "tokens of the whole global batch, as for other models.")  # fmt: skip
+            logger.info(
+                f"{name} averages its own micro-batch: its loss is taken from its logits over the labelled "
+                "tokens of the whole global batch, as for other models."
+            )
         elif self.model_accepts_loss_kwargs:
             logger.info(f"{name} averages its own loss: not rescaling it by the global token count.")
         self.model_accepts_loss_kwargs = False  # nothing to pass to a forward that ignores it
@@ -312,5 +317,6 @@ class Seq2SeqTrainer(TrainerMixin, _Seq2SeqTrainer):
         # under ZeRO-3 the loss pass runs on the BLEU eval's gathered copy when it holds one: one gather per evaluation
         call = getattr(self, "_evaluation_call", None)
         plain = call.model if call is not None else None
-        return super().prediction_step(plain if plain is not None else model, inputs, prediction_loss_only,
-                                       ignore_keys=ignore_keys, **gen_kwargs)  # fmt: skip
+        return super().prediction_step(
+            plain if plain is not None else model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **gen_kwargs
+        )

@@ -88,22 +88,28 @@ class TrainingArgumentsMixin(PreemptionArguments):
 
     memory_per_device: str | None = field(
         default=None,
-        metadata={"help": "Per-rank memory budget for the planner's auto choices, e.g. 8GB or 7.5GiB (default: "
-                  "accelerator memory on GPUs, available RAM / ranks on this node on CPU)."},
-    )  # fmt: skip
+        metadata={
+            "help": "Per-rank memory budget for the planner's auto choices, e.g. 8GB or 7.5GiB (default: "
+            "accelerator memory on GPUs, available RAM / ranks on this node on CPU)."
+        },
+    )
     plan_model: str | None = field(
         default=None,
-        metadata={"help": "Model path or hub id the planner probes for activation memory (needed when the DeepSpeed "
-                  "config or the batch size is auto; the recipe passes --model_name_or_path)."},
-    )  # fmt: skip
+        metadata={
+            "help": "Model path or hub id the planner probes for activation memory (needed when the DeepSpeed "
+            "config or the batch size is auto; the recipe passes --model_name_or_path)."
+        },
+    )
     plan_seq_len: int = field(
         default=128, metadata={"help": "Sequence length (tokens per example) the memory plan assumes."}
     )
     release_freed_memory: bool | None = field(
         default=None,
-        metadata={"help": "On CPU, hand freed memory back to the OS at once: lower peak RSS, more page faults. "
-                  "Default: on when the memory planner plans the run, off otherwise."},
-    )  # fmt: skip
+        metadata={
+            "help": "On CPU, hand freed memory back to the OS at once: lower peak RSS, more page faults. "
+            "Default: on when the memory planner plans the run, off otherwise."
+        },
+    )
     save_max_shard_size: str = field(
         default=DEFAULT_MAX_SHARD_SIZE,
         metadata={"help": "Largest safetensors shard written by save_model (e.g. 200MB, 5GB, 1GiB)."},
@@ -117,10 +123,13 @@ class TrainingArgumentsMixin(PreemptionArguments):
     )
     resume_global_batch: str = field(
         default="keep",
-        metadata={"help": "On a resume on another number of ranks whose micro-batch cannot make the checkpoint's "
-                  "global batch: keep (refuse, with the fix) or nearest (go on with the nearest global batch these "
-                  "ranks make, said in the log; nothing is rescaled).", "choices": list(RESUME_GLOBAL_BATCH_POLICIES)},
-    )  # fmt: skip
+        metadata={
+            "help": "On a resume on another number of ranks whose micro-batch cannot make the checkpoint's "
+            "global batch: keep (refuse, with the fix) or nearest (go on with the nearest global batch these "
+            "ranks make, said in the log; nothing is rescaled).",
+            "choices": list(RESUME_GLOBAL_BATCH_POLICIES),
+        },
+    )
     # what resolution found: declared, not passed (init=False keeps them out of to_dict and the command line)
     deepspeed_resolution: Resolution | None = field(default=None, init=False, repr=False)
     fsdp_resolution: FsdpResolution | None = field(default=None, init=False, repr=False)
@@ -135,8 +144,10 @@ class TrainingArgumentsMixin(PreemptionArguments):
         deepspeed = self.deepspeed if isinstance(self.deepspeed, dict) else None
         refuse_split_sequences(getattr(self, "padding_free", False), layout_of(1, deepspeed, self.parallelism_config))
         if self.resume_global_batch not in RESUME_GLOBAL_BATCH_POLICIES:
-            raise ValueError(f"`resume_global_batch`={self.resume_global_batch!r}: use one of "
-                             f"{', '.join(RESUME_GLOBAL_BATCH_POLICIES)}.")  # fmt: skip
+            raise ValueError(
+                f"`resume_global_batch`={self.resume_global_batch!r}: use one of "
+                f"{', '.join(RESUME_GLOBAL_BATCH_POLICIES)}."
+            )
         for name in ("save_max_shard_size", "save_gather_size", "memory_per_device"):
             value = getattr(self, name)
             if value is None:

@@ -158,8 +158,9 @@ def build(output_dir: str, size: str = "tiny", seed: int = 0) -> Path:
     return _save_seeded_model(out, BlenderbotForConditionalGeneration, config, GENERATION_DEFAULTS, seed, size=size)
 
 
-def _save_seeded_model(out: Path, model_cls, config, generation: dict, seed: int, tokens: int | None = None,
-                       **meta) -> Path:  # fmt: skip
+def _save_seeded_model(
+    out: Path, model_cls, config, generation: dict, seed: int, tokens: int | None = None, **meta
+) -> Path:
     """A ``model_cls`` with weights drawn from ``seed``, its generation defaults and a provenance file, in ``out``.
     ``tokens``: the tokenizer's size, when the embedding has more rows than that: the rows past it start at zero, so
     that the random model's (tied) output layer never picks an id the tokenizer cannot decode."""
@@ -217,9 +218,15 @@ def build_chat_model(output_dir: str | Path, size: str = "tiny", seed: int = 0) 
         pad_token_id=2,
     )
     return _save_seeded_model(
-        out, LlamaForCausalLM, config, CHAT_GENERATION_DEFAULTS, seed, len(tokenizer),
-        architecture="LlamaForCausalLM", size=size,
-    )  # fmt: skip
+        out,
+        LlamaForCausalLM,
+        config,
+        CHAT_GENERATION_DEFAULTS,
+        seed,
+        len(tokenizer),
+        architecture="LlamaForCausalLM",
+        size=size,
+    )
 
 
 def smollm2_gguf_file(package: str = SMOLLM2_PACKAGE) -> Path:

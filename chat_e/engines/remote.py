@@ -97,8 +97,11 @@ class RemoteEngine(ChatEngine):
         else:
             fields["temperature"] = 0.0
         if sampling is not None:
-            given = {"seed": sampling.seed, "presence_penalty": sampling.presence_penalty or None,
-                     "frequency_penalty": sampling.frequency_penalty or None}  # fmt: skip
+            given = {
+                "seed": sampling.seed,
+                "presence_penalty": sampling.presence_penalty or None,
+                "frequency_penalty": sampling.frequency_penalty or None,
+            }
             fields.update({k: v for k, v in given.items() if v is not None})
         return fields
 

@@ -120,8 +120,11 @@ def request_sampling(request: ChatCompletionRequest) -> RequestSampling:
         value = getattr(request, name)
         if value is not None and not low <= value <= high:
             raise refusal(f"{name} should be a number from {low:g} to {high:g}.", param=name)
-    return RequestSampling(seed=request.seed, presence_penalty=request.presence_penalty or 0.0,
-                           frequency_penalty=request.frequency_penalty or 0.0)  # fmt: skip
+    return RequestSampling(
+        seed=request.seed,
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+    )
 
 
 class StopScanner:
@@ -284,9 +287,17 @@ class ChatCompletions:
         system, history, message = split_messages(request.messages)
         mode, context = chat_mode(request, system)
         try:
-            checked = check_request(self.limits, message=message_text(message), history=history, mode=mode,
-                                    context=context, settings=request_settings(request), defaults=self.defaults,
-                                    ranges=self.ranges, sampling=request_sampling(request))  # fmt: skip
+            checked = check_request(
+                self.limits,
+                message=message_text(message),
+                history=history,
+                mode=mode,
+                context=context,
+                settings=request_settings(request),
+                defaults=self.defaults,
+                ranges=self.ranges,
+                sampling=request_sampling(request),
+            )
         except Refused as err:
             name = given_field(request, err.setting)
             if name is None:
@@ -381,12 +392,19 @@ class Answer:
 
     def completion(self) -> ChatCompletion:
         counts = usage(self.done)
-        return ChatCompletion(id=self.id, object="chat.completion", created=self.created, model=self.model,
-                              choices=self.answers, **({"usage": counts} if counts else {}))  # fmt: skip
+        return ChatCompletion(
+            id=self.id,
+            object="chat.completion",
+            created=self.created,
+            model=self.model,
+            choices=self.answers,
+            **({"usage": counts} if counts else {}),
+        )
 
     def event(self, **fields) -> str:
-        chunk = ChatCompletionChunk(id=self.id, object="chat.completion.chunk", created=self.created,
-                                    model=self.model, **fields)  # fmt: skip
+        chunk = ChatCompletionChunk(
+            id=self.id, object="chat.completion.chunk", created=self.created, model=self.model, **fields
+        )
         return f"data: {json.dumps(wire(chunk))}\n\n"
 
     def chunk(self, index: int, delta: dict, finish: str | None = None) -> str:

@@ -65,10 +65,20 @@ def runs_table(runs: list[dict[str, Any]]) -> list[list[Any]]:
         value = (metrics or {}).get(PREFERRED_SUM)
         return share_text(value) if value else ""
 
-    return [[r["id"], r["method"], r["status"], r["rows"], r["settings"]["form"]["max_steps"],
-             f"{r['started_at']:%Y-%m-%d %H:%M:%S}" if r["started_at"] else "",
-             f"{r['ended_at']:%Y-%m-%d %H:%M:%S}" if r["ended_at"] else "",
-             accuracy(r["metrics_before"]), accuracy(r["metrics_after"])] for r in runs]  # fmt: skip
+    return [
+        [
+            r["id"],
+            r["method"],
+            r["status"],
+            r["rows"],
+            r["settings"]["form"]["max_steps"],
+            f"{r['started_at']:%Y-%m-%d %H:%M:%S}" if r["started_at"] else "",
+            f"{r['ended_at']:%Y-%m-%d %H:%M:%S}" if r["ended_at"] else "",
+            accuracy(r["metrics_before"]),
+            accuracy(r["metrics_after"]),
+        ]
+        for r in runs
+    ]
 
 
 def status_view(manager: RunManager) -> tuple[str, str, list[list[Any]], str, list[list[Any]], str]:
@@ -107,8 +117,11 @@ def serving_view(desk: ServingDesk | None) -> str:
         return ""
     now = desk.status()
     last = now["history"][-1]
-    how = {"start": "since the server started", "promote": f"promoted from run #{last['run']}",
-           "rollback": "rolled back to"}[last["action"]]  # fmt: skip
+    how = {
+        "start": "since the server started",
+        "promote": f"promoted from run #{last['run']}",
+        "rollback": "rolled back to",
+    }[last["action"]]
     lines = [f"**Serving** `{now['serving']}` ({how}, {last['at']:%Y-%m-%d %H:%M:%S} UTC)."]
     if now["previous"]:
         lines.append(f"Roll back returns to `{now['previous']}`.")
@@ -140,14 +153,23 @@ def build_train_app(manager: RunManager, store, desk: ServingDesk | None = None,
         line, bar, points, log, table, evaluation = status_view(manager)
         return line, bar, points_frame(points), log, table, data_summary(store), evaluation
 
-    def start(method, max_steps, lora_rank, learning_rate, launcher, nproc, preset, held_out, batch, max_length,
-              replay):  # fmt: skip
+    def start(
+        method, max_steps, lora_rank, learning_rate, launcher, nproc, preset, held_out, batch, max_length, replay
+    ):
         try:
-            form = RunForm(method=method, max_steps=_int(max_steps, "steps"), lora_rank=_int(lora_rank, "LoRA rank"),
-                           learning_rate=_float(learning_rate, "learning rate"), launcher=launcher,
-                           nproc=_int(nproc, "ranks"), preset=preset, held_out=_int(held_out, "held-out rows"),
-                           batch=_int(batch, "batch"), max_length=_int(max_length, "max length"),
-                           replay=_int(replay, "replay rows"))  # fmt: skip
+            form = RunForm(
+                method=method,
+                max_steps=_int(max_steps, "steps"),
+                lora_rank=_int(lora_rank, "LoRA rank"),
+                learning_rate=_float(learning_rate, "learning rate"),
+                launcher=launcher,
+                nproc=_int(nproc, "ranks"),
+                preset=preset,
+                held_out=_int(held_out, "held-out rows"),
+                batch=_int(batch, "batch"),
+                max_length=_int(max_length, "max length"),
+                replay=_int(replay, "replay rows"),
+            )
             run_id = manager.start(form)
         except ValueError as err:
             raise refusal(gr, err) from None
@@ -187,15 +209,28 @@ def build_train_app(manager: RunManager, store, desk: ServingDesk | None = None,
             nproc = gr.Number(defaults.nproc, precision=0, label="ranks", elem_id="train-ranks")
             preset = gr.Dropdown(["none", *PRESETS], value=defaults.preset, label="DeepSpeed preset")
         with gr.Row():
-            held_out = gr.Number(defaults.held_out, precision=0, label="held-out rows (whole sessions, for the "
-                                 "before/after)", elem_id="train-held-out")  # fmt: skip
+            held_out = gr.Number(
+                defaults.held_out,
+                precision=0,
+                label="held-out rows (whole sessions, for the before/after)",
+                elem_id="train-held-out",
+            )
             batch = gr.Number(
                 defaults.batch, precision=0, label="batch (rows per rank and step)", elem_id="train-batch"
             )
-            max_length = gr.Number(defaults.max_length, precision=0, label="max length (tokens of prompt and reply)",
-                                   elem_id="train-max-length")  # fmt: skip
-            replay = gr.Number(defaults.replay, precision=0, label="replay rows (make demo's chit-chat trained on "
-                               "beside the feedback, against forgetting; SFT and KTO)", elem_id="train-replay")  # fmt: skip
+            max_length = gr.Number(
+                defaults.max_length,
+                precision=0,
+                label="max length (tokens of prompt and reply)",
+                elem_id="train-max-length",
+            )
+            replay = gr.Number(
+                defaults.replay,
+                precision=0,
+                label="replay rows (make demo's chit-chat trained on "
+                "beside the feedback, against forgetting; SFT and KTO)",
+                elem_id="train-replay",
+            )
         with gr.Row():
             start_button = gr.Button("Start", variant="primary", elem_id="train-start")
             cancel_button = gr.Button("Cancel (save a checkpoint and stop)", elem_id="train-cancel")
@@ -209,8 +244,19 @@ def build_train_app(manager: RunManager, store, desk: ServingDesk | None = None,
         table = gr.Dataframe(headers=RUN_COLUMNS, value=[], label="runs", interactive=False, elem_id="train-runs")
         evaluation = gr.Markdown("", elem_id="train-eval")
         outputs = [status, bar, plot, log, table, summary, evaluation]
-        form = [method, max_steps, lora_rank, learning_rate, launcher, nproc, preset, held_out, batch, max_length,
-                replay]  # fmt: skip
+        form = [
+            method,
+            max_steps,
+            lora_rank,
+            learning_rate,
+            launcher,
+            nproc,
+            preset,
+            held_out,
+            batch,
+            max_length,
+            replay,
+        ]
         start_button.click(start, form, outputs, api_name="start")
         cancel_button.click(act(manager.cancel), None, outputs, api_name="cancel")
         resume_button.click(act(manager.resume), None, outputs, api_name="resume")
@@ -274,15 +320,18 @@ def served_section(gr, desk: ServingDesk, limits: ChatLimits) -> None:  # long: 
             for i, name in enumerate(names)
         )
 
-    gr.Markdown("## Served model\nCompare a finished run's model with the served one, then promote it (no restart: "
-                "replies under way finish on the model they started on) or roll back.")  # fmt: skip
+    gr.Markdown(
+        "## Served model\nCompare a finished run's model with the served one, then promote it (no restart: "
+        "replies under way finish on the model they started on) or roll back."
+    )
     serving = gr.Markdown(serving_view(desk), elem_id="serving")
     with gr.Row():
         run = gr.Number(None, precision=0, label="run (a done run's number)", elem_id="served-run")
         arena_button = gr.Button("Open a blind arena: served vs this run", elem_id="open-arena")
         promote_button = gr.Button("Promote this run's model", variant="primary", elem_id="promote")
-        anyway = gr.Checkbox(False, label="promote anyway (its eval is missing, or says it is worse)",
-                             elem_id="promote-anyway")  # fmt: skip
+        anyway = gr.Checkbox(
+            False, label="promote anyway (its eval is missing, or says it is worse)", elem_id="promote-anyway"
+        )
         rollback_button = gr.Button("Roll back", elem_id="rollback")
     with gr.Row():
         message = gr.Textbox(label="message for both (side by side, named)", scale=4, elem_id="side-message")

@@ -155,8 +155,12 @@ class RunForm:
             raise ValueError(f"ranks={self.nproc!r}: choose 1 to {cores} on this machine.")
         if self.launcher == "python" and self.nproc != 1:
             raise ValueError("The python launcher starts one rank: choose 1 rank, or torchrun / deepspeed.")
-        for name, value, low, high in (("held-out rows", self.held_out, 1, 1024), ("batch", self.batch, 1, 64),
-                                       ("max length", self.max_length, 32, 8192), ("replay rows", self.replay, 0, 4096)):  # fmt: skip
+        for name, value, low, high in (
+            ("held-out rows", self.held_out, 1, 1024),
+            ("batch", self.batch, 1, 64),
+            ("max length", self.max_length, 32, 8192),
+            ("replay rows", self.replay, 0, 4096),
+        ):
             if not isinstance(value, int) or not low <= value <= high:
                 raise ValueError(f"{name}={value!r}: choose a whole number from {low} to {high}.")
         if self.preset not in ("none", *PRESETS):
@@ -173,16 +177,23 @@ def method_rows(method: str) -> str:
     """What the app's ``method`` trains on, in words: "DPO rows", "KTO rows", "SFT rows (the chosen reply of each DPO
     pair)"."""
     rows_format = METHOD_RUNS[method][1]
-    return f"{method.upper()} rows" + (f" (the chosen reply of each {rows_format.upper()} pair)"
-                                       if rows_format != method else "")  # fmt: skip
+    return f"{method.upper()} rows" + (
+        f" (the chosen reply of each {rows_format.upper()} pair)" if rows_format != method else ""
+    )
 
 
 class RunManager:
     """Runs of ``chat-e train`` on ``base_model``, recorded in ``store``, each in a folder of ``run_dir``.
     ``train_args`` go before the form's flags (a ``--config`` YAML, say)."""
 
-    def __init__(self, store: FeedbackStore, base_model: str, run_dir: str | Path, train_args: list[str] = (),
-                 eval_args: list[str] = ()):  # fmt: skip
+    def __init__(
+        self,
+        store: FeedbackStore,
+        base_model: str,
+        run_dir: str | Path,
+        train_args: list[str] = (),
+        eval_args: list[str] = (),
+    ):
         self.store, self.base_model, self.run_dir = store, str(base_model), Path(run_dir)
         self.train_args, self.eval_args = list(train_args), list(eval_args)
         #: how nice the runs are (NICENESS; 0 leaves their priority as the server's)
@@ -210,10 +221,14 @@ class RunManager:
         args = [*self._training_args(form, rows_file, folder / "out"), *flags]
         cmd = command(trainer, form.launcher, form.nproc, args)
         run_id = self.store.add_run(
-            method=form.method, settings={"form": asdict(form), "command": cmd, "base_model": self.base_model},
-            rows=count, rows_sha256=hashlib.sha256(rows_file.read_bytes()).hexdigest(), status=QUEUED,
-            output_dir=str(folder / "out"), log_path=str(folder / "train.log"),
-        )  # fmt: skip
+            method=form.method,
+            settings={"form": asdict(form), "command": cmd, "base_model": self.base_model},
+            rows=count,
+            rows_sha256=hashlib.sha256(rows_file.read_bytes()).hexdigest(),
+            status=QUEUED,
+            output_dir=str(folder / "out"),
+            log_path=str(folder / "train.log"),
+        )
         self._launch(run_id, cmd)
         return run_id
 
@@ -242,12 +257,35 @@ class RunManager:
     def _training_args(self, form: RunForm, rows_file: Path, out: Path) -> list[str]:
         # activation checkpointing off unless train_args turn it on (TRL's default is on: slower, and a chat model the
         # app serves on a CPU fits without it)
-        args = ["--gradient_checkpointing", "false", *self.train_args, "--model_name_or_path", self.base_model,
-                "--data_file", str(rows_file), "--output_dir", str(out), "--max_steps", str(form.max_steps),
-                "--learning_rate", str(form.learning_rate), "--n_eval", str(form.held_out),
-                "--per_device_train_batch_size", str(form.batch), "--per_device_eval_batch_size", str(2 * form.batch),
-                "--max_length", str(form.max_length), "--logging_steps", "1", "--save_strategy", "no",
-                "--report_to", "none"]  # fmt: skip
+        args = [
+            "--gradient_checkpointing",
+            "false",
+            *self.train_args,
+            "--model_name_or_path",
+            self.base_model,
+            "--data_file",
+            str(rows_file),
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            str(form.max_steps),
+            "--learning_rate",
+            str(form.learning_rate),
+            "--n_eval",
+            str(form.held_out),
+            "--per_device_train_batch_size",
+            str(form.batch),
+            "--per_device_eval_batch_size",
+            str(2 * form.batch),
+            "--max_length",
+            str(form.max_length),
+            "--logging_steps",
+            "1",
+            "--save_strategy",
+            "no",
+            "--report_to",
+            "none",
+        ]
         if form.lora_rank:
             args += ["--use_peft", "true", "--lora_r", str(form.lora_rank), "--lora_alpha", str(2 * form.lora_rank)]
         if form.preset != "none":
@@ -266,17 +304,29 @@ class RunManager:
         niced = self._niced()
         # each rank gives its own session the same niceness (chat_e.training.progress says why)
         (folder / PREEMPTION_RECORD).unlink(missing_ok=True)  # an earlier launch's (this one may resume it)
-        env = {**os.environ, PROGRESS_ENV: str(folder / "progress.jsonl"), NICENESS_ENV: str(self.niceness),
-               RECORD_ENV: str(folder / PREEMPTION_RECORD)}  # fmt: skip
+        env = {
+            **os.environ,
+            PROGRESS_ENV: str(folder / "progress.jsonl"),
+            NICENESS_ENV: str(self.niceness),
+            RECORD_ENV: str(folder / PREEMPTION_RECORD),
+        }
         with open(run["log_path"], "ab") as log:
             log.write(f"{LAUNCH_MARK} #{run_id} at {utcnow():%Y-%m-%d %H:%M:%S} UTC: {' '.join(cmd)}\n".encode())
             log.flush()
-            proc = subprocess.Popen([*niced, *cmd], stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True)  # fmt: skip
+            proc = subprocess.Popen(
+                [*niced, *cmd], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
         self._procs[run_id] = proc
         started = psutil.Process(proc.pid).create_time()
-        self.store.update_run(run_id, status=RUNNING, pid=proc.pid, pid_started=started, ended_at=None,
-                              started_at=run["started_at"] or utcnow(), detail=None)  # fmt: skip
+        self.store.update_run(
+            run_id,
+            status=RUNNING,
+            pid=proc.pid,
+            pid_started=started,
+            ended_at=None,
+            started_at=run["started_at"] or utcnow(),
+            detail=None,
+        )
 
     def _refuse_if_running(self) -> None:
         running = [r for r in self.refresh() if r["status"] in ACTIVE_STATES]
@@ -296,8 +346,10 @@ class RunManager:
         """Whether ``run``'s process is still the one it started (same pid and start time), and not a zombie."""
         try:
             process = psutil.Process(run["pid"])
-            return (abs(process.create_time() - (run["pid_started"] or 0)) < 0.01
-                    and process.status() != psutil.STATUS_ZOMBIE)  # fmt: skip
+            return (
+                abs(process.create_time() - (run["pid_started"] or 0)) < 0.01
+                and process.status() != psutil.STATUS_ZOMBIE
+            )
         except (psutil.NoSuchProcess, TypeError, ValueError):
             return False
 
@@ -323,15 +375,25 @@ class RunManager:
     def _start_eval(self, run: dict[str, Any]) -> None:
         """``chat-e eval`` of run ``run``'s model beside the model it was trained from, niced, logged beside it."""
         folder = Path(run["log_path"]).parent
-        cmd = eval_command(["--model", run["settings"]["base_model"], "--model", run["output_dir"],
-                            "--output_dir", str(folder / EVAL_DIR), *self.eval_args])  # fmt: skip
+        cmd = eval_command(
+            [
+                "--model",
+                run["settings"]["base_model"],
+                "--model",
+                run["output_dir"],
+                "--output_dir",
+                str(folder / EVAL_DIR),
+                *self.eval_args,
+            ]
+        )
         with open(folder / EVAL_LOG, "ab") as log:
             log.write(
                 f"{LAUNCH_MARK} #{run['id']}'s eval at {utcnow():%Y-%m-%d %H:%M:%S} UTC: {' '.join(cmd)}\n".encode()
             )
             log.flush()
-            proc = subprocess.Popen([*self._niced(), *cmd], stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)  # fmt: skip
+            proc = subprocess.Popen(
+                [*self._niced(), *cmd], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         self._evals[run["id"]] = proc
         # its process, for a manager that did not start it (a restarted server, a watcher): pid and start time
         started = psutil.Process(proc.pid).create_time()
@@ -369,8 +431,11 @@ class RunManager:
             return ""
         report = self.eval_report(run)
         worse = report["worse"]
-        verdict = (f"**Worse beyond the 95 % interval on: {', '.join(worse)}.**" if worse
-                   else "Worse beyond the 95 % interval on no score.")  # fmt: skip
+        verdict = (
+            f"**Worse beyond the 95 % interval on: {', '.join(worse)}.**"
+            if worse
+            else "Worse beyond the 95 % interval on no score."
+        )
         table = (folder / EVAL_DIR / "eval.md").read_text()
         return f"Run #{run['id']}'s model (2nd) beside `{run['settings']['base_model']}` (1st): {verdict}\n\n{table}"
 
@@ -380,8 +445,10 @@ class RunManager:
         run = self._get(run_id)
         state = self.eval_state(run)
         if state != "done":
-            return (f"Run #{run_id}'s eval is {'still running' if state == 'running' else 'missing'}, so nobody "
-                    f"knows whether its model is worse")  # fmt: skip
+            return (
+                f"Run #{run_id}'s eval is {'still running' if state == 'running' else 'missing'}, so nobody "
+                f"knows whether its model is worse"
+            )
         worse = self.eval_report(run)["worse"]
         if worse:
             return (
@@ -418,8 +485,12 @@ class RunManager:
             why = f"{reasons[-1]} ({status})" if reasons else status  # the training's own line, where it gave one
             fields.update(status=FAILED, detail=f"failed: {why}\n{tail}")
         self.store.update_run(run["id"], **fields)
-        logger.info("run #%d ended %s (%s)", run["id"], fields["status"], f"exit status {code}" if code is not None
-                    else "started by another process")  # fmt: skip
+        logger.info(
+            "run #%d ended %s (%s)",
+            run["id"],
+            fields["status"],
+            f"exit status {code}" if code is not None else "started by another process",
+        )
 
     def progress(self, run_id: int) -> dict[str, Any]:
         """Run ``run_id``'s step, steps, ETA (seconds), logged series and last log lines."""
@@ -435,10 +506,19 @@ class RunManager:
         if len(recent) >= 2 and recent[-1]["step"] > recent[0]["step"]:
             per_step = (recent[-1]["time"] - recent[0]["time"]) / (recent[-1]["step"] - recent[0]["step"])
             eta = per_step * max(0, total - step)
-        series = {key: [(r["step"], r[key]) for r in logs if key in r]
-                  for key in ("loss", "rewards/margins", "rewards/accuracies")}  # fmt: skip
-        return {"run": run, "step": step, "max_steps": total, "eta_s": eta, "series": series,
-                "log_tail": _tail(Path(run["log_path"]), LOG_TAIL_LINES), **current_phase(records)}  # fmt: skip
+        series = {
+            key: [(r["step"], r[key]) for r in logs if key in r]
+            for key in ("loss", "rewards/margins", "rewards/accuracies")
+        }
+        return {
+            "run": run,
+            "step": step,
+            "max_steps": total,
+            "eta_s": eta,
+            "series": series,
+            "log_tail": _tail(Path(run["log_path"]), LOG_TAIL_LINES),
+            **current_phase(records),
+        }
 
 
 def current_phase(records: list[dict]) -> dict[str, Any]:
@@ -447,15 +527,27 @@ def current_phase(records: list[dict]) -> dict[str, Any]:
     the rows' split as the training kept them (``training_rows``, ``held_out_rows``; {} until known)."""
     starts = [i for i, r in enumerate(records) if r.get("event") == "phase" and r.get("phase") == PREPARING]
     launch = records[starts[-1] :] if starts else records
-    split = next(({k: r[k] for k in ("training_rows", "held_out_rows")} for r in reversed(launch)
-                  if r.get("event") == "phase" and "held_out_rows" in r), {})  # fmt: skip
+    split = next(
+        (
+            {k: r[k] for k in ("training_rows", "held_out_rows")}
+            for r in reversed(launch)
+            if r.get("event") == "phase" and "held_out_rows" in r
+        ),
+        {},
+    )
     marks = [i for i, r in enumerate(launch) if r.get("event") in ("phase", "begin")]
     if not marks:
         return {"phase": None, "phase_since": None, "split": split, "rows": None}
     last = launch[marks[-1]]
     name = TRAINING if last["event"] == "begin" else last["phase"]
-    rows = next(((r["done"], r["total"]) for r in reversed(launch[marks[-1] :])
-                 if r.get("event") == "rows" and r["phase"] == name), None)  # fmt: skip
+    rows = next(
+        (
+            (r["done"], r["total"])
+            for r in reversed(launch[marks[-1] :])
+            if r.get("event") == "rows" and r["phase"] == name
+        ),
+        None,
+    )
     return {"phase": name, "phase_since": last["time"], "split": split, "rows": rows}
 
 

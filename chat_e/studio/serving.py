@@ -112,8 +112,9 @@ class ServingDesk:
         served, served_settings = self._serving
         if engine.name == served.name:
             raise ValueError(f"Run #{run_id}'s model is the one served: there is nothing to compare it with.")
-        self._open_arena({served.name: self.served, engine.name: gated},
-                         {served.name: served_settings, engine.name: settings})  # fmt: skip
+        self._open_arena(
+            {served.name: self.served, engine.name: gated}, {served.name: served_settings, engine.name: settings}
+        )
         self.arena_pair = (served.name, engine.name)
         logger.info("arena opened: %s against %s", served.name, engine.name)
         return self.arena_pair
@@ -138,8 +139,10 @@ class ServingDesk:
         promoted again.)"""
         with self._lock:
             if self._previous is None:
-                raise ValueError("Nothing to roll back to: no model has been promoted since the server started "
-                                 "or since the last Roll back.")  # fmt: skip
+                raise ValueError(
+                    "Nothing to roll back to: no model has been promoted since the server started "
+                    "or since the last Roll back."
+                )
             self._previous, self._serving = None, self._previous
             self.switch.swap(self._serving[0])
         self._changed("rollback", None)

@@ -196,8 +196,10 @@ def main(argv: list[str] | None = None) -> dict:  # long: the run's numbered ste
     logger.info(f"Model family: {family} ({'MuDoConv string' if family == 'seq2seq' else 'chat template'} inputs)")
     if training_args.padding_free is None:  # the default: packed rows wherever the model can take them
         training_args.padding_free = family != "seq2seq"
-    logger.info(f"Batches: {'padding-free' if training_args.padding_free else 'padded'}, "
-                f"sampler {training_args.train_sampling_strategy}")  # fmt: skip
+    logger.info(
+        f"Batches: {'padding-free' if training_args.padding_free else 'padded'}, "
+        f"sampler {training_args.train_sampling_strategy}"
+    )
 
     # 3. data: texts/labels -> left-truncated inputs + labels, in the family's rendering
     raw = load_dialogue_dataset(data_args)

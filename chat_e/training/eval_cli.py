@@ -18,20 +18,32 @@ DESCRIPTION = (
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     """``chat-e eval``'s flags on ``parser``."""
-    parser.add_argument("--model", action="append", required=True, metavar="DIR",
-                        help="A model directory; twice for two models (the second compared with the first).")  # fmt: skip
+    parser.add_argument(
+        "--model",
+        action="append",
+        required=True,
+        metavar="DIR",
+        help="A model directory; twice for two models (the second compared with the first).",
+    )
     parser.add_argument("--output_dir", default="runs/eval", help="Where the report goes (default runs/eval).")
-    parser.add_argument("--dataset", default="chitchat+chatterbot",
-                        help="The offline corpus whose validation split's human replies are scored: chitchat, "
-                        "chatterbot or chitchat+chatterbot (default: make demo's).")  # fmt: skip
+    parser.add_argument(
+        "--dataset",
+        default="chitchat+chatterbot",
+        help="The offline corpus whose validation split's human replies are scored: chitchat, "
+        "chatterbot or chitchat+chatterbot (default: make demo's).",
+    )
     parser.add_argument("--n_nll", type=int, default=128, help="Held-out human replies scored (default 128).")
     parser.add_argument("--seed", type=int, default=42, help="The corpus split's and the sample's seed (make demo's).")
     parser.add_argument("--max_source_length", type=int, default=96, help="Context tokens kept (make demo's).")
     parser.add_argument("--max_target_length", type=int, default=32, help="Human-reply tokens kept (make demo's).")
     parser.add_argument("--max_new_tokens", type=int, default=48, help="Longest generated reply (default 48).")
     parser.add_argument("--batch_size", type=int, default=16, help="Prompts per generate call (default 16).")
-    parser.add_argument("--quantize", choices=("auto", "none", "int8"), default="auto",
-                        help="As chat-e serve: auto (default) is int8 for fp32 weights.")  # fmt: skip
+    parser.add_argument(
+        "--quantize",
+        choices=("auto", "none", "int8"),
+        default="auto",
+        help="As chat-e serve: auto (default) is int8 for fp32 weights.",
+    )
 
 
 def command(argv: list[str]) -> list[str]:

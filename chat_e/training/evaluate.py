@@ -73,8 +73,14 @@ def human_rows(engine: LocalEngine, args) -> list[tuple[list[int], list[int]]]:
     rows = sample(load_offline(args.dataset, seed=args.seed)["validation"], args.n_nll, args.seed)
     out = []
     for row in rows:
-        example = encode_example(engine.tokenizer, row["texts"], row["labels"], args.max_source_length,
-                                 args.max_target_length, engine.family)  # fmt: skip
+        example = encode_example(
+            engine.tokenizer,
+            row["texts"],
+            row["labels"],
+            args.max_source_length,
+            args.max_target_length,
+            engine.family,
+        )
         if engine.family == "causal":
             first = next(i for i, label in enumerate(example["labels"]) if label >= 0)
             out.append((example["input_ids"][:first], example["input_ids"][first:]))
@@ -90,8 +96,9 @@ def evaluate_model(path: str, args) -> dict:
     tokenizer = engine.tokenizer
     gen_kwargs = {"max_new_tokens": args.max_new_tokens, "do_sample": False, "num_beams": 1}
     with torch.no_grad():
-        replies, lengths, _ = generate_in_order(engine.model, tokenizer, probe_inputs(engine), gen_kwargs,
-                                                args.batch_size)  # fmt: skip
+        replies, lengths, _ = generate_in_order(
+            engine.model, tokenizer, probe_inputs(engine), gen_kwargs, args.batch_size
+        )
     generated = time.perf_counter() - started
     n_prompts = len(adherence.PROMPTS)
     instructions = adherence.score_instructions(replies[:n_prompts])
@@ -168,8 +175,12 @@ def markdown(results: list[dict], differences: dict | None) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     share_rows = [("mode", "mode adherence (all modes)")]
     share_rows += [(k, f"  {k.split(':')[1]}") for k in results[0]["shares"] if k.startswith("mode:")]
-    share_rows += [("instruction_strict", "instructions, strict"), ("instruction_loose", "instructions, loose"),
-                   ("runaway", "runaway replies"), ("empty", "empty replies")]  # fmt: skip
+    share_rows += [
+        ("instruction_strict", "instructions, strict"),
+        ("instruction_loose", "instructions, loose"),
+        ("runaway", "runaway replies"),
+        ("empty", "empty replies"),
+    ]
     for key, label in share_rows:
         cells = [_pct(r["shares"][key]) + f" (n={r['shares'][key]['n']})" for r in results]
         lines.append("| " + " | ".join([label, *cells, *_diff_cells(differences, key)]) + " |")
@@ -209,12 +220,15 @@ def plot(results: list[dict], path: Path) -> None:
     width = 0.8 / len(results)
     for i, result in enumerate(results):
         rates = [result["shares"][k]["rate"] or 0 for k in keys]
-        errors = [[r - (result["shares"][k]["low"] or 0) for r, k in zip(rates, keys)],
-                  [(result["shares"][k]["high"] or 0) - r for r, k in zip(rates, keys)]]  # fmt: skip
+        errors = [
+            [r - (result["shares"][k]["low"] or 0) for r, k in zip(rates, keys)],
+            [(result["shares"][k]["high"] or 0) - r for r, k in zip(rates, keys)],
+        ]
         xs = [x + (i - (len(results) - 1) / 2) * width for x in range(len(keys))]
         ax.bar(xs, rates, width, yerr=errors, capsize=3, label=Path(result["model"]).name or result["model"])
-    ax.set_xticks(range(len(keys)), [k.replace("instruction_", "instr. ").replace("mode:", "") for k in keys],
-                  rotation=20)  # fmt: skip
+    ax.set_xticks(
+        range(len(keys)), [k.replace("instruction_", "instr. ").replace("mode:", "") for k in keys], rotation=20
+    )
     ax.set_ylim(0, 1)
     ax.set_ylabel("share (95 % CI)")
     ax.grid(axis="y", alpha=0.3)
@@ -237,9 +251,12 @@ def run_eval(args) -> dict:
         logger.info("chat-e eval: %s", path)
         results.append(evaluate_model(path, args))
     differences = compare(*results) if len(results) == 2 else None
-    report = {"models": results, "differences": differences,
-              "worse": worse_beyond_interval(differences) if differences else [],
-              "settings": {k: v for k, v in vars(args).items() if not callable(v) and k != "command_parser"}}  # fmt: skip
+    report = {
+        "models": results,
+        "differences": differences,
+        "worse": worse_beyond_interval(differences) if differences else [],
+        "settings": {k: v for k, v in vars(args).items() if not callable(v) and k != "command_parser"},
+    }
     table = markdown(results, differences)
     write_text_atomically(out / "eval.json", json.dumps(report, indent=1, default=str) + "\n")
     write_text_atomically(out / "eval.md", table + "\n")

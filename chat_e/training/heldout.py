@@ -64,8 +64,9 @@ def _batch(rows: list[Row], pad_id: int, encoder_decoder: bool) -> dict[str, tor
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def reply_logprobs(model, rows: Sequence[Row], batch_size: int, pad_id: int, device=None,
-                   progress=None) -> torch.Tensor:  # fmt: skip
+def reply_logprobs(
+    model, rows: Sequence[Row], batch_size: int, pad_id: int, device=None, progress=None
+) -> torch.Tensor:
     """``(len(rows), 2)`` float64: each reply's summed log-probability given its prompt, and its token count.
 
     A row is ``(prompt ids, reply ids)``. The rows are sharded over the ranks (every rank takes the same number of

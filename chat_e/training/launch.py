@@ -48,8 +48,10 @@ def replay_problem(loss: str, loss_types: list[str], replay: int) -> str | None:
     if replay < 0:
         return f"replay={replay}: give 0 (none) or a number of rows to replay."
     if replay and loss == "dpo" and "sft" not in loss_types:
-        return (f"replay={replay} with DPO's loss {' + '.join(loss_types)}: a replayed row has no worse reply, so only "
-                "an SFT term learns from it; train SFT or KTO, or add sft to --loss_type.")  # fmt: skip
+        return (
+            f"replay={replay} with DPO's loss {' + '.join(loss_types)}: a replayed row has no worse reply, so only "
+            "an SFT term learns from it; train SFT or KTO, or add sft to --loss_type."
+        )
     return None
 
 

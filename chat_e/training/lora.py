@@ -32,5 +32,10 @@ class LoraArguments:
         """The adapters these settings ask for (``task_type``: ``CAUSAL_LM`` or ``SEQ_2_SEQ_LM``), or ``None``."""
         if not self.use_peft:
             return None
-        return LoraConfig(r=self.lora_r, lora_alpha=self.lora_alpha, lora_dropout=self.lora_dropout,
-                          target_modules=self.lora_target_modules or "all-linear", task_type=task_type)  # fmt: skip
+        return LoraConfig(
+            r=self.lora_r,
+            lora_alpha=self.lora_alpha,
+            lora_dropout=self.lora_dropout,
+            target_modules=self.lora_target_modules or "all-linear",
+            task_type=task_type,
+        )

@@ -112,9 +112,11 @@ class PreferenceDataArguments:
     loss: str = field(default="dpo", metadata={"help": "dpo (pairs) or kto (replies labelled good/bad)."})
     data_file: str | None = field(
         default=None,
-        metadata={"help": "Local .jsonl/.json of TRL preference rows (DPO: prompt/chosen/rejected; KTO: "
-                  "prompt/completion/label), plain text or conversational."},
-    )  # fmt: skip
+        metadata={
+            "help": "Local .jsonl/.json of TRL preference rows (DPO: prompt/chosen/rejected; KTO: "
+            "prompt/completion/label), plain text or conversational."
+        },
+    )
     dataset_name: str | None = field(
         default="chitchat",
         metadata={
@@ -144,10 +146,12 @@ class PreferenceDataArguments:
     generation_temperature: float = field(default=1.0, metadata={"help": "SPIN: sampling temperature."})
     replay: int = field(
         default=0,
-        metadata={"help": "Rehearsal against forgetting: this many rows of replay_dataset's train split (context and "
-                  "human reply) added to the training rows, never to the held-out ones. DPO: pairs whose rejected "
-                  "reply is the chosen one, which only an sft part of loss_type learns from; KTO: desirable replies."},
-    )  # fmt: skip
+        metadata={
+            "help": "Rehearsal against forgetting: this many rows of replay_dataset's train split (context and "
+            "human reply) added to the training rows, never to the held-out ones. DPO: pairs whose rejected "
+            "reply is the chosen one, which only an sft part of loss_type learns from; KTO: desirable replies."
+        },
+    )
     replay_dataset: str = field(
         default="chitchat+chatterbot",
         metadata={"help": f"The offline corpus replayed ({', '.join(OFFLINE_DATASETS)}; make demo's by default)."},
@@ -339,8 +343,9 @@ def replay_rows(data_args, tokenizer, conversational: bool) -> list[dict]:
             kept = chat_turns_that_fit(tokenizer, turns, header, data_args.max_source_length)
             prompt, reply = chat_messages(kept, header), [{"role": "assistant", "content": clean_turn(row["labels"])}]
         else:
-            text = spin_row(tokenizer, row["texts"], row["labels"], data_args.max_source_length,
-                            data_args.max_target_length)  # fmt: skip
+            text = spin_row(
+                tokenizer, row["texts"], row["labels"], data_args.max_source_length, data_args.max_target_length
+            )
             prompt, reply = text["prompt"], text["reply"]
         if data_args.loss == "kto":
             out.append({"prompt": prompt, "completion": reply, "label": True})
@@ -487,9 +492,14 @@ def evaluate(trainer, loss: str, batch_size: int, name: str) -> dict:
     is_main = trainer.is_world_process_zero()
     with gathered(list(model.parameters())):
         return heldout_metrics(
-            model, trainer.eval_dataset, loss, batch_size, trainer.processing_class.pad_token_id, trainer.args.device,
+            model,
+            trainer.eval_dataset,
+            loss,
+            batch_size,
+            trainer.processing_class.pad_token_id,
+            trainer.args.device,
             progress=lambda done, total: phase_rows(name, is_main, done, total),
-        )  # fmt: skip
+        )
 
 
 def _cell(value) -> str:
@@ -598,8 +608,12 @@ def main(argv: list[str] | None = None) -> dict:  # long: the run's numbered ste
     out = Path(training_args.output_dir)
     batch = training_args.per_device_eval_batch_size
     # the rows as TRL kept them (the page shows the split while the evaluation runs)
-    phase(EVAL_BEFORE, is_main, training_rows=len(trainer.train_dataset),
-          held_out_rows=len(trainer.eval_dataset) if trainer.eval_dataset is not None else 0)  # fmt: skip
+    phase(
+        EVAL_BEFORE,
+        is_main,
+        training_rows=len(trainer.train_dataset),
+        held_out_rows=len(trainer.eval_dataset) if trainer.eval_dataset is not None else 0,
+    )
     before = evaluate(trainer, loss, batch, EVAL_BEFORE)
     result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     phase(EVAL_AFTER, is_main)

@@ -500,8 +500,9 @@ def arena_blocks(arena: Arena, concurrency_limit: int = 2):  # long: a Blocks la
             battle_on_page, [message, mode, context, state], [message, *windows, state], **ui, **raw, **generate
         ).then(controls, [state], shown, queue=False, **ui)
         # the ``battle`` endpoint: a program gets the refusal as an error
-        battle_api.click(battle, [message, mode, context, state], [message, *windows, state], api_name="battle",
-                         **raw, **generate)  # fmt: skip
+        battle_api.click(
+            battle, [message, mode, context, state], [message, *windows, state], api_name="battle", **raw, **generate
+        )
         for kind, button in buttons.items():
             button.click(voter(kind), [state], [state, reveal], **ui).then(controls, [state], shown, queue=False, **ui)
         vote_api.click(vote, [winner, state], [state, reveal], api_name="vote", **raw).then(

@@ -585,9 +585,9 @@ class FeedbackControls:
             api_name="correct",
             show_progress="hidden",
         )
-        self.prefer.input(on_prefer, [self.prefer, records, chatbot], [self.prefer, chatbot, records], queue=False,
-                          api_name="prefer").then(shown_ratings, [chatbot, records], [chatbot], queue=False,
-                                                  api_visibility="undocumented")  # fmt: skip
+        self.prefer.input(
+            on_prefer, [self.prefer, records, chatbot], [self.prefer, chatbot, records], queue=False, api_name="prefer"
+        ).then(shown_ratings, [chatbot, records], [chatbot], queue=False, api_visibility="undocumented")
 
     @staticmethod
     def offer_choice(records):
@@ -595,8 +595,10 @@ class FeedbackControls:
         newest = records[max(records)] if records else {}
         if "previous" not in newest:
             return import_gradio().update(visible=False, value=None)
-        shown = [(f"{label}: {_clip(reply)}", label) for label, reply in
-                 ((PREVIOUS_REPLY, newest["previous"]["reply"]), (NEW_REPLY, newest["reply"]))]  # fmt: skip
+        shown = [
+            (f"{label}: {_clip(reply)}", label)
+            for label, reply in ((PREVIOUS_REPLY, newest["previous"]["reply"]), (NEW_REPLY, newest["reply"]))
+        ]
         return import_gradio().update(visible=True, value=None, choices=shown)
 
 

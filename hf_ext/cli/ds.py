@@ -30,14 +30,23 @@ def _common(parser: argparse.ArgumentParser):
     )
     parser.add_argument("--model", default=None, help="model path or hub id, for the hidden-size based bucket sizes")
     parser.add_argument("--world_size", type=int, default=None, help="number of ranks (default: 1)")
-    parser.add_argument("--sp_size", type=int, default=1, help="Ulysses sequence-parallel size: the run's "
-                        'ParallelismConfig(sp_size=N, sp_backend="deepspeed") (default: 1, none)')  # fmt: skip
+    parser.add_argument(
+        "--sp_size",
+        type=int,
+        default=1,
+        help="Ulysses sequence-parallel size: the run's "
+        'ParallelismConfig(sp_size=N, sp_backend="deepspeed") (default: 1, none)',
+    )
     parser.set_defaults(accepts_extra=True)  # the remaining flags are TrainingArguments flags
 
 
 def resolve_command_parser(subparsers):
-    parser = subparsers.add_parser("resolve", help=RESOLVE_HELP, description=RESOLVE_HELP + " Other flags are "
-                                   "TrainingArguments flags (--per_device_train_batch_size 4 --bf16 --max_steps 100 ...).")  # fmt: skip
+    parser = subparsers.add_parser(
+        "resolve",
+        help=RESOLVE_HELP,
+        description=RESOLVE_HELP + " Other flags are "
+        "TrainingArguments flags (--per_device_train_batch_size 4 --bf16 --max_steps 100 ...).",
+    )
     _common(parser)
     parser.set_defaults(func=resolve_command)
     return parser

@@ -19,10 +19,17 @@ def fsdp_command_parser(subparsers):
     parser = subparsers.add_parser("fsdp", help="FSDP settings: doctor")
     sub = parser.add_subparsers(title="fsdp commands", dest="fsdp_command", metavar="COMMAND", required=True)
     doctor = sub.add_parser("doctor", help=DOCTOR_HELP, description=DOCTOR_HELP)
-    doctor.add_argument("fsdp", nargs="?", default=None,
-                        help="the fsdp value: full_shard, hybrid_shard, no_shard, shard_grad_op [offload]")  # fmt: skip
-    doctor.add_argument("--accelerate_config", default=None,
-                        help="an accelerate launch config file (distributed_type: FSDP) to check instead")  # fmt: skip
+    doctor.add_argument(
+        "fsdp",
+        nargs="?",
+        default=None,
+        help="the fsdp value: full_shard, hybrid_shard, no_shard, shard_grad_op [offload]",
+    )
+    doctor.add_argument(
+        "--accelerate_config",
+        default=None,
+        help="an accelerate launch config file (distributed_type: FSDP) to check instead",
+    )
     doctor.add_argument("--fsdp_config", default=None, help="a JSON file, or inline JSON")
     doctor.add_argument("--world_size", type=int, default=1, help="number of ranks (default: 1)")
     doctor.add_argument("--ranks_per_node", type=int, default=None, help="default: all ranks on one node")
@@ -73,8 +80,10 @@ def report(resolution, world_size: int) -> int:
     for warning in resolution.warnings:
         print(f"warning: {warning}")
     engine = "DDP" if resolution.fsdp is None else "FSDP2"
-    print(f"ok: {resolution.sharding} on {world_size} ranks runs {engine}: each parameter split over "
-          f"{resolution.sharding_factor} rank(s), {resolution.replicas} replica(s) of each shard")  # fmt: skip
+    print(
+        f"ok: {resolution.sharding} on {world_size} ranks runs {engine}: each parameter split over "
+        f"{resolution.sharding_factor} rank(s), {resolution.replicas} replica(s) of each shard"
+    )
     for change in resolution.changes:
         print(f"  {change.key} = {json.dumps(change.value)} ({change.source})")
     return 0

@@ -120,15 +120,18 @@ def launch_command(args: argparse.Namespace) -> int:
     line = list(args.launch_line)
     line = line[1:] if line[:1] == ["--"] else line
     if not line:
-        print("hf-ext launch: give the launch line, e.g. hf-ext launch torchrun --nproc_per_node 2 train.py",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "hf-ext launch: give the launch line, e.g. hf-ext launch torchrun --nproc_per_node 2 train.py",
+            file=sys.stderr,
+        )
         return 2
     with tempfile.TemporaryDirectory(prefix="hf-ext-launch-") as folder:
         record = Path(folder) / "preempted.json"
         env = {**os.environ, RECORD_ENV: str(record), PID_ENV: str(os.getpid())}
         try:
-            proc = subprocess.Popen(line, env=env, stderr=subprocess.PIPE, text=True, errors="replace",
-                                    start_new_session=True)  # fmt: skip
+            proc = subprocess.Popen(
+                line, env=env, stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True
+            )
         except OSError as err:
             print(f"hf-ext launch: cannot run {line[0]!r}: {err.strerror}", file=sys.stderr)
             return 127
@@ -155,8 +158,11 @@ def launch_command(args: argparse.Namespace) -> int:
         return 0
     if preemption is not None:
         left_out = "; its traceback about it is left out" if dropped else ""
-        print(f"hf-ext launch: preempted ({preemption.get('signal')}): {preemption.get('checkpoint')} is saved; exit "
-              f"status {PREEMPTED_EXIT_CODE} (the launcher exited {status}{left_out}). Resume with "
-              "--resume_from_checkpoint True.", file=sys.stderr)  # fmt: skip
+        print(
+            f"hf-ext launch: preempted ({preemption.get('signal')}): {preemption.get('checkpoint')} is saved; exit "
+            f"status {PREEMPTED_EXIT_CODE} (the launcher exited {status}{left_out}). Resume with "
+            "--resume_from_checkpoint True.",
+            file=sys.stderr,
+        )
         return PREEMPTED_EXIT_CODE
     return 128 - status if status < 0 else status

@@ -23,8 +23,12 @@ def plan_command_parser(subparsers):
     parser = subparsers.add_parser("plan", help=PLAN_HELP, description=PLAN_HELP)
     parser.add_argument("--model", required=True, help="model path or hub id (only its config is read)")
     parser.add_argument("--world_size", type=int, default=1, help="number of ranks (default: 1)")
-    parser.add_argument("--nproc_per_node", type=int, default=None,
-                        help="ranks sharing one node's memory (default: --world_size, i.e. one node)")  # fmt: skip
+    parser.add_argument(
+        "--nproc_per_node",
+        type=int,
+        default=None,
+        help="ranks sharing one node's memory (default: --world_size, i.e. one node)",
+    )
     parser.add_argument("--memory_per_device", default=None, help="per-rank budget, e.g. 8GB (default: detected)")
     parser.add_argument("--seq_len", type=int, default=128, help="tokens per example (default: 128)")
     parser.add_argument("--micro_batch", type=int, default=None, help="plan this micro-batch (default: the largest)")
@@ -36,8 +40,12 @@ def plan_command_parser(subparsers):
         help="activation checkpointing on",
     )
     parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None, help="default: hardware's")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
-                        help="plan for this kind of device (default: this host's; another needs --memory_per_device)")  # fmt: skip
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default=None,
+        help="plan for this kind of device (default: this host's; another needs --memory_per_device)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.set_defaults(func=plan_command)
     return parser
@@ -48,8 +56,17 @@ def plan_command(args) -> int:
 
     quiet_logging()
     try:
-        result = run_plan(args.model, args.world_size, args.memory_per_device, args.seq_len, args.micro_batch,
-                          args.checkpointing, args.precision, args.nproc_per_node, args.device)  # fmt: skip
+        result = run_plan(
+            args.model,
+            args.world_size,
+            args.memory_per_device,
+            args.seq_len,
+            args.micro_batch,
+            args.checkpointing,
+            args.precision,
+            args.nproc_per_node,
+            args.device,
+        )
     except (OSError, ValueError) as err:
         print(f"hf-ext ds plan: error: {err}", file=sys.stderr)
         return 1

@@ -37,8 +37,11 @@ def validate(config: dict, report: Report) -> list[str]:
     known = schema.suggestable_top_level_keys()
     for key in config:
         if key not in schema.known_top_level_keys() and key not in removed:
-            report.problem(key, f"unknown top-level key{schema.did_you_mean(key, known)}; DeepSpeed would silently "
-                           "ignore it", schema.unknown_key_fix(key, known))  # fmt: skip
+            report.problem(
+                key,
+                f"unknown top-level key{schema.did_you_mean(key, known)}; DeepSpeed would silently ignore it",
+                schema.unknown_key_fix(key, known),
+            )
     for section in schema.section_models():
         if isinstance(config.get(section), dict):
             for key, message, fix in schema.section_problems(section, config[section]):
@@ -93,7 +96,7 @@ _REFUSED_PARAMS = {
     "max_grad_norm": (
         "is not an optimizer parameter in DeepSpeed",
         "remove it; clipping is the top-level gradient_clipping (from --max_grad_norm)",
-    ),  # fmt: skip
+    ),
 }
 
 
@@ -103,8 +106,11 @@ def _validate_named(config: dict, section: str, allowed: tuple, names: tuple[set
         return  # a non-section was reported when the config was normalized
     for key in value:
         if key not in allowed:
-            report.problem(f"{section}.{key}", f"unknown key{schema.did_you_mean(key, allowed)}",
-                           schema.unknown_key_fix(key, allowed))  # fmt: skip
+            report.problem(
+                f"{section}.{key}",
+                f"unknown key{schema.did_you_mean(key, allowed)}",
+                schema.unknown_key_fix(key, allowed),
+            )
     kind = value.get("type")
     any_case, exact = names
     if isinstance(kind, str) and kind.lower() in versions.REMOVED_OPTIMIZERS and section == "optimizer":

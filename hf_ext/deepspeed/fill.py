@@ -74,7 +74,7 @@ VALID_VALUES = {
     "scheduler.params.warmup_num_steps": (
         lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
         "an integer >= 0",
-    ),  # fmt: skip
+    ),
 }
 
 
@@ -171,8 +171,11 @@ def _batch_arithmetic(config: dict, args, layout: Layout, report: Report) -> boo
     ranks = layout.ranks(deepspeed=True)
     arithmetic = f"{ranks} x micro-batch {micro} x accumulation {accum} = {world * micro * accum}"
     if total % world:
-        report.problem("train_batch_size", f"{total} cannot be split over {ranks} ({arithmetic})",
-                       f'set train_batch_size to "auto" or a multiple of {world}')  # fmt: skip
+        report.problem(
+            "train_batch_size",
+            f"{total} cannot be split over {ranks} ({arithmetic})",
+            f'set train_batch_size to "auto" or a multiple of {world}',
+        )
         return True
     new_micro, new_accum = split_batch(total, world, micro)
     flags = f"--per_device_train_batch_size {new_micro} --gradient_accumulation_steps {new_accum}"
@@ -241,7 +244,9 @@ def fill_from_args(config: dict, args, layout: Layout, report: Report):
     _apply_rules(config, args, layout.deepspeed_ranks, report, ARG_RULES[3:])
     if "zero_optimization" not in config:
         config["zero_optimization"] = {"stage": 0}
-        report.change("zero_optimization.stage", 0, "DeepSpeed's default (accelerate refuses a config without it)", "added")  # fmt: skip
+        report.change(
+            "zero_optimization.stage", 0, "DeepSpeed's default (accelerate refuses a config without it)", "added"
+        )
     _schedule_choice(config, args, report)
     if getattr(args, "save_on_each_node", False):
         rule = FillRule(
@@ -265,8 +270,10 @@ def _schedule_choice(config: dict, args, report: Report):
         return
     same = next((name for name, schedule in SCHEDULE_OF.items() if schedule == asked), None)
     instead = f', or set scheduler.type to "{same}"' if same else ""
-    report.warn(f"scheduler.type {kind} in the config is the schedule that runs: lr_scheduler_type {asked} is ignored "
-                f"(transformers builds DeepSpeed's scheduler). Remove the scheduler section to use {asked}{instead}.")  # fmt: skip
+    report.warn(
+        f"scheduler.type {kind} in the config is the schedule that runs: lr_scheduler_type {asked} is ignored "
+        f"(transformers builds DeepSpeed's scheduler). Remove the scheduler section to use {asked}{instead}."
+    )
 
 
 def fill_steps(config: dict, args, steps: int, report: Report):

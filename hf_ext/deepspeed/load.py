@@ -78,7 +78,7 @@ def load(config, report: Report) -> dict:
                     f"expected a path, a dict or a preset name, got {type(config).__name__}",
                     "pass the path of a DeepSpeed JSON file, an accelerate YAML, a dict or a preset name",
                 )
-            ]  # fmt: skip
+            ]
         )
     text = str(config)
     if text in PRESETS:
@@ -89,8 +89,9 @@ def load(config, report: Report) -> dict:
     if path.is_dir():
         inside = sorted(p.name for p in path.iterdir() if p.suffix.lower() in (".json", ".yaml", ".yml"))[:5]
         found = f" (it holds {', '.join(inside)})" if inside else ""
-        raise DeepSpeedConfigError([Problem("", f"{text} is a directory, not a config file{found}",
-                                            "pass the JSON or YAML file itself")])  # fmt: skip
+        raise DeepSpeedConfigError(
+            [Problem("", f"{text} is a directory, not a config file{found}", "pass the JSON or YAML file itself")]
+        )
     if not path.is_file():
         hint = f"; presets are {', '.join(PRESETS)}" if "/" not in text and not path.suffix else ""
         raise DeepSpeedConfigError([Problem("", f"no such file: {text}{hint}", "fix the path, or name a preset")])
@@ -129,16 +130,28 @@ def read_text(path: Path, report: Report) -> str:
     ):
         wide = "UTF-16"  # UTF-16 without a byte-order mark: every other byte of ASCII text is zero
     if wide is not None:
-        raise DeepSpeedConfigError([Problem(
-            "", f"{path} is {wide} text (what Windows PowerShell's `>` writes); DeepSpeed and transformers read UTF-8",
-            f"re-save it as UTF-8: iconv -f {wide} -t UTF-8 {path.name} > fixed{path.suffix} (PowerShell: "
-            "Set-Content -Encoding utf8)")])  # fmt: skip
+        raise DeepSpeedConfigError(
+            [
+                Problem(
+                    "",
+                    f"{path} is {wide} text (what Windows PowerShell's `>` writes); DeepSpeed and transformers read UTF-8",
+                    f"re-save it as UTF-8: iconv -f {wide} -t UTF-8 {path.name} > fixed{path.suffix} (PowerShell: "
+                    "Set-Content -Encoding utf8)",
+                )
+            ]
+        )
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise DeepSpeedConfigError([Problem(
-            "", f"{path} is not a text config file (byte {data[err.start]:#04x} at offset {err.start} is not UTF-8)",
-            "pass a DeepSpeed JSON or accelerate YAML file saved as UTF-8")]) from None  # fmt: skip
+        raise DeepSpeedConfigError(
+            [
+                Problem(
+                    "",
+                    f"{path} is not a text config file (byte {data[err.start]:#04x} at offset {err.start} is not UTF-8)",
+                    "pass a DeepSpeed JSON or accelerate YAML file saved as UTF-8",
+                )
+            ]
+        ) from None
     if "\x00" in text:
         raise DeepSpeedConfigError(
             [Problem("", f"{path} is a binary file, not a config", "pass a DeepSpeed JSON or accelerate YAML file")]
@@ -150,8 +163,11 @@ def read_text(path: Path, report: Report) -> str:
 
 
 def _too_deep(where: str) -> DeepSpeedConfigError:
-    problem = Problem("", f"{where} is nested more than {MAX_DEPTH} levels deep; no DeepSpeed config is",
-                      "pass the DeepSpeed config itself (sections such as zero_optimization hold plain values)")  # fmt: skip
+    problem = Problem(
+        "",
+        f"{where} is nested more than {MAX_DEPTH} levels deep; no DeepSpeed config is",
+        "pass the DeepSpeed config itself (sections such as zero_optimization hold plain values)",
+    )
     return DeepSpeedConfigError([problem], where)
 
 
@@ -209,8 +225,16 @@ def _parse_json(text: str, where: str, report: Report) -> dict:
                 "transformers' included, do not). Remove it to keep the file portable."
             )
     if not isinstance(data, dict):
-        raise DeepSpeedConfigError([Problem("", f"{where} holds a JSON {type(data).__name__}, not an object",
-                                            'write the config as one object: {"zero_optimization": ...}')], where)  # fmt: skip
+        raise DeepSpeedConfigError(
+            [
+                Problem(
+                    "",
+                    f"{where} holds a JSON {type(data).__name__}, not an object",
+                    'write the config as one object: {"zero_optimization": ...}',
+                )
+            ],
+            where,
+        )
     return _checked(data, where)
 
 
@@ -291,8 +315,15 @@ def _load_yaml(path: Path, report: Report) -> dict:
             [Problem("", f"{path}{at}: invalid YAML: {getattr(err, 'problem', err)}", "fix the syntax")]
         ) from None
     if not isinstance(data, dict):
-        raise DeepSpeedConfigError([Problem("", f"{path} holds a YAML {type(data).__name__}, not a mapping",
-                                            "pass an accelerate config YAML or a DeepSpeed config")])  # fmt: skip
+        raise DeepSpeedConfigError(
+            [
+                Problem(
+                    "",
+                    f"{path} holds a YAML {type(data).__name__}, not a mapping",
+                    "pass an accelerate config YAML or a DeepSpeed config",
+                )
+            ]
+        )
     data = _checked(data, str(path))
     if isinstance(data.get("deepspeed_config"), dict):
         return _from_accelerate(data, path, report)
@@ -304,9 +335,15 @@ def _load_yaml(path: Path, report: Report) -> dict:
         return load(str(target), report)
     if "zero_optimization" in data or "train_micro_batch_size_per_gpu" in data:  # a DeepSpeed config in YAML
         return data
-    raise DeepSpeedConfigError([Problem("", f"{path} is neither an accelerate DeepSpeed YAML nor a DeepSpeed config",
-                                        "pass the YAML `accelerate config` wrote (with a deepspeed_config section) or "
-                                        "a DeepSpeed JSON")])  # fmt: skip
+    raise DeepSpeedConfigError(
+        [
+            Problem(
+                "",
+                f"{path} is neither an accelerate DeepSpeed YAML nor a DeepSpeed config",
+                "pass the YAML `accelerate config` wrote (with a deepspeed_config section) or a DeepSpeed JSON",
+            )
+        ]
+    )
 
 
 #: What ``accelerate launch`` accepts for ``mixed_precision`` (accelerate.utils.PrecisionType).
@@ -332,8 +369,11 @@ def _accelerate_precision(value, report: Report) -> str | None:
         return "no"
     if isinstance(value, str) and value.strip().lower() in ACCELERATE_PRECISIONS:
         return value.strip().lower()
-    report.problem("mixed_precision", f"{short(value)} is not a precision accelerate knows",
-                   f"use {', '.join(ACCELERATE_PRECISIONS[:-1])} or {ACCELERATE_PRECISIONS[-1]}")  # fmt: skip
+    report.problem(
+        "mixed_precision",
+        f"{short(value)} is not a precision accelerate knows",
+        f"use {', '.join(ACCELERATE_PRECISIONS[:-1])} or {ACCELERATE_PRECISIONS[-1]}",
+    )
     return None
 
 

@@ -256,15 +256,21 @@ def _integer_fields(config: dict, report: Report):
             continue
         if isinstance(number, bool):
             parent.pop(key)
-            report.problem(path, f"is a boolean ({short(value)}) where DeepSpeed wants an integer",
-                           f"write the number you mean (DeepSpeed would read {short(value)} as {int(number)})")  # fmt: skip
+            report.problem(
+                path,
+                f"is a boolean ({short(value)}) where DeepSpeed wants an integer",
+                f"write the number you mean (DeepSpeed would read {short(value)} as {int(number)})",
+            )
         elif not math.isfinite(number):
             parent.pop(key)
             report.problem(path, f"is {short(value)}, not a finite number", "write an integer")
         elif abs(number) > INT64_MAX:
             parent.pop(key)
-            report.problem(path, f"{short(value)} does not fit a 64-bit integer", "use a realistic integer or "
-                           "remove it to use DeepSpeed's default")  # fmt: skip
+            report.problem(
+                path,
+                f"{short(value)} does not fit a 64-bit integer",
+                "use a realistic integer or remove it to use DeepSpeed's default",
+            )
         elif not float(number).is_integer():
             parent.pop(key)
             hint = f" such as {max(1, round(number))}" if number > 0 else ""

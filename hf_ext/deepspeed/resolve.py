@@ -219,8 +219,16 @@ def _gradient_checkpointing(config: dict, report: Report, resolution: Resolution
         report.change("gradient_checkpointing", value, "top-level key DeepSpeed ignores", "removed")
 
 
-def _memory_autos(config: dict, args, model, world: int, hardware: Hardware, precision: str | None, report: Report,
-                  resolution: Resolution):  # fmt: skip
+def _memory_autos(
+    config: dict,
+    args,
+    model,
+    world: int,
+    hardware: Hardware,
+    precision: str | None,
+    report: Report,
+    resolution: Resolution,
+):
     """ZeRO stage / offload devices / micro-batch ``"auto"``: chosen by the memory planner (hf_ext.memory.auto).
     ``world``: the data-parallel ranks, over which ZeRO shards (a tensor-parallel split of each parameter on top is
     not counted: the plan is an upper bound there)."""
@@ -255,11 +263,17 @@ def _memory_autos(config: dict, args, model, world: int, hardware: Hardware, pre
     )
     chosen, source = decision.plan, decision.budget_source
     if chosen is None and decision.smallest is None:  # what the config fixes rules every ZeRO setup out
-        fixed = {k: v for k, v in (config.get("zero_optimization") or {}).items()
-                 if k in ("stage", "offload_optimizer", "offload_param")
-                 and not any(key.startswith(f"zero_optimization.{k}") for key in keys)}  # fmt: skip
-        report.problem(keys[0], f'"auto" has nothing to choose from: no ZeRO setup has {short(fixed)}',
-                       'set those keys to "auto" too, or to a combination DeepSpeed runs (offload_param needs stage 3)')  # fmt: skip
+        fixed = {
+            k: v
+            for k, v in (config.get("zero_optimization") or {}).items()
+            if k in ("stage", "offload_optimizer", "offload_param")
+            and not any(key.startswith(f"zero_optimization.{k}") for key in keys)
+        }
+        report.problem(
+            keys[0],
+            f'"auto" has nothing to choose from: no ZeRO setup has {short(fixed)}',
+            'set those keys to "auto" too, or to a combination DeepSpeed runs (offload_param needs stage 3)',
+        )
         return
     if chosen is None:
         smallest = decision.smallest
@@ -278,8 +292,11 @@ def _memory_autos(config: dict, args, model, world: int, hardware: Hardware, pre
     _apply_memory_plan(config, chosen, keys, report, source)
     if micro == "auto":
         resolution.args_updates["per_device_train_batch_size"] = chosen.micro_batch
-        report.change("TrainingArguments.per_device_train_batch_size", chosen.micro_batch,
-                      f"planner: largest micro-batch that fits ({source})")  # fmt: skip
+        report.change(
+            "TrainingArguments.per_device_train_batch_size",
+            chosen.micro_batch,
+            f"planner: largest micro-batch that fits ({source})",
+        )
     resolution.memory_plan = chosen
 
 
@@ -303,8 +320,10 @@ def _apply_memory_plan(config: dict, plan, keys: list[str], report: Report, sour
         else:
             zero.pop(section)
             report.change(f"zero_optimization.{section}", "auto", why + ": no offload", "removed")
-    logger.info(f"Memory plan: {c.name} at micro-batch {plan.micro_batch}, {gb(plan.total_bytes)} per rank "
-                f"above the process baseline (budget {gb(plan.budget)}, {source})")  # fmt: skip
+    logger.info(
+        f"Memory plan: {c.name} at micro-batch {plan.micro_batch}, {gb(plan.total_bytes)} per rank "
+        f"above the process baseline (budget {gb(plan.budget)}, {source})"
+    )
 
 
 def _precision(config: dict, args, hardware: Hardware, report: Report, resolution: Resolution) -> str | None:
@@ -382,7 +401,7 @@ def fill_model_keys(config: dict, model) -> list[Change]:
             [
                 Problem(k, '"auto" needs the model\'s hidden size, which its config does not have', "set an integer")
                 for k in auto_keys
-            ]  # fmt: skip
+            ]
         )
     rules = {f"zero_optimization.{key}": rule for key, rule in hidden_size_buckets(hidden).items()}
     changes = []

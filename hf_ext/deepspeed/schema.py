@@ -319,8 +319,13 @@ def validate_with_deepspeed(config: dict) -> list[tuple[str, str, str]]:
     if message is None:
         return []
     culprit = next((k for k in probe if _deepspeed_error({k2: v for k2, v in probe.items() if k2 != k}) is None), "")
-    return [(culprit, f"DeepSpeed rejects the config: {message}", f"fix {culprit}" if culprit else "fix the config "
-             "as the message says")]  # fmt: skip
+    return [
+        (
+            culprit,
+            f"DeepSpeed rejects the config: {message}",
+            f"fix {culprit}" if culprit else "fix the config as the message says",
+        )
+    ]
 
 
 # --- optimizer and scheduler parameters: the constructors DeepSpeed's engine calls ---------------------------------

@@ -150,8 +150,10 @@ def check_removed(
         if deepspeed is None or deepspeed >= Version(removal.release):
             report.problem(key, f"{what} removed in {removal.cite()}", removal.fix)
         else:
-            report.warn(f"{key}: {what} removed in {removal.cite()}; DeepSpeed {deepspeed} still takes it, the next "
-                        f"releases refuse it. Fix: {removal.fix}")  # fmt: skip
+            report.warn(
+                f"{key}: {what} removed in {removal.cite()}; DeepSpeed {deepspeed} still takes it, the next "
+                f"releases refuse it. Fix: {removal.fix}"
+            )
         applied[key] = f"{key}: removed in {removal.cite()}"
     for key, message in refused_here.items():  # a removal newer than this table
         if key not in REMOVED and _lookup(config, key) is not _MISSING:

@@ -412,9 +412,15 @@ class BleuEvalCallback(TrainerCallback):
         model.eval()
         start = time.time()
         call = self._call.gen_kwargs if self._call is not None else None
-        generate = partial(generate_in_order, tokenizer=tokenizer, rows=rows, gen_kwargs=self.generation_kwargs(args, model, call),
-                           batch_size=self.batch_size(args), bucket=self.config.generation_bucket_by_length,
-                           device=args.device)  # fmt: skip
+        generate = partial(
+            generate_in_order,
+            tokenizer=tokenizer,
+            rows=rows,
+            gen_kwargs=self.generation_kwargs(args, model, call),
+            batch_size=self.batch_size(args),
+            bucket=self.config.generation_bucket_by_length,
+            device=args.device,
+        )
         try:
             with self.generation_model(args, model) as (plain, path, seconds):
                 hyps, gen_lens, stats = generate(plain, synced_gpus=False if plain is not model else None)

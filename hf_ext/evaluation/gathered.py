@@ -83,10 +83,13 @@ def choose_generation_path(model, setting: str, plan=None, device=None, local_ra
     if plan is not None and plan.budget is not None and plan.gathered_eval_bytes:
         room = plan.budget - plan.eval_state_bytes
         if plan.gathered_eval_fits:
-            return GenerationPath(True, f"the plan has room: {gb(plan.gathered_eval_bytes)} of {gb(room)} beside the "
-                                        "training state")  # fmt: skip
-        return GenerationPath(False, f"the plan has no room: {gb(plan.gathered_eval_bytes)} needed, {gb(room)} free "
-                                     "beside the training state")  # fmt: skip
+            return GenerationPath(
+                True, f"the plan has room: {gb(plan.gathered_eval_bytes)} of {gb(room)} beside the training state"
+            )
+        return GenerationPath(
+            False,
+            f"the plan has no room: {gb(plan.gathered_eval_bytes)} needed, {gb(room)} free beside the training state",
+        )
     device = torch.device(device) if device is not None else next(model.parameters()).device
     free, where = _free_bytes(device, local_ranks)
     wanted = int(need * (1 + GATHERED_EVAL_HEADROOM))

@@ -32,12 +32,26 @@ STOCK_WORDS = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybri
 #: ``fsdp_config`` keys stock transformers reads (``TrainingArguments._process_fsdp_args``), and hf-ext's own
 STOCK_KEYS = frozenset(
     {
-        "version", "cpu_offload", "auto_wrap_policy", "min_num_params", "transformer_layer_cls_to_wrap",
-        "cpu_ram_efficient_loading", "state_dict_type", "activation_checkpointing", "reshard_after_forward",
-        "forward_prefetch", "backward_prefetch", "use_orig_params", "sync_module_states", "limit_all_gathers",
-        "xla", "xla_fsdp_v2", "xla_fsdp_settings", "xla_fsdp_grad_ckpt",
+        "version",
+        "cpu_offload",
+        "auto_wrap_policy",
+        "min_num_params",
+        "transformer_layer_cls_to_wrap",
+        "cpu_ram_efficient_loading",
+        "state_dict_type",
+        "activation_checkpointing",
+        "reshard_after_forward",
+        "forward_prefetch",
+        "backward_prefetch",
+        "use_orig_params",
+        "sync_module_states",
+        "limit_all_gathers",
+        "xla",
+        "xla_fsdp_v2",
+        "xla_fsdp_settings",
+        "xla_fsdp_grad_ckpt",
     }
-)  # fmt: skip
+)
 HF_EXT_KEYS = frozenset({"sharding_factor"})
 STATE_DICT_TYPES = ("FULL_STATE_DICT", "SHARDED_STATE_DICT")
 #: checkpoints: each rank writes its own shards (torch.distributed.checkpoint);
@@ -140,8 +154,9 @@ def resolve_fsdp(
         close = difflib.get_close_matches(word, STOCK_WORDS, n=1)
         fix = f"did you mean {close[0]!r}? " if close else ""
         problems.append(Problem("fsdp", f"unknown option {word!r}", f"{fix}use one of {', '.join(PRESETS)}"))
-    shardings = [w for w in words if w in ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard",
-                                           "hybrid_shard_zero2")]  # fmt: skip
+    shardings = [
+        w for w in words if w in ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2")
+    ]
     if len(set(shardings)) > 1:
         problems.append(Problem("fsdp", f"several sharding strategies: {' '.join(shardings)}", "keep one of them"))
     sharding = shardings[0] if shardings else "full_shard"
@@ -166,30 +181,43 @@ def resolve_fsdp(
                 "fsdp",
                 "both `fsdp` and `deepspeed` are set: one engine shards the model",
                 "pass only one of --fsdp and --deepspeed",
-            )  # fmt: skip
+            )
         )
 
     state_dict_type = config.get("state_dict_type", "auto")
     if state_dict_type == "auto":
         config["state_dict_type"] = DEFAULT_STATE_DICT_TYPE
-        changes.append(Change("fsdp_config.state_dict_type", DEFAULT_STATE_DICT_TYPE,
-                              "auto: each rank writes its own checkpoint shards"))  # fmt: skip
+        changes.append(
+            Change(
+                "fsdp_config.state_dict_type",
+                DEFAULT_STATE_DICT_TYPE,
+                "auto: each rank writes its own checkpoint shards",
+            )
+        )
     elif str(state_dict_type).upper() not in STATE_DICT_TYPES:
         problems.append(
             Problem(
                 "fsdp_config.state_dict_type",
                 f"{state_dict_type!r} is not a state dict type",
                 f"use one of {', '.join(STATE_DICT_TYPES)}",
-            )  # fmt: skip
+            )
         )
     if config.get("transformer_layer_cls_to_wrap") == "auto":
         del config["transformer_layer_cls_to_wrap"]  # hf_ext.fsdp.engine.wrap_repeated_layers picks them
-        changes.append(Change("fsdp_config.transformer_layer_cls_to_wrap", "auto",
-                              "the model's repeated layers, at wrap time", "deferred"))  # fmt: skip
+        changes.append(
+            Change(
+                "fsdp_config.transformer_layer_cls_to_wrap",
+                "auto",
+                "the model's repeated layers, at wrap time",
+                "deferred",
+            )
+        )
     if str(config.get("cpu_offload", False)).lower() == "true" or "offload" in words:
         if not has_accelerator:
-            warnings.append("FSDP cpu_offload on a CPU-only host: the parameters already live in RAM; it only adds "
-                            "copies. Remove it unless the same command also runs on GPUs.")  # fmt: skip
+            warnings.append(
+                "FSDP cpu_offload on a CPU-only host: the parameters already live in RAM; it only adds "
+                "copies. Remove it unless the same command also runs on GPUs."
+            )
 
     factor, factor_source = _factor(config.pop("sharding_factor", None), world_size, local_world_size, problems)
     if sharding != "hybrid_shard" and factor_source == "fsdp_config":
@@ -198,7 +226,7 @@ def resolve_fsdp(
                 "fsdp_config.sharding_factor",
                 f"only hybrid_shard uses a sharding factor, not {sharding}",
                 "use --fsdp hybrid_shard, or remove sharding_factor",
-            )  # fmt: skip
+            )
         )
     if problems:
         raise FsdpConfigError(problems, "TrainingArguments")
@@ -254,8 +282,10 @@ def resolve_accelerate_config(path: str | Path, *, has_accelerator: bool = False
     try:
         config = load_config_from_file(str(path))
     except (FileNotFoundError, TypeError, ValueError) as err:  # a missing file, or keys accelerate does not take
-        raise FsdpConfigError([Problem("config_file", str(err).rstrip("."), "pass an accelerate config file (accelerate config)")],
-                              str(path)) from err  # fmt: skip
+        raise FsdpConfigError(
+            [Problem("config_file", str(err).rstrip("."), "pass an accelerate config file (accelerate config)")],
+            str(path),
+        ) from err
     problems: list[Problem] = []
     if str(config.distributed_type).split(".")[-1] != "FSDP":
         problems.append(
@@ -269,16 +299,26 @@ def resolve_accelerate_config(path: str | Path, *, has_accelerator: bool = False
         problems.append(Problem(f"fsdp_config.fsdp_{key}", "unknown key: accelerate launch ignores it", fix))
     version = raw.get("version", 1)  # accelerate launch's own default
     if str(version) == "2" and "sharding_strategy" in raw:
-        problems.append(Problem("fsdp_config.fsdp_sharding_strategy", "an FSDP1 setting, which FSDP2 ignores",
-                                "use fsdp_reshard_after_forward: true (full shard) or false (shard_grad_op)"))  # fmt: skip
+        problems.append(
+            Problem(
+                "fsdp_config.fsdp_sharding_strategy",
+                "an FSDP1 setting, which FSDP2 ignores",
+                "use fsdp_reshard_after_forward: true (full shard) or false (shard_grad_op)",
+            )
+        )
     reshard = str(raw.get("reshard_after_forward", True)).lower() == "true"
     settings = {ACCELERATE_RENAMES.get(k, k): v for k, v in raw.items() if k in known and k not in ACCELERATE_ONLY}
     settings["version"] = version
     world_size = int(config.num_processes or 1)
     per_node = max(1, world_size // max(1, int(config.num_machines or 1)))
     try:
-        resolution = resolve_fsdp("full_shard" if reshard else "shard_grad_op", settings, world_size=world_size,
-                                  local_world_size=per_node, has_accelerator=has_accelerator)  # fmt: skip
+        resolution = resolve_fsdp(
+            "full_shard" if reshard else "shard_grad_op",
+            settings,
+            world_size=world_size,
+            local_world_size=per_node,
+            has_accelerator=has_accelerator,
+        )
     except FsdpConfigError as err:
         for problem in err.problems:
             if problem == FSDP1_ON_CPU:  # removing the key would not help here: accelerate launch defaults to 1

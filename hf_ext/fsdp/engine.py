@@ -105,8 +105,10 @@ def wrap_repeated_layers(plugin, model) -> None:
     names = layer_classes(model)
     if names:
         plugin.transformer_cls_names_to_wrap = names
-        logger.info(f"FSDP2: {type(model).__name__} declares no _no_split_modules; sharding its layers one by one: "
-                    f"{', '.join(names)}.")  # fmt: skip
+        logger.info(
+            f"FSDP2: {type(model).__name__} declares no _no_split_modules; sharding its layers one by one: "
+            f"{', '.join(names)}."
+        )
 
 
 def tied_holders(model) -> list:

@@ -480,14 +480,16 @@ class Plan:
         ]
         lines += [f"  {name:<28} {gb(value):>12}" for name, value in self.components().items() if value]
         low, high = self.band
-        lines.append(f"  {'predicted peak':<28} {gb(self.total_bytes):>12}  band {gb(low)} .. {gb(high)}")  # fmt: skip
+        lines.append(f"  {'predicted peak':<28} {gb(self.total_bytes):>12}  band {gb(low)} .. {gb(high)}")
         if self.budget is not None:
             lines.append(f"  {'+ process baseline':<28} {gb(self.baseline):>12}")
             lines.append(f"  {'budget':<28} {gb(self.budget):>12}  {'fits' if self.fits else 'does NOT fit'}")
         if self.gathered_eval_bytes:
             verdict = "" if self.budget is None else ": fits" if self.gathered_eval_fits else ": does NOT fit"
-            lines.append(f"  {'generation eval, gathered':<28} {gb(self.gathered_eval_bytes):>12}  beside the "
-                         f"training state{verdict}")  # fmt: skip
+            lines.append(
+                f"  {'generation eval, gathered':<28} {gb(self.gathered_eval_bytes):>12}  beside the "
+                f"training state{verdict}"
+            )
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -531,9 +533,14 @@ def plan(
         states = model_state_bytes(facts.num_params, 0, world_size, "fp32", trainable=facts.trainable)
     else:
         states = model_state_bytes(
-            facts.num_params, candidate.stage, world_size, precision, candidate.offload_optimizer,
-            candidate.offload_param, facts.trainable,
-        )  # fmt: skip
+            facts.num_params,
+            candidate.stage,
+            world_size,
+            precision,
+            candidate.offload_optimizer,
+            candidate.offload_param,
+            facts.trainable,
+        )
     notes = []
     if device == "cpu" and (candidate.offload_optimizer or candidate.offload_param):
         notes.append("on a CPU-only host offloaded states stay in the same RAM")

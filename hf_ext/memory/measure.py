@@ -108,8 +108,12 @@ class MemoryPlanCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         peak = measured_peak()
         raised = peak > self.peak_at_start
-        self.result = {"peak_bytes": peak, "baseline_bytes": self.baseline, "increment_bytes": peak - self.baseline,
-                       "peak_during_training": raised}  # fmt: skip
+        self.result = {
+            "peak_bytes": peak,
+            "baseline_bytes": self.baseline,
+            "increment_bytes": peak - self.baseline,
+            "peak_during_training": raised,
+        }
         during = "" if raised else f"at most; the peak of {gb(peak)} was reached before training, "
         line = f"Measured peak memory on rank {args.process_index}: {gb(peak)} ({during}{gb(peak - self.baseline)} "
         line += f"above the {gb(self.baseline)} in use at train start)"

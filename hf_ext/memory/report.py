@@ -13,9 +13,18 @@ from .auto import detect_budget, process_baseline
 from .probe import from_measurement, measure
 
 
-def run_plan(model, world_size: int, memory_per_device=None, seq_len: int = 128, micro_batch: int | None = None,
-             checkpointing: bool = False, precision: str | None = None, nproc_per_node: int | None = None,
-             device: str | None = None, zero: dict | None = None) -> dict:  # fmt: skip
+def run_plan(
+    model,
+    world_size: int,
+    memory_per_device=None,
+    seq_len: int = 128,
+    micro_batch: int | None = None,
+    checkpointing: bool = False,
+    precision: str | None = None,
+    nproc_per_node: int | None = None,
+    device: str | None = None,
+    zero: dict | None = None,
+) -> dict:
     """The plans of every candidate and the recommendation, as a dict (what ``--json`` prints).
 
     ``device`` plans for another kind of host than this one (``cuda`` from a CPU machine, say): its budget must then
@@ -46,8 +55,11 @@ def run_plan(model, world_size: int, memory_per_device=None, seq_len: int = 128,
     for c in candidates:
         best = formulas.max_micro_batch(c, facts, profile, world_size, budget, zero=zero, **common)
         at = best or micro_batch or 1
-        row = {"config": c.name, "max_micro_batch": best,
-               "plan_at_max": formulas.plan(c, facts, profile, world_size, at, zero=zero, budget=budget, **common)}  # fmt: skip
+        row = {
+            "config": c.name,
+            "max_micro_batch": best,
+            "plan_at_max": formulas.plan(c, facts, profile, world_size, at, zero=zero, budget=budget, **common),
+        }
         if micro_batch:
             row["plan_at_micro_batch"] = formulas.plan(
                 c, facts, profile, world_size, micro_batch, zero=zero, budget=budget, **common
@@ -55,8 +67,9 @@ def run_plan(model, world_size: int, memory_per_device=None, seq_len: int = 128,
         rows.append(row)
     chosen, _ = formulas.choose(facts, profile, world_size, budget, micro_batch, zero=zero, **common)
     # the engine for the micro-batch asked for (1 when none): the least sharded that fits it
-    engine, _ = formulas.choose(facts, profile, world_size, budget, micro_batch or 1, formulas.ENGINES, zero=zero,
-                                **common)  # fmt: skip
+    engine, _ = formulas.choose(
+        facts, profile, world_size, budget, micro_batch or 1, formulas.ENGINES, zero=zero, **common
+    )
     return {
         "model": str(model),
         "num_params": facts.num_params,
@@ -94,19 +107,29 @@ def format_table(result: dict) -> str:
     for row in result["rows"]:
         mark = "*" if row["config"] == result["recommended"] else ""
         p = row["plan_at_max"]
-        cells = [mark, row["config"], str(row["max_micro_batch"] or "does not fit"),
-                 f"{(p.total_bytes + p.baseline) / 2**30:.2f}"]  # fmt: skip
+        cells = [
+            mark,
+            row["config"],
+            str(row["max_micro_batch"] or "does not fit"),
+            f"{(p.total_bytes + p.baseline) / 2**30:.2f}",
+        ]
         if "plan_at_micro_batch" in row:
             q = row["plan_at_micro_batch"]
             cells.append(f"{(q.total_bytes + q.baseline) / 2**30:.2f}" + ("" if q.fits else " (no)"))
         # ZeRO-3 only: a full copy of the weights for generation eval, beside the training state
-        cells.append(f"{p.gathered_eval_bytes / 2**30:.2f}" + ("" if p.gathered_eval_fits else " (no)")
-                     if p.gathered_eval_bytes else "-")  # fmt: skip
+        cells.append(
+            f"{p.gathered_eval_bytes / 2**30:.2f}" + ("" if p.gathered_eval_fits else " (no)")
+            if p.gathered_eval_bytes
+            else "-"
+        )
         if p.notes:
             cells.append("; ".join(p.notes))
         lines.append(cells)
     widths = [max(len(r[i]) for r in lines if i < len(r)) for i in range(len(head))]
-    text = "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() + ("  " + r[-1] if len(r) > len(head) else "") for r in lines)  # fmt: skip
+    text = "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() + ("  " + r[-1] if len(r) > len(head) else "")
+        for r in lines
+    )
     summary = (
         f"{result['model']}: {result['num_params']:,} parameters, {result['world_size']} rank(s), "
         f"{result['seq_len']} tokens, {result['precision']} on {result['device']}, activation checkpointing "
@@ -119,9 +142,13 @@ def format_table(result: dict) -> str:
         if result["recommended"]
         else "* nothing fits: lower --seq_len, add --gradient_checkpointing or ranks, or raise --memory_per_device"
     )
-    footer += (f"\nengine for micro-batch {result['engine_micro_batch']}: {result['engine'] or 'none fits'} (the least "
-               "sharded that fits it; docs/memory.md, \"Which engine?\")")  # fmt: skip
+    footer += (
+        f"\nengine for micro-batch {result['engine_micro_batch']}: {result['engine'] or 'none fits'} (the least "
+        'sharded that fits it; docs/memory.md, "Which engine?")'
+    )
     footer += f"\nstated error band: ±{band['relative']:.0%} + {gb(band['absolute_bytes'])} of the prediction"
-    footer += ("\ngathered eval: the extra peak of a ZeRO-3 generation eval that gathers the weights once "
-               "(generation_gather_weights); (no): it falls back to per-token gathers")  # fmt: skip
+    footer += (
+        "\ngathered eval: the extra peak of a ZeRO-3 generation eval that gathers the weights once "
+        "(generation_gather_weights); (no): it falls back to per-token gathers"
+    )
     return f"{summary}\n\n{text}\n\n{footer}"

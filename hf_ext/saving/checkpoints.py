@@ -142,8 +142,10 @@ def resolve_resume_from_checkpoint(trainer, resume_from_checkpoint):
     found = last_complete_checkpoint(trainer.args.output_dir, warn=trainer.is_world_process_zero())
     if found is None and word == "last":
         if trainer.is_world_process_zero():
-            logger.info(f"resume_from_checkpoint='last': no checkpoint in {trainer.args.output_dir} yet, training "
-                        "from the start.")  # fmt: skip
+            logger.info(
+                f"resume_from_checkpoint='last': no checkpoint in {trainer.args.output_dir} yet, training "
+                "from the start."
+            )
         return None
     if found is None:
         raise ValueError(f"No valid checkpoint found in output directory ({trainer.args.output_dir})")
@@ -198,9 +200,13 @@ def save_checkpoint_atomically(trainer, model, trial=None) -> str:
 
     with shared_outcome(f"renaming {tmp} to {final.name}"):  # every rank has written its part
         if args.should_save:
-            write_marker(tmp, global_step=state.global_step, world_size=args.world_size,
-                         micro_batch=args.per_device_train_batch_size,
-                         accumulation=args.gradient_accumulation_steps)  # fmt: skip
+            write_marker(
+                tmp,
+                global_step=state.global_step,
+                world_size=args.world_size,
+                micro_batch=args.per_device_train_batch_size,
+                accumulation=args.gradient_accumulation_steps,
+            )
             atomic.replace_dir(tmp, final)  # fsynced first
     if args.push_to_hub:
         trainer._push_from_checkpoint(str(final))

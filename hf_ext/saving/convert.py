@@ -83,23 +83,30 @@ def check_convertible(checkpoint: str | Path, out: str | Path, to: str) -> str:
     if out.exists():
         raise ConvertError(f"{out} exists: pass a new directory for the converted checkpoint.")
     if is_trainable_state_checkpoint(checkpoint):
-        raise ConvertError(f"{checkpoint} holds an adapter's trainable state by name: it resumes under any engine "
-                           "and world size as it is, no conversion needed.")  # fmt: skip
+        raise ConvertError(
+            f"{checkpoint} holds an adapter's trainable state by name: it resumes under any engine "
+            "and world size as it is, no conversion needed."
+        )
     source = engine_of(checkpoint)
     if source is None:
-        raise ConvertError(f"{checkpoint} holds no DeepSpeed state ('{DEEPSPEED_TAG_FILE}' and global_stepN/) nor "
-                           f"FSDP2 state ({FSDP_MODEL_DIR}/): pass a checkpoint-N written by a DeepSpeed or FSDP2 "
-                           "run with its optimizer (not save_only_model).")  # fmt: skip
+        raise ConvertError(
+            f"{checkpoint} holds no DeepSpeed state ('{DEEPSPEED_TAG_FILE}' and global_stepN/) nor "
+            f"FSDP2 state ({FSDP_MODEL_DIR}/): pass a checkpoint-N written by a DeepSpeed or FSDP2 "
+            "run with its optimizer (not save_only_model)."
+        )
     if source == to:
-        raise ConvertError(f"{checkpoint} is already a {source} checkpoint: resume it as it is (on another number "
-                           "of ranks too: hf-ext reshards it as it loads).")  # fmt: skip
+        raise ConvertError(
+            f"{checkpoint} is already a {source} checkpoint: resume it as it is (on another number "
+            "of ranks too: hf-ext reshards it as it loads)."
+        )
     if not (checkpoint / TRAINER_STATE_NAME).is_file():
         raise ConvertError(f"{checkpoint} has no {TRAINER_STATE_NAME}: it is not a complete Trainer checkpoint.")
     if source == "deepspeed":
         zero = read_zero_checkpoint(checkpoint)
         if zero is None:
-            raise ConvertError(f"{checkpoint} has no ZeRO optimizer partitions: only ZeRO stage 1, 2 or 3 "
-                               "checkpoints convert.")  # fmt: skip
+            raise ConvertError(
+                f"{checkpoint} has no ZeRO optimizer partitions: only ZeRO stage 1, 2 or 3 checkpoints convert."
+            )
         schedule = _deepspeed_scheduler(zero)
         if schedule is not None:
             raise ConvertError(
@@ -108,12 +115,16 @@ def check_convertible(checkpoint: str | Path, out: str | Path, to: str) -> str:
                 'schedule (remove the "scheduler" block; --lr_scheduler_type sets it) to convert.'
             )
     elif not (checkpoint / FSDP_OPTIMIZER_DIR).is_dir():
-        raise ConvertError(f"{checkpoint} has no {FSDP_OPTIMIZER_DIR}/: only an FSDP2 checkpoint with its sharded "
-                           "optimizer state (SHARDED_STATE_DICT) converts.")  # fmt: skip
+        raise ConvertError(
+            f"{checkpoint} has no {FSDP_OPTIMIZER_DIR}/: only an FSDP2 checkpoint with its sharded "
+            "optimizer state (SHARDED_STATE_DICT) converts."
+        )
     elif read_marked_checkpoint(checkpoint) is None:
-        raise ConvertError(f"{checkpoint} has no hf-ext marker ({CHECKPOINT_MARKER}) saying the world size and batch "
-                           "that wrote it, which DeepSpeed's resume needs: resume it under hf-ext's FSDP2 and convert "
-                           "a checkpoint that run writes.")  # fmt: skip
+        raise ConvertError(
+            f"{checkpoint} has no hf-ext marker ({CHECKPOINT_MARKER}) saying the world size and batch "
+            "that wrote it, which DeepSpeed's resume needs: resume it under hf-ext's FSDP2 and convert "
+            "a checkpoint that run writes."
+        )
     return source
 
 
@@ -194,24 +205,32 @@ def _zero_to_fsdp2(checkpoint: Path, staged: Path, work: Path) -> dict:
     params = _universal_tensors(universal / "zero", shapes)
     missing = [name for name, found in params.items() if found.get("exp_avg") is None and name in shapes]
     if missing:
-        raise ConvertError(f"{checkpoint}'s optimizer keeps no Adam moments ({', '.join(ADAM_STATES)}) for "
-                           f"{missing[0]}: only Adam's state converts.")  # fmt: skip
+        raise ConvertError(
+            f"{checkpoint}'s optimizer keeps no Adam moments ({', '.join(ADAM_STATES)}) for "
+            f"{missing[0]}: only Adam's state converts."
+        )
     model = _model_state_dict(states, params)
     step = _adam_step(universal / "zero", params)
     groups = _trainer_param_groups(checkpoint, model, _source_groups(universal / "zero"))
     optimizer = {
-        "state": {name: {"step": torch.tensor(float(step)), **{k: found[k] for k in ADAM_STATES}}
-                  for name, found in params.items() if found.get("exp_avg") is not None},
+        "state": {
+            name: {"step": torch.tensor(float(step)), **{k: found[k] for k in ADAM_STATES}}
+            for name, found in params.items()
+            if found.get("exp_avg") is not None
+        },
         "param_groups": groups,
-    }  # fmt: skip
+    }
     if states.get("lr_scheduler") is not None:  # the Trainer's scheduler, which DeepSpeed's engine held and saved
         torch.save(_schedule_position(states["lr_scheduler"]), staged / SCHEDULER_NAME)
     dcp.save({"model": model}, storage_writer=dcp.FileSystemWriter(staged / FSDP_MODEL_DIR), no_dist=True)
     dcp.save({"optimizer": optimizer}, storage_writer=dcp.FileSystemWriter(staged / FSDP_OPTIMIZER_DIR), no_dist=True)
     config = states.get("ds_config") or {}
-    return {"global_step": _global_step(checkpoint), "world_size": zero.world_size,
-            "micro_batch": config.get("train_micro_batch_size_per_gpu"),
-            "accumulation": config.get("gradient_accumulation_steps")}  # fmt: skip
+    return {
+        "global_step": _global_step(checkpoint),
+        "world_size": zero.world_size,
+        "micro_batch": config.get("train_micro_batch_size_per_gpu"),
+        "accumulation": config.get("gradient_accumulation_steps"),
+    }
 
 
 def _universal_tensors(zero_dir: Path, shapes: dict[str, torch.Size]) -> dict[str, dict]:
@@ -317,8 +336,10 @@ def _fsdp2_to_universal(checkpoint: Path, staged: Path, work: Path) -> dict:
     state, groups = optimizer["state"], optimizer["param_groups"]
     lacking = [name for name, s in state.items() if any(k not in s for k in ADAM_STATES)]
     if lacking:
-        raise ConvertError(f"{checkpoint}'s optimizer keeps no Adam moments ({', '.join(ADAM_STATES)}) for "
-                           f"{lacking[0]}: only Adam's state converts.")  # fmt: skip
+        raise ConvertError(
+            f"{checkpoint}'s optimizer keeps no Adam moments ({', '.join(ADAM_STATES)}) for "
+            f"{lacking[0]}: only Adam's state converts."
+        )
     step = _global_step(checkpoint)
     adam_step = next((s["step"] for s in state.values() if "step" in s), torch.tensor(float(step)))
     tag = f"global_step{step}"
@@ -334,9 +355,14 @@ def _fsdp2_to_universal(checkpoint: Path, staged: Path, work: Path) -> dict:
         torch.save(moments.get("step", adam_step), folder / "step.pt")
     settings = [{k: v for k, v in group.items() if k != "params"} for group in groups]
     # ZeRO-1/2 read "param_groups" and the version; ZeRO-3 reads its step and settings under "optimizer_state_dict"
-    torch.save({"ds_version": deepspeed.__version__, "param_groups": settings,
-                "optimizer_state_dict": {"state": {0: {"step": adam_step}}, "param_groups": settings}},
-               zero / "optimizer_state.pt")  # fmt: skip
+    torch.save(
+        {
+            "ds_version": deepspeed.__version__,
+            "param_groups": settings,
+            "optimizer_state_dict": {"state": {0: {"step": adam_step}}, "param_groups": settings},
+        },
+        zero / "optimizer_state.pt",
+    )
     written = read_marked_checkpoint(checkpoint)  # present: check_convertible
     schedule = (
         _schedule_position(_load(checkpoint / SCHEDULER_NAME)) if (checkpoint / SCHEDULER_NAME).is_file() else {}
@@ -345,14 +371,22 @@ def _fsdp2_to_universal(checkpoint: Path, staged: Path, work: Path) -> dict:
     # scheduler gets the Trainer's position (transformers hands the Trainer's scheduler to the engine when the config
     # has no "scheduler" block), plus last_batch_iteration for DeepSpeed's own schedules (each reads its own keys)
     metadata = {
-        "module": {}, "dp_world_size": written.world_size, "mp_world_size": 1, "global_steps": step,
-        "skipped_steps": 0, "global_samples": step * written.train_batch_size,
-        "lr_scheduler": {**schedule, "last_batch_iteration": step - 1}, "ds_version": deepspeed.__version__,
-        "ds_config": {"train_batch_size": written.train_batch_size, "train_micro_batch_size_per_gpu": written.micro_batch,
-                      "gradient_accumulation_steps": written.accumulation},
+        "module": {},
+        "dp_world_size": written.world_size,
+        "mp_world_size": 1,
+        "global_steps": step,
+        "skipped_steps": 0,
+        "global_samples": step * written.train_batch_size,
+        "lr_scheduler": {**schedule, "last_batch_iteration": step - 1},
+        "ds_version": deepspeed.__version__,
+        "ds_config": {
+            "train_batch_size": written.train_batch_size,
+            "train_micro_batch_size_per_gpu": written.micro_batch,
+            "gradient_accumulation_steps": written.accumulation,
+        },
         "param_shapes": [{name: model[name].shape for name in group["params"]} for group in groups],
         "buffer_names": [name for name in model if name not in set(trainable)],
-    }  # fmt: skip
+    }
     torch.save(metadata, staged / tag / "mp_rank_00_model_states.pt")
     if schedule:  # its position only, as the engine gets it
         torch.save(schedule, staged / SCHEDULER_NAME)

@@ -99,9 +99,14 @@ class ZeroCheckpoint:
         return total if self.tensor_parallel == 1 else f"{total}, tensor-parallel {self.tensor_parallel}"
 
     def batch_arithmetic(self) -> str:
-        ranks = _ranks(self.world_size) if self.tensor_parallel == 1 else (
-            f"{self.world_size} data-parallel {'rank' if self.world_size == 1 else 'ranks'} (tensor-parallel "
-            f"{self.tensor_parallel})")  # fmt: skip
+        ranks = (
+            _ranks(self.world_size)
+            if self.tensor_parallel == 1
+            else (
+                f"{self.world_size} data-parallel {'rank' if self.world_size == 1 else 'ranks'} (tensor-parallel "
+                f"{self.tensor_parallel})"
+            )
+        )
         return f"{ranks} x micro-batch {self.micro_batch} x accumulation {self.accumulation} = {self.rows_per_step}"
 
 
@@ -203,9 +208,20 @@ def run_ds_to_universal(tag_folder: Path, output_folder: Path) -> float:
     shutil.rmtree(scratch, ignore_errors=True)
     start = time.perf_counter()
     source = _ds_to_universal_input(tag_folder, scratch)
-    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(source),
-           "--output_folder", str(output_folder), "--inject_missing_state", "--num_extract_workers", workers,
-           "--num_merge_workers", workers]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "deepspeed.checkpoint.ds_to_universal",
+        "--input_folder",
+        str(source),
+        "--output_folder",
+        str(output_folder),
+        "--inject_missing_state",
+        "--num_extract_workers",
+        workers,
+        "--num_merge_workers",
+        workers,
+    ]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True)
     finally:
@@ -213,8 +229,10 @@ def run_ds_to_universal(tag_folder: Path, output_folder: Path) -> float:
     if proc.returncode != 0:
         shutil.rmtree(output_folder, ignore_errors=True)
         lines = [line for line in (proc.stderr or proc.stdout).strip().splitlines() if line.strip()]
-        raise RuntimeError(f"DeepSpeed's ds_to_universal could not convert {tag_folder}: "
-                           f"{lines[-1] if lines else f'exit code {proc.returncode}'}")  # fmt: skip
+        raise RuntimeError(
+            f"DeepSpeed's ds_to_universal could not convert {tag_folder}: "
+            f"{lines[-1] if lines else f'exit code {proc.returncode}'}"
+        )
     return time.perf_counter() - start
 
 
@@ -228,14 +246,21 @@ def convert_to_universal(checkpoint: ZeroCheckpoint) -> tuple[Path, float]:
         seconds = run_ds_to_universal(checkpoint.path / checkpoint.tag, tmp / checkpoint.tag)
     except RuntimeError as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise RuntimeError(f"{err} (for a resume on another number of ranks). Resume it with the world size that "
-                           f"wrote it ({checkpoint.world_size}).") from None  # fmt: skip
+        raise RuntimeError(
+            f"{err} (for a resume on another number of ranks). Resume it with the world size that "
+            f"wrote it ({checkpoint.world_size})."
+        ) from None
     (tmp / LATEST_UNIVERSAL).write_text(checkpoint.tag)
     files = _trainer_files(checkpoint.path)
     for name in files:  # hard links: the checkpoint's own bytes, never a second copy (the same directory)
         os.link(checkpoint.path / name, tmp / name)
-    marker = {"tag": checkpoint.tag, "world_size": checkpoint.world_size, "seconds": round(seconds, 2),
-              "source": _fingerprint(checkpoint.path / checkpoint.tag), "trainer_files": files}  # fmt: skip
+    marker = {
+        "tag": checkpoint.tag,
+        "world_size": checkpoint.world_size,
+        "seconds": round(seconds, 2),
+        "source": _fingerprint(checkpoint.path / checkpoint.tag),
+        "trainer_files": files,
+    }
     (tmp / UNIVERSAL_MARKER).write_text(json.dumps(marker, indent=1) + "\n")
     replace_dir(tmp, out)
     return out, seconds
@@ -291,8 +316,10 @@ def global_batch(args, checkpoint: ZeroCheckpoint) -> tuple[int | None, str]:
         fix = f"resume on a number of {kind} that divides {total} ({', '.join(divisors)})"
     else:
         new_micro, new_accum = split_batch(total, world, micro)
-        fix = (f"pass --per_device_train_batch_size {new_micro} --gradient_accumulation_steps {new_accum} "
-               f"({world} x {new_micro} x {new_accum} = {total})")  # fmt: skip
+        fix = (
+            f"pass --per_device_train_batch_size {new_micro} --gradient_accumulation_steps {new_accum} "
+            f"({world} x {new_micro} x {new_accum} = {total})"
+        )
     raise ValueError(
         f"{checkpoint.path.name} was trained with a global batch of {total} ({checkpoint.batch_arithmetic()}); "
         f"{ranks} x micro-batch {micro} cannot make {total} with any gradient accumulation. Fix: {fix}; or "
@@ -305,8 +332,14 @@ def _engine_configs(trainer) -> list[dict]:
     """The DeepSpeed config dicts the engine will start from (the arguments' and the accelerator plugin's)."""
     args = trainer.args
     plugin = getattr(getattr(trainer.accelerator, "state", None), "deepspeed_plugin", None)
-    configs = {id(c): c for c in (getattr(getattr(args, "hf_deepspeed_config", None), "config", None),
-                                  getattr(getattr(plugin, "hf_ds_config", None), "config", None)) if c is not None}  # fmt: skip
+    configs = {
+        id(c): c
+        for c in (
+            getattr(getattr(args, "hf_deepspeed_config", None), "config", None),
+            getattr(getattr(plugin, "hf_ds_config", None), "config", None),
+        )
+        if c is not None
+    }
     return list(configs.values())
 
 
@@ -406,8 +439,10 @@ def plan_resume(trainer, resume_from_checkpoint) -> ResumePlan:
         if deepspeed and (path / LATEST_UNIVERSAL).is_file() and not (path / DEEPSPEED_TAG_FILE).is_file():
             written = read_marked_checkpoint(path)  # `hf-ext convert --to deepspeed` wrote it: universal only
             if written is None:
-                raise ValueError(f"{path} holds a universal checkpoint without hf-ext's marker: resume it as DeepSpeed "
-                                 "documents (checkpoint.load_universal in the config).")  # fmt: skip
+                raise ValueError(
+                    f"{path} holds a universal checkpoint without hf-ext's marker: resume it as DeepSpeed "
+                    "documents (checkpoint.load_universal in the config)."
+                )
             accumulation, batch = global_batch(args, written)
             return ResumePlan("universal", path, path, written, accumulation, batch, "converted by hf-ext convert")
         written = read_marked_checkpoint(path) if fsdp else read_zero_checkpoint(path)
@@ -453,11 +488,15 @@ def apply_resume_plan(trainer, plan: ResumePlan) -> None:
                 f"({plan.took}, {size:.0f} MiB); {plan.batch}."
             )
     elif plan.kind == "peft" and plan.written_on is not None and args.should_save:
-        logger.info(f"Resuming {plan.checkpoint.name} (trainable state by name, written on "
-                    f"{plan.written_on.writers()}) on {args.world_size}: {plan.batch}.")  # fmt: skip
+        logger.info(
+            f"Resuming {plan.checkpoint.name} (trainable state by name, written on "
+            f"{plan.written_on.writers()}) on {args.world_size}: {plan.batch}."
+        )
     elif plan.kind == "fsdp_reshard" and args.should_save:
-        logger.info(f"Resuming {plan.checkpoint.name} (written on {plan.written_on.writers()}) on "
-                    f"{args.world_size}: the FSDP shards are resharded as they load; {plan.batch}.")  # fmt: skip
+        logger.info(
+            f"Resuming {plan.checkpoint.name} (written on {plan.written_on.writers()}) on "
+            f"{args.world_size}: the FSDP shards are resharded as they load; {plan.batch}."
+        )
 
 
 @contextmanager

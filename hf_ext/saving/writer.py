@@ -190,9 +190,13 @@ def shard_names(n_shards: int) -> list[str]:
 def is_weight_file(name: str) -> bool:
     """A file name that holds (or indexes) a model's or an adapter's weights: a new save supersedes all of them."""
     return name in (
-        SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, "pytorch_model.bin", "pytorch_model.bin.index.json",
-        "adapter_model.safetensors", "adapter_model.bin",
-    ) or bool(re.fullmatch(r"(model|pytorch_model)-\d{5}-of-\d{5}\.(safetensors|bin)", name))  # fmt: skip
+        SAFE_WEIGHTS_NAME,
+        SAFE_WEIGHTS_INDEX_NAME,
+        "pytorch_model.bin",
+        "pytorch_model.bin.index.json",
+        "adapter_model.safetensors",
+        "adapter_model.bin",
+    ) or bool(re.fullmatch(r"(model|pytorch_model)-\d{5}-of-\d{5}\.(safetensors|bin)", name))
 
 
 def remove_weight_files(output_dir: str | Path) -> None:
@@ -294,8 +298,13 @@ def save_streaming(
     with shared_outcome(f"preparing the save into {output_dir}"):
         staged = atomic.begin(output_dir) if is_main else atomic.staged_path(output_dir)
     try:
-        write_entries(model_entries(model, dtype), staged, is_main=is_main, max_shard_size=max_shard_size,
-                      gather_bytes=gather_bytes)  # fmt: skip
+        write_entries(
+            model_entries(model, dtype),
+            staged,
+            is_main=is_main,
+            max_shard_size=max_shard_size,
+            gather_bytes=gather_bytes,
+        )
         with shared_outcome(f"saving the weights into {output_dir}"):
             if is_main:
                 verify_saved_weights(staged, model)

@@ -135,8 +135,9 @@ def _write_model(trainer, output_dir: Path, *, checkpoint: bool = False) -> None
         return
     with shared_outcome(f"listing the tensors to save into {output_dir}"):  # each rank alone, then gathers together
         entries = model_entries(model, fsdp_save_dtype(trainer))
-    write_entries(entries, output_dir, is_main=is_main, max_shard_size=max_shard_size,
-                  gather_bytes=args.save_gather_size)  # fmt: skip
+    write_entries(
+        entries, output_dir, is_main=is_main, max_shard_size=max_shard_size, gather_bytes=args.save_gather_size
+    )
     with shared_outcome(f"writing the model files into {output_dir}"):
         if is_main:
             verify_saved_weights(output_dir, model)
