@@ -113,7 +113,7 @@ def summary(values: list[float], idle: list[float] | None, overlapped: bool | No
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="runs/demo", help="The served model (default runs/demo: make demo).")
+    harness.add_served_model_argument(parser)
     parser.add_argument("--rows", type=int, default=48, help="Corrected replies, each a DPO pair (default 48).")
     parser.add_argument("--requests", type=int, default=20, help="Measured replies per phase (default 20).")
     parser.add_argument("--warmup", type=int, default=2, help="Replies before each phase's, not counted.")
@@ -121,13 +121,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=40, help="The DPO run's steps (default 40).")
     parser.add_argument("--lora_rank", type=int, default=16, help="The run's LoRA rank (default 16).")
     parser.add_argument("--nproc", type=int, default=2, help="The run's ranks under torchrun (default 2).")
-    parser.add_argument("--out", default="runs/bench/chat_training.json", help="Where to write the JSON results.")
-    parser.add_argument("--doc", default=None, help="Write the tables into this Markdown file's section.")
-    parser.add_argument("--section", default="chat-training", help="The section's marker name in --doc.")
+    harness.add_publish_arguments(parser, out="runs/bench/chat_training.json", section="chat-training")
     args = parser.parse_args(argv)
-    model = Path(args.model)
-    if not (model / "config.json").is_file() and not (model / "adapter_config.json").is_file():
-        parser.error(f"{model} holds no model: run `make demo` first (or give --model DIR).")
+    model = harness.served_model(parser, args)
     from gradio_client import Client
 
     threads = max(1, usable_cores() // 2)  # chat-e's default: the cores over --concurrency 2

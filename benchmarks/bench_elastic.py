@@ -216,9 +216,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--launchers", nargs="+", default=list(LAUNCHERS), choices=LAUNCHERS)
     parser.add_argument("--work", default="runs/bench/elastic")
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--doc", default=None)
-    parser.add_argument("--section", default="bench-elastic", help="the section of --doc this run writes")
+    harness.add_publish_arguments(parser, out=None, section="bench-elastic")
     args = parser.parse_args(argv)
     runs = []
     for repeat in range(args.repeats):

@@ -336,9 +336,7 @@ def main(argv: list[str] | None = None) -> dict:
         default=True,
         help="PostgreSQL syncs every commit to disk, as SQLite does (default; the tests' server does not)",
     )
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--doc", default=None)
-    parser.add_argument("--section", default="bench-feedback", help="the section of --doc this run writes")
+    harness.add_publish_arguments(parser, out=None, section="bench-feedback")
     args = parser.parse_args(argv)
 
     from chat_e.data.models import build_chat_model

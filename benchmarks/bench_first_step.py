@@ -68,17 +68,13 @@ def first_step_times(progress: Path, started: float, timeout: float) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="runs/demo", help="The served model (default runs/demo: make demo).")
+    harness.add_served_model_argument(parser)
     parser.add_argument("--users", type=int, default=20, help="Simulated users, two corrections each (default 20).")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800, help="Give up after this many seconds.")
-    parser.add_argument("--out", default="runs/bench/first_step.json", help="Where to write the JSON results.")
-    parser.add_argument("--doc", default=None, help="Write the table into this Markdown file's section.")
-    parser.add_argument("--section", default="first_step", help="The section's marker name in --doc.")
+    harness.add_publish_arguments(parser, out="runs/bench/first_step.json", section="first_step")
     args = parser.parse_args(argv)
-    model = Path(args.model)
-    if not (model / "config.json").is_file() and not (model / "adapter_config.json").is_file():
-        parser.error(f"{model} holds no model: run `make demo` first (or give --model DIR).")
+    model = harness.served_model(parser, args)
     form = RunForm()
     with tempfile.TemporaryDirectory(prefix="bench-first-step-") as tmp:
         store = FeedbackStore(f"sqlite:///{tmp}/feedback.db")

@@ -74,9 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--votes", type=int, nargs="+", default=[100, 10_000])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--doc", default=None)
-    parser.add_argument("--section", default="bench-leaderboard", help="the section of --doc this run writes")
+    harness.add_publish_arguments(parser, out=None, section="bench-leaderboard")
     args = parser.parse_args(argv)
     results = []
     with tempfile.TemporaryDirectory() as folder:

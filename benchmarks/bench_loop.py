@@ -72,7 +72,7 @@ def held_out_satisfaction(votes: list[dict], users: dict[str, object], old: str,
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="runs/demo", help="The served model (default runs/demo: make demo).")
+    harness.add_served_model_argument(parser)
     parser.add_argument("--users", type=int, default=24, help="Simulated users (default 24).")
     parser.add_argument("--messages", type=int, default=4, help="Feedback messages per user (default 4).")
     parser.add_argument("--votes", type=int, default=4, help="Blind arena battles per user (default 4).")
@@ -88,13 +88,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--seed", type=int, default=0, help="The population's and their choices' seed.")
     parser.add_argument("--eval_args", nargs="*", default=[], help="Flags of the Train page's chat-e eval.")
-    parser.add_argument("--out", default="runs/bench/loop.json", help="Where to write the JSON results.")
-    parser.add_argument("--doc", default=None, help="Write the tables into this Markdown file's section.")
-    parser.add_argument("--section", default="loop", help="The section's marker name in --doc.")
+    harness.add_publish_arguments(parser, out="runs/bench/loop.json", section="loop")
     args = parser.parse_args(argv)
-    model = Path(args.model)
-    if not (model / "config.json").is_file() and not (model / "adapter_config.json").is_file():
-        parser.error(f"{model} holds no model: run `make demo` first (or give --model DIR).")
+    model = harness.served_model(parser, args)
     from gradio_client import Client  # noqa: PLC0415 (the app extra)
 
     users = population(args.users, args.seed)

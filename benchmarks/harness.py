@@ -317,6 +317,31 @@ def finish(report: dict, text: str, out: str | Path | None) -> dict:
     return report
 
 
+def add_publish_arguments(parser, out: str | None, section: str) -> None:
+    """``--out`` (the JSON results; default ``out``), ``--doc`` (a Markdown file whose section ``--section``, default
+    ``section``, gets the tables): where :func:`publish` writes."""
+    parser.add_argument("--out", default=out, help=f"Where to write the JSON results (default {out}).")
+    parser.add_argument("--doc", default=None, help="Write the tables into this Markdown file's section.")
+    parser.add_argument("--section", default=section, help=f"The section's marker name in --doc (default {section}).")
+
+
+def add_served_model_argument(parser) -> None:
+    """``--model``: the model a Chat-E benchmark serves (default ``make demo``'s)."""
+    parser.add_argument("--model", default="runs/demo", help="The served model (default runs/demo: make demo).")
+
+
+def served_model(parser, args) -> Path:
+    """``--model``'s directory; a parser error naming ``make demo`` when it holds no model."""
+    from hf_ext.saving.model_dir import ModelDirError, describe_model_dir
+
+    model = Path(args.model)
+    try:
+        describe_model_dir(model)
+    except ModelDirError:
+        parser.error(f"{model} holds no model: run `make demo` first (or give --model DIR).")
+    return model
+
+
 def publish(module: str, argv: list[str] | None, parts: list[str], report: dict, args) -> dict:
     """A bench's end: its Markdown (the command that reproduces it, then ``parts``) into ``args.doc``'s section
     ``args.section`` when given, printed, and ``report`` (with the host's description) as JSON to ``args.out``."""

@@ -40,6 +40,7 @@ from .ui import (
     checked_request,
     context_controls,
     import_gradio,
+    message_row,
     to_display,
 )
 
@@ -385,30 +386,11 @@ def controls(battle: Battle | None) -> list:
     ]
 
 
-def build_arena(
-    engines: Mapping[str, "ChatEngine"],
-    *,
-    record_vote: Callable[[dict], Any],
-    load_votes: Callable[[], Sequence[Mapping]],
-    settings: GenerationSettings | Mapping[str, GenerationSettings] | None = None,
-    limits: ChatLimits | None = None,
-    seed: int | None = None,
-    plot_dir: str | Path = DEFAULT_PLOT_DIR,
-    concurrency_limit: int = 2,
-):
-    """The arena's Blocks (tabs "Arena" and "Leaderboard") over ``engines``; the arguments are :class:`Arena`'s.
-    Battles run at most ``concurrency_limit`` at a time (each generates two replies), and at most
-    ``limits.max_queue`` requests wait."""
-    arena = Arena(
-        engines,
-        record_vote=record_vote,
-        load_votes=load_votes,
-        settings=settings,
-        limits=limits,
-        seed=seed,
-        plot_dir=plot_dir,
-    )
-    return arena_blocks(arena, concurrency_limit)
+def build_arena(engines: Mapping[str, "ChatEngine"], *, concurrency_limit: int = 2, **options: Any):
+    """The arena's Blocks (tabs "Arena" and "Leaderboard") over ``engines``; ``options`` are :class:`Arena`'s keyword
+    arguments (``record_vote`` and ``load_votes`` among them). Battles run at most ``concurrency_limit`` at a time
+    (each generates two replies), and at most ``limits.max_queue`` requests wait."""
+    return arena_blocks(Arena(engines, **options), concurrency_limit)
 
 
 def arena_blocks(arena: Arena, concurrency_limit: int = 2):  # long: a Blocks layout, in the page's order
@@ -475,15 +457,9 @@ def arena_blocks(arena: Arena, concurrency_limit: int = 2):  # long: a Blocks la
                             for kind, label in VOTE_LABELS.items()
                         }
                     reveal = gr.Markdown(elem_id="reveal")
-                    with gr.Row():
-                        message = gr.Textbox(
-                            show_label=False,
-                            placeholder="Type a message for both models and press Enter",
-                            scale=6,
-                            autofocus=True,
-                            elem_id="arena-message",
-                        )
-                        send = gr.Button("Send", variant="primary", scale=1, min_width=80, elem_id="arena-send")
+                    message, send = message_row(
+                        gr, "Type a message for both models and press Enter", "arena-message", "arena-send"
+                    )
                     new = gr.Button("New battle", size="sm", elem_id="new-battle")
                     # the ``vote`` endpoint: the winner as text (the buttons above call the same handler)
                     winner = gr.Textbox(visible=False)

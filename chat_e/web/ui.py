@@ -462,15 +462,7 @@ def build_app(  # long: a Blocks layout, in the page's order
                     placeholder="Pick a context on the left, then say hello.",
                 )
                 chatbot.data_model = checked_chat_model(type(chatbot).data_model)
-                with gr.Row():
-                    message = gr.Textbox(
-                        show_label=False,
-                        placeholder="Type a message and press Enter",
-                        scale=6,
-                        autofocus=True,
-                        elem_id="message",
-                    )
-                    send = gr.Button("Send", variant="primary", scale=1, min_width=80, elem_id="send")
+                message, send = message_row(gr, "Type a message and press Enter", "message", "send")
                 with gr.Row():
                     regenerate = gr.Button("Regenerate", size="sm", elem_id="regenerate")
                     undo = gr.Button("Undo", size="sm", elem_id="undo")
@@ -609,6 +601,14 @@ CHOICE_CHARS = 300
 def _clip(text: str) -> str:
     text = " ".join(text.split()) or EMPTY_REPLY
     return text if len(text) <= CHOICE_CHARS else text[: CHOICE_CHARS - 1] + "…"
+
+
+def message_row(gr, placeholder: str, box_id: str, button_id: str):
+    """A row with the message box and its Send button (the chat's and the arena's)."""
+    with gr.Row():
+        box = gr.Textbox(show_label=False, placeholder=placeholder, scale=6, autofocus=True, elem_id=box_id)
+        send = gr.Button("Send", variant="primary", scale=1, min_width=80, elem_id=button_id)
+    return box, send
 
 
 def same_prompt(record: dict | None, other) -> bool:
