@@ -25,7 +25,7 @@ AUTH_MESSAGE = "Chat-E: log in with the user and password its server was started
 GRACEFUL_SHUTDOWN_SECONDS = 5
 
 
-def create_app(
+def create_app(  # long: the one app's parts in the order a request meets them
     demo,
     *,
     auth: tuple[str, str] | None = None,
