@@ -301,6 +301,11 @@ class ServeOptions:
     admin: tuple[str, str] | None
     api_key: str | None
 
+    def server(self) -> dict[str, Any]:
+        """:func:`chat_e.server.serve`'s keyword arguments from these options: where, the logins, the limits."""
+        args = self.args
+        return dict(host=args.host, port=args.port, auth=self.auth, api_key=self.api_key, limits=self.limits)
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -400,16 +405,7 @@ def run_server(options: ServeOptions) -> int:
     from .server import serve  # noqa: PLC0415 (heavy: only once the arguments and the model are checked)
 
     try:
-        serve(
-            demo,
-            host=args.host,
-            port=args.port,
-            auth=options.auth,
-            api_key=options.api_key,
-            limits=options.limits,
-            routers=routers,
-            mounts=mounts,
-        )
+        serve(demo, routers=routers, mounts=mounts, **options.server())
     except OSError as err:
         raise Refusal(f"cannot serve on {args.host}:{args.port}: {err}") from None
     except RuntimeError as err:

@@ -52,33 +52,14 @@ def create_app(  # long: the one app's parts in the order a request meets them
     for router in routers:
         app.include_router(router)
         prefixes += [route.path.rsplit("/", 1)[0] + "/" for route in router.routes]
-    demo.state_session_capacity = limits.max_sessions  # what launch(state_session_capacity=...) sets
+    # what every page's mount shares: where it is served, the login page's message, no tracebacks, the body limit
+    common = dict(server_name=host, server_port=port, auth_message=AUTH_MESSAGE)
+    common.update(show_error=False, max_file_size=limits.max_body_bytes)
     for path, blocks, login in mounts:
-        blocks.state_session_capacity = limits.max_sessions
-        gr.mount_gradio_app(
-            app,
-            blocks,
-            path=path,
-            server_name=host,
-            server_port=port,
-            auth=login,
-            auth_message=AUTH_MESSAGE,
-            show_error=False,
-            max_file_size=limits.max_body_bytes,
-        )
-    gr.mount_gradio_app(
-        app,
-        demo,
-        path="/",
-        server_name=host,
-        server_port=port,
-        footer_links=["api"],
-        auth=auth,
-        auth_message=AUTH_MESSAGE,
-        show_error=False,
-        max_file_size=limits.max_body_bytes,
-        theme=theme(),
-    )
+        blocks.state_session_capacity = limits.max_sessions  # what launch(state_session_capacity=...) sets
+        gr.mount_gradio_app(app, blocks, path=path, auth=login, **common)
+    demo.state_session_capacity = limits.max_sessions
+    gr.mount_gradio_app(app, demo, path="/", footer_links=["api"], auth=auth, theme=theme(), **common)
     app.add_middleware(
         RequestGuard,
         max_body_bytes=limits.max_body_bytes,

@@ -189,15 +189,17 @@ def build_train_app(manager: RunManager, store, desk: ServingDesk | None = None,
 
         return handler
 
+    def whole(value, label: str, elem_id: str):
+        """A field for a whole number."""
+        return gr.Number(value, precision=0, label=label, elem_id=elem_id)
+
     with gr.Blocks(title=TITLE) as demo:
         gr.Markdown(f"# {TITLE}\nBase model: the served one, `{html.escape(manager.base_model)}`.")
         summary = gr.Markdown(data_summary(store), elem_id="train-data")
         with gr.Row():
             method = gr.Radio(list(APP_METHODS), value=defaults.method, label="method", elem_id="train-method")
-            max_steps = gr.Number(defaults.max_steps, precision=0, label="steps", elem_id="train-steps")
-            lora_rank = gr.Number(
-                defaults.lora_rank, precision=0, label="LoRA rank (0: every weight)", elem_id="train-lora"
-            )
+            max_steps = whole(defaults.max_steps, "steps", "train-steps")
+            lora_rank = whole(defaults.lora_rank, "LoRA rank (0: every weight)", "train-lora")
             learning_rate = gr.Number(defaults.learning_rate, label="learning rate")
         with gr.Row():
             launcher = gr.Dropdown(
@@ -206,30 +208,18 @@ def build_train_app(manager: RunManager, store, desk: ServingDesk | None = None,
                 label="launcher",
                 elem_id="train-launcher",
             )
-            nproc = gr.Number(defaults.nproc, precision=0, label="ranks", elem_id="train-ranks")
+            nproc = whole(defaults.nproc, "ranks", "train-ranks")
             preset = gr.Dropdown(["none", *PRESETS], value=defaults.preset, label="DeepSpeed preset")
         with gr.Row():
-            held_out = gr.Number(
-                defaults.held_out,
-                precision=0,
-                label="held-out rows (whole sessions, for the before/after)",
-                elem_id="train-held-out",
+            held_out = whole(
+                defaults.held_out, "held-out rows (whole sessions, for the before/after)", "train-held-out"
             )
-            batch = gr.Number(
-                defaults.batch, precision=0, label="batch (rows per rank and step)", elem_id="train-batch"
-            )
-            max_length = gr.Number(
-                defaults.max_length,
-                precision=0,
-                label="max length (tokens of prompt and reply)",
-                elem_id="train-max-length",
-            )
-            replay = gr.Number(
+            batch = whole(defaults.batch, "batch (rows per rank and step)", "train-batch")
+            max_length = whole(defaults.max_length, "max length (tokens of prompt and reply)", "train-max-length")
+            replay = whole(
                 defaults.replay,
-                precision=0,
-                label="replay rows (make demo's chit-chat trained on "
-                "beside the feedback, against forgetting; SFT and KTO)",
-                elem_id="train-replay",
+                "replay rows (make demo's chit-chat trained on beside the feedback, against forgetting; SFT and KTO)",
+                "train-replay",
             )
         with gr.Row():
             start_button = gr.Button("Start", variant="primary", elem_id="train-start")

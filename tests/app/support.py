@@ -58,6 +58,22 @@ def chat_e_cmd(model: Path | str, port: int, *extra: str, arena: Sequence[Path |
     return [sys.executable, "-m", "chat_e", *command, "--model", str(model), *others, "--port", str(port), *extra]
 
 
+def wait_until_up(proc, request, what: str, log, timeout: float = 300) -> None:
+    """Wait until ``request`` gets a 200: a ``RuntimeError`` with the log's end when ``proc`` exits first, a
+    ``TimeoutError`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{log()[-4000:]}")
+        try:
+            with urllib.request.urlopen(request, timeout=5) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"{what} did not answer within {timeout}s:\n{log()[-4000:]}")
+
+
 class ChatEServer:
     """``python -m chat_e --model DIR`` on a free port, its output in ``log_path``; generation settings are
     :data:`TEST_SETTINGS` unless ``model_defaults`` (then the model's own, as ``chat-e`` serves by default).
@@ -105,18 +121,14 @@ class ChatEServer:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def wait_ready(self, timeout: float = 300) -> ChatEServer:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"chat-e exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
-            try:
-                with urllib.request.urlopen(urllib.request.Request(self.url, headers=self.headers), timeout=5) as resp:
-                    if resp.status == 200:
-                        return self
-            except OSError:
-                time.sleep(0.5)
-        self.stop()
-        raise TimeoutError(f"chat-e did not answer on {self.url} within {timeout}s:\n{self.log()[-4000:]}")
+        try:
+            wait_until_up(
+                self.proc, urllib.request.Request(self.url, headers=self.headers), "chat-e", self.log, timeout
+            )
+        except TimeoutError:
+            self.stop()
+            raise
+        return self
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

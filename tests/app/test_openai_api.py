@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-import time
-import urllib.request
 from pathlib import Path
 
 import httpx
@@ -19,7 +17,7 @@ from chat_e.data.messages import message_text
 from chat_e.web.ui import APOLOGY
 
 from ..conftest import BIN, ROOT, free_port, launch_env
-from .support import TEST_SETTINGS, ChatEServer, make_sensitive_model, serving, stop_process
+from .support import TEST_SETTINGS, ChatEServer, make_sensitive_model, serving, stop_process, wait_until_up
 
 KEY = "k3y-for-the-api"
 PERSONA = "I love hiking and my cat."
@@ -47,17 +45,8 @@ class TransformersServe:
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 300) -> TransformersServe:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"transformers serve exited {self.proc.returncode}:\n{self.log_path.read_text()}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/models", timeout=5) as resp:
-                    if resp.status == 200:
-                        return self
-            except OSError:
-                time.sleep(0.5)
-        raise TimeoutError(f"transformers serve did not answer:\n{self.log_path.read_text()[-4000:]}")
+        wait_until_up(self.proc, f"{self.url}/models", "transformers serve", self.log_path.read_text, timeout)
+        return self
 
     def stop(self) -> None:
         stop_process(self.proc)
