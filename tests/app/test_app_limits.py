@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from chat_e.data.limits import ChatLimits, Refused, check_request
+from chat_e.data.settings import GenerationSettings
 from chat_e.http.guard import exposure_warning, is_loopback, parse_auth
 from chat_e.web.ui import Handlers, from_display, to_display
 
@@ -72,8 +73,12 @@ def test_what_passes_comes_back_as_the_engine_takes_it():
     checked = check_request(LIMITS, message=" a\n  b ", history=[" x\t y ", [" ", "z "]])
     assert (checked.message, checked.history) == ("a b", ["x y", "z"])
     assert check_request(LIMITS, message="x" * 10, context="y" * 8, history=["z" * 20]).message == "x" * 10
-    checked = check_request(LIMITS, settings={"num_beams": 3.0, "do_sample": False}, ranges={"num_beams": (1, 10)})
-    assert checked.settings == {"num_beams": 3, "do_sample": False} and type(checked.settings["num_beams"]) is int
+    defaults = GenerationSettings(num_beams=1, do_sample=True, max_new_tokens=7)
+    checked = check_request(LIMITS, settings={"num_beams": 3.0, "do_sample": False}, defaults=defaults,
+                            ranges={"num_beams": (1, 10)})  # fmt: skip
+    # the request's settings: the defaults with what it sent, whole numbers as int
+    assert checked.settings == GenerationSettings(num_beams=3, do_sample=False, max_new_tokens=7)
+    assert type(checked.settings.num_beams) is int
     # the chat window's text is counted as typed: escaping for display costs nothing
     shown = [{"role": "user", "content": to_display("<&>" * 6)}]
     assert check_request(LIMITS, chat=shown, text=from_display).history == ["<&>" * 6]
