@@ -73,6 +73,9 @@ class GatedEngine(ProxyEngine):
 
         def pieces():
             with self.slot(max_waiting):
-                return (yield from self.engine.stream(request))
+                inner = self.engine.stream(request)
+                outer.model = inner.model  # the engine behind may have changed while the slot was awaited (a swap)
+                return (yield from inner)
 
-        return ReplyStream(pieces(), self.engine.name)
+        outer = ReplyStream(pieces(), self.engine.name)
+        return outer

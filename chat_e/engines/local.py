@@ -245,6 +245,10 @@ class LocalEngine(ChatEngine):
         config.update(**update)
         return config
 
+    def _settings(self, request: Request) -> GenerationSettings:
+        """The request's settings, else the model's defaults."""
+        return request.settings or self.default_settings()
+
     def _prepare(self, request: Request):
         """What ``generate`` takes for ``request``: the inputs, the generation config and the logits processors of
         its sampling."""
@@ -252,7 +256,7 @@ class LocalEngine(ChatEngine):
         device = next(self.model.parameters(), torch.empty(0)).device
         input_ids = torch.tensor([ids], dtype=torch.long, device=device)
         inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
-        config = self._generation_config(request.settings or self.default_settings())
+        config = self._generation_config(self._settings(request))
         processors = sampling_processors(request.sampling, config, self._prompt_length(inputs))
         return inputs, config, processors
 
@@ -306,7 +310,7 @@ class LocalEngine(ChatEngine):
         return ReplyStream(self._pieces(request), self.name)
 
     def _pieces(self, request: Request) -> Generator[str, None, Reply]:
-        if (request.settings or self.default_settings()).num_beams > 1:
+        if self._settings(request).num_beams > 1:
             whole = self.reply(request)
             with contextlib.suppress(StopReply):
                 yield whole.text
