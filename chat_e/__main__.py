@@ -17,6 +17,7 @@ import sys
 from dataclasses import dataclass, fields
 from typing import Any
 
+from hf_ext.saving.gguf import GGUF_SET
 from hf_ext.saving.model_dir import ModelDirError as ModelLoadError
 from hf_ext.saving.model_dir import describe_model_dir
 
@@ -219,6 +220,22 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="int8: dynamic quantization of Linear layers; auto (default): int8 for fp32 weights (faster CPU serving "
         "at about the same BLEU: docs/benchmarks.md, 'Chat-E serving'), else none.",
     )
+    parser.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="auto",
+        help="What runs the model: torch (PyTorch, --dtype and --quantize), llamacpp (llama.cpp on a GGUF file: a "
+        "--model ending in .gguf, or a model directory exported to --gguf_type once, into its gguf/ folder), or auto "
+        "(default): llamacpp for a GGUF file, or for a Llama-architecture directory when llama-cpp-python is "
+        "installed (the fastest CPU path with the same greedy replies: docs/benchmarks.md, 'llama.cpp'), else torch.",
+    )
+    parser.add_argument(
+        "--gguf_type",
+        choices=GGUF_SET,
+        default="f16",
+        help="The GGUF weights a model directory is served in by llama.cpp (default f16: the fp32 model's greedy "
+        "replies; q8_0 and q4_k_m are smaller and faster and reply differently: docs/benchmarks.md).",
+    )
     parser.add_argument("--concurrency", type=int, default=2, help="Replies generated at the same time (default 2).")
     parser.add_argument(
         "--threads",
@@ -239,6 +256,24 @@ def torch_threads(requested: int | None, concurrency: int) -> int:
     return max(1, usable_cores() // max(1, concurrency))
 
 
+#: ``--engine``'s choices
+ENGINES = ("auto", "torch", "llamacpp")
+
+
+def engine_kind(choice: str, model: str) -> str:
+    """``torch`` or ``llamacpp`` for ``--engine choice`` on ``model`` (a directory or a GGUF file): a GGUF file is
+    llama.cpp's; ``auto`` takes llama.cpp for a Llama-architecture directory when llama-cpp-python is installed."""
+    from hf_ext.saving.model_dir import is_gguf_file  # noqa: PLC0415
+
+    from .engines.llamacpp import gguf_exportable, llama_cpp_installed  # noqa: PLC0415 (imports torch)
+
+    if is_gguf_file(model) or choice == "llamacpp":
+        return "llamacpp"
+    if choice == "auto" and llama_cpp_installed() and gguf_exportable(model):
+        return "llamacpp"
+    return "torch"
+
+
 def embedded_engine(args, model: str):
     """The :class:`~chat_e.engines.local.LocalEngine` of the directory ``model`` in this process, and its generation defaults
     with the flags' overrides."""
@@ -249,7 +284,14 @@ def embedded_engine(args, model: str):
     from .engines.local import LocalEngine  # noqa: PLC0415 (heavy: imports torch and transformers)
 
     torch.set_num_threads(torch_threads(args.threads, args.concurrency))
-    engine = LocalEngine.from_pretrained(model, dtype=args.dtype, quantize=resolve_quantize(args.quantize, args.dtype))
+    if engine_kind(args.engine, model) == "llamacpp":
+        from .engines.llamacpp import LlamaCppEngine, served_gguf  # noqa: PLC0415 (heavy)
+
+        engine = LlamaCppEngine.from_pretrained(served_gguf(model, args.gguf_type), threads=torch.get_num_threads())
+        engine.info["path"] = str(model)  # what it was asked to serve (a Promote's run folder); the file: "gguf"
+    else:
+        quantize = resolve_quantize(args.quantize, args.dtype)
+        engine = LocalEngine.from_pretrained(model, dtype=args.dtype, quantize=quantize)
     settings = engine.default_settings().replace(**{f.name: getattr(args, f.name) for f in SETTINGS})
     # large request bodies (up to the body limit) come and go: glibc would keep their memory in its heap, its mmap
     # threshold adapting upward, and the server's resident memory would ratchet up under big requests

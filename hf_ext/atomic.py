@@ -30,6 +30,7 @@ import logging
 import os
 import shutil
 import uuid
+from glob import escape as glob_escape
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -87,18 +88,41 @@ def fsync_tree(root: str | Path) -> None:
         fsync_path(dirpath)
 
 
-def write_bytes_atomically(path: str | Path, data: bytes) -> None:
-    """One file, all-or-nothing: a temporary file beside it written and fsynced, renamed over ``path``, the
-    directory fsynced. The temporary name is the writer's own, so that concurrent writers of one path never share it
-    (the last rename wins, whole)."""
+@contextlib.contextmanager
+def atomic_file(path: str | Path):
+    """One file, all-or-nothing, written by whatever writes a path: yields a temporary path beside ``path`` to write;
+    once the block ends it is fsynced, renamed over ``path`` and the directory fsynced; when the block raises it is
+    removed and ``path`` is untouched. The temporary name is the writer's own, so that concurrent writers of one path
+    never share it (the last rename wins, whole); a killed writer's is removed by :func:`remove_file_leftovers`."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        yield tmp
+        fsync_path(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_path(path.parent)
+
+
+def remove_file_leftovers(path: str | Path) -> list[Path]:
+    """Remove what killed :func:`atomic_file` writers of ``path`` left beside it (and its :func:`work_path`); for a
+    writer that knows it is the path's only one. Returns what was removed."""
+    path = Path(path)
+    leftovers = sorted(path.parent.glob(f".{glob_escape(path.name)}.*.tmp"))
+    for leftover in leftovers:
+        leftover.unlink(missing_ok=True)
+    if work_path(path).exists():
+        shutil.rmtree(work_path(path), ignore_errors=True)
+        leftovers.append(work_path(path))
+    return leftovers
+
+
+def write_bytes_atomically(path: str | Path, data: bytes) -> None:
+    """One file, all-or-nothing (:func:`atomic_file`)."""
+    with atomic_file(path) as tmp, open(tmp, "wb") as f:
+        f.write(data)
 
 
 def write_text_atomically(path: str | Path, text: str) -> None:

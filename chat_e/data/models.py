@@ -23,8 +23,6 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
     BlenderbotConfig,
     BlenderbotForConditionalGeneration,
     BlenderbotTokenizer,
@@ -33,6 +31,8 @@ from transformers import (
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
 )
+
+from hf_ext.saving.gguf import read_gguf
 
 from .corpora import chatterbot_conversations, conversation_pairs
 
@@ -273,18 +273,8 @@ def build_smollm2(output_dir: str | Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         tmp.chmod(0o755)  # mkdtemp's directory is owner-only; the checkpoint is an ordinary shared directory
-        tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
-        gguf_model = AutoModelForCausalLM.from_pretrained(
-            gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32
-        )
-        # save_pretrained refuses a model carrying the GGUF quantization config: copy the dequantized weights into
-        # a plain model (its lm_head stays tied to the embeddings, as in the checkpoint)
-        config = LlamaConfig.from_dict(
-            {k: v for k, v in gguf_model.config.to_dict().items() if k != "quantization_config"}
-        )
-        model = LlamaForCausalLM(config)
-        model.load_state_dict(gguf_model.state_dict())
-        del gguf_model
+        model, tokenizer = read_gguf(gguf_file, torch.float32)
+        config = model.config
         assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
         eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
         model.generation_config = GenerationConfig(

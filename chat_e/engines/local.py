@@ -112,12 +112,17 @@ class LocalEngine(ChatEngine):
         self.generation_config = copy.deepcopy(generation_config or model.generation_config)
         self.family = family_of(model.config)
         positions = getattr(model.config, "max_position_embeddings", None) or tokenizer.model_max_length
-        if self.family == "causal":  # the reply shares the window with the prompt
-            max_input_length = max_input_length or min(MAX_CAUSAL_INPUT_TOKENS, int(positions) // 2)
+        if self.family == "causal":
+            max_input_length = max_input_length or self.causal_input_length(int(positions))
         self.max_input_length = int(max_input_length or positions)
         self.max_positions = int(positions)
         self.name = name or getattr(model.config, "name_or_path", "") or type(model).__name__
         self.info: dict[str, Any] = {}
+
+    @staticmethod
+    def causal_input_length(positions: int) -> int:
+        """A decoder-only model's longest prompt: the reply shares the window with it."""
+        return min(MAX_CAUSAL_INPUT_TOKENS, positions // 2)
 
     # ---- loading ---------------------------------------------------------------------------------------------
 

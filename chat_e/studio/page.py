@@ -291,6 +291,13 @@ def served_section(gr, desk: ServingDesk, limits: ChatLimits) -> None:  # long: 
             raise refusal(gr, err) from None
         return serving_view(desk)
 
+    def export_gguf(run):
+        try:
+            written = desk.export_gguf(run_number(run))
+        except ValueError as err:
+            raise refusal(gr, err) from None
+        return "\n".join(f"- `{html.escape(str(path))}` ({path.stat().st_size / 1e6:.0f} MB)" for path in written)
+
     def side_by_side(run, message):
         try:
             number = run_number(run)
@@ -323,6 +330,8 @@ def served_section(gr, desk: ServingDesk, limits: ChatLimits) -> None:  # long: 
             False, label="promote anyway (its eval is missing, or says it is worse)", elem_id="promote-anyway"
         )
         rollback_button = gr.Button("Roll back", elem_id="rollback")
+        gguf_button = gr.Button("Export GGUF (F16, Q8_0, Q4_K_M)", elem_id="export-gguf")
+    exported = gr.Markdown(elem_id="gguf-files")
     with gr.Row():
         message = gr.Textbox(label="message for both (side by side, named)", scale=4, elem_id="side-message")
         compare = gr.Button("Side by side", scale=1, elem_id="side-by-side")
@@ -330,6 +339,7 @@ def served_section(gr, desk: ServingDesk, limits: ChatLimits) -> None:  # long: 
     arena_button.click(acting(desk.open_arena), run, serving, api_name="open_arena")
     promote_button.click(acting(desk.promote), [run, anyway], serving, api_name="promote")
     rollback_button.click(rollback, None, serving, api_name="rollback")
+    gguf_button.click(export_gguf, run, exported, api_name="export_gguf")
     compare.click(side_by_side, [run, message], replies, api_name="side_by_side")
     gr.Timer(2.0).tick(lambda: serving_view(desk), None, serving, api_name=False, show_progress="hidden")
 

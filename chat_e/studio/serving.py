@@ -78,12 +78,8 @@ class ServingDesk:
         """Runs that ended with a model to serve, newest first."""
         return [r for r in self.manager.refresh() if r["status"] == DONE and _has_model(Path(r["output_dir"]))]
 
-    def candidate(self, run_id: int) -> tuple[Loaded, ChatEngine]:
-        """Run ``run_id``'s model, loaded once, and the same under its own limit on replies at once
-        (``ValueError``: no such finished run)."""
-        with self._lock:
-            if self._candidate and self._candidate[0] == run_id:
-                return self._candidate[1], self._candidate[2]
+    def finished_run(self, run_id: int) -> dict[str, Any]:
+        """Run ``run_id``, done with a model to serve (``ValueError`` in one line otherwise)."""
         run = next((r for r in self.finished_runs() if r["id"] == run_id), None)
         if run is None:
             if self.manager.store.run(run_id) is None:
@@ -91,6 +87,34 @@ class ServingDesk:
                     f"There is no run #{run_id}: choose a done run's number (the runs table's first column)."
                 )
             raise ValueError(f"Run #{run_id} has no model to serve: choose a run that is done.")
+        return run
+
+    def export_gguf(self, run_id: int) -> list[Path]:
+        """Run ``run_id``'s model (an adapter merged into its base) as GGUF files for llama.cpp, Ollama and the like:
+        F16, Q8_0 and Q4_K_M in its output dir's ``gguf/`` folder (the files ``chat-e --engine llamacpp`` serves);
+        ``ValueError`` in one line when it cannot be written."""
+        from hf_ext.saving.export import export_gguf  # noqa: PLC0415 (heavy: torch and the gguf package)
+        from hf_ext.saving.gguf import GGUF_SET, GGUFError  # noqa: PLC0415
+
+        from ..engines.llamacpp import gguf_path  # noqa: PLC0415
+
+        out = self.finished_run(run_id)["output_dir"]
+        written = []
+        for kind in GGUF_SET:
+            try:
+                written.append(export_gguf(out, gguf_path(out, kind), kind))
+            except (GGUFError, FileNotFoundError, OSError) as err:
+                raise ValueError(f"Run #{run_id}'s model could not be written as GGUF {kind.upper()}: {err}") from err
+        logger.info("run #%d's model as GGUF: %s", run_id, ", ".join(map(str, written)))
+        return written
+
+    def candidate(self, run_id: int) -> tuple[Loaded, ChatEngine]:
+        """Run ``run_id``'s model, loaded once, and the same under its own limit on replies at once
+        (``ValueError``: no such finished run)."""
+        with self._lock:
+            if self._candidate and self._candidate[0] == run_id:
+                return self._candidate[1], self._candidate[2]
+        run = self.finished_run(run_id)
         with self._lock:  # served now, or the model a Roll back returns to: loaded already
             known = [m for m in (self._serving, self._previous) if m and _is_dir_of(m[0], run["output_dir"])]
         if known:

@@ -8,6 +8,7 @@ import logging
 import sys
 
 from ..atomic import write_failure
+from ..saving.gguf import GGUF_TYPES
 from ..sizes import DEFAULT_MAX_SHARD_SIZE, SAVE_DTYPES
 
 EXPORT_HELP = "Write a serving-ready model (weights, config, generation config, tokenizer) from a run or checkpoint."
@@ -18,6 +19,19 @@ def export_command_parser(subparsers):
     parser.add_argument("src", help="a run's output_dir or a checkpoint directory")
     parser.add_argument("--out", required=True, help="directory to write the exported model to")
     parser.add_argument("--merge", action="store_true", help="merge a PEFT adapter into its base model")
+    parser.add_argument(
+        "--format",
+        choices=("safetensors", "gguf"),
+        default="safetensors",
+        help="safetensors (default): a model directory; gguf: one file for llama.cpp (--out names the file; an "
+        "adapter is merged), a Llama-architecture causal LM",
+    )
+    parser.add_argument(
+        "--gguf_type",
+        choices=GGUF_TYPES,
+        default="f16",
+        help="the GGUF file's weights (default f16); q8_0 and q4_k_m are made by llama.cpp's quantizer",
+    )
     parser.add_argument(
         "--dtype", choices=sorted(SAVE_DTYPES), default=None, help="weights dtype (default: as stored)"
     )
@@ -36,6 +50,11 @@ def export_command(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
+        if args.format == "gguf":
+            from ..saving.export import export_gguf  # noqa: PLC0415
+
+            print(export_gguf(args.src, args.out, args.gguf_type, base_model=args.base_model))
+            return 0
         out = export(
             args.src,
             args.out,

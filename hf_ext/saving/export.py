@@ -123,6 +123,27 @@ def export(
     return out
 
 
+def export_gguf(src: str | Path, out: str | Path, kind: str = "f16", *, base_model: str | None = None) -> Path:
+    """Export ``src`` (see the module docstring; an adapter is merged into its base) as one GGUF file ``out`` of type
+    ``kind`` (:data:`hf_ext.saving.gguf.GGUF_TYPES`) with its tokenizer, chat template and generation defaults,
+    all-or-nothing; returns ``out``."""
+    import tempfile  # noqa: PLC0415
+
+    from .gguf import GGUFError, write_gguf  # noqa: PLC0415 (the gguf package: an extra)
+
+    src, source_kind = resolve_source(src)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    logger.info(f"Exporting {src} ({source_kind}) to {out} (GGUF {kind.upper()})")
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.load-", dir=out.parent) as workdir:
+        model, base_dir = _load(src, source_kind, True, torch.float32, base_model, Path(workdir))
+    _attach_generation_config(model, src, src.parent, base_dir)
+    tokenizer = _load_tokenizer(src, src.parent, base_dir)
+    if tokenizer is None:
+        raise GGUFError(f"A GGUF file carries its tokenizer; none was found next to {src} or its base model.")
+    return write_gguf(model, tokenizer, out, kind, name=src.name if src.name != "final" else src.parent.name)
+
+
 def _load(src: Path, kind: str, merge: bool, torch_dtype, base_model: str | None, workdir: Path):
     """The model to export (and an adapter's base directory)."""
     if kind != "adapter":

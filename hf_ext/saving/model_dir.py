@@ -41,6 +41,15 @@ def model_dir_kind(path: str | Path) -> str | None:
     return None
 
 
+def is_gguf_file(path: str | Path) -> bool:
+    """Whether ``path`` is a GGUF file (llama.cpp's single-file model), by its magic bytes."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
 def _read_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
@@ -52,7 +61,8 @@ def _read_json(path: Path) -> dict:
 
 
 def describe_model_dir(path: str | Path) -> dict:
-    """What a servable model directory holds, checked: ``{"kind": "model" | "adapter", "path", "base"}``.
+    """What a servable model directory holds, checked: ``{"kind": "model" | "adapter" | "gguf", "path", "base"}``
+    (``gguf``: a GGUF file, which llama.cpp serves).
 
     ``base`` is an adapter's base model (a path when it exists, else a hub id). Raises :class:`ModelDirError` naming
     the path when it is missing, broken, or not a model directory.
@@ -60,8 +70,12 @@ def describe_model_dir(path: str | Path) -> dict:
     path = Path(path).expanduser()
     if not path.exists():
         raise ModelDirError(f"Model directory {path} does not exist.")
+    if is_gguf_file(path):
+        return {"kind": "gguf", "path": path, "base": None}
     if not path.is_dir():
-        raise ModelDirError(f"{path} is not a directory; pass the directory the recipe saved the model in.")
+        raise ModelDirError(
+            f"{path} is neither a model directory nor a GGUF file; pass the directory the recipe saved the model in."
+        )
     kind = model_dir_kind(path)
     if kind == "adapter":
         if not any(path.glob("adapter_model.*")):

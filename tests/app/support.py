@@ -52,10 +52,26 @@ def make_broken_model(src: Path, dst: Path) -> Path:
 
 
 def chat_e_cmd(model: Path | str, port: int, *extra: str, arena: Sequence[Path | str] = ()) -> list[str]:
-    """``chat-e --model MODEL``; with ``arena``, ``chat-e arena --model MODEL --model ARENA[0] ...``."""
+    """``chat-e --model MODEL``; with ``arena``, ``chat-e arena --model MODEL --model ARENA[0] ...``. PyTorch runs a
+    model directory unless ``extra`` names an ``--engine``: the app's tests are of the app around the reference engine,
+    whose settings (beams, int8) and replies at once they use; the llama.cpp engine, the default where it is installed,
+    has its own (tests/app/test_llamacpp_server.py)."""
     command = ["arena"] if arena else []
     others = [arg for other in arena for arg in ("--model", str(other))]
-    return [sys.executable, "-m", "chat_e", *command, "--model", str(model), *others, "--port", str(port), *extra]
+    engine = [] if "--engine" in extra else ["--engine", "torch"]
+    return [
+        sys.executable,
+        "-m",
+        "chat_e",
+        *command,
+        "--model",
+        str(model),
+        *others,
+        "--port",
+        str(port),
+        *engine,
+        *extra,
+    ]
 
 
 def wait_until_up(proc, request, what: str, log, timeout: float = 300) -> None:
