@@ -101,6 +101,9 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-loop-") as tmp:
         tmp = Path(tmp)
         extra = [
+            # PyTorch with int8, as every run of docs/benchmarks.md's section served it: the runs stay comparable
+            "--engine",
+            "torch",
             "--admin",
             ":".join(ADMIN),
             "--train_dir",

@@ -241,7 +241,8 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--threads",
         type=int,
         default=None,
-        help="Torch threads per reply (default: OMP_NUM_THREADS, else CPU cores / --concurrency).",
+        help="Torch threads per reply (default: OMP_NUM_THREADS, else CPU cores / --concurrency); llama.cpp's "
+        "threads (default: OMP_NUM_THREADS, else every core: it takes replies in turn).",
     )
 
 
@@ -263,7 +264,7 @@ ENGINES = ("auto", "torch", "llamacpp")
 def engine_kind(choice: str, model: str) -> str:
     """``torch`` or ``llamacpp`` for ``--engine choice`` on ``model`` (a directory or a GGUF file): a GGUF file is
     llama.cpp's; ``auto`` takes llama.cpp for a Llama-architecture directory when llama-cpp-python is installed."""
-    from hf_ext.saving.model_dir import is_gguf_file  # noqa: PLC0415
+    from hf_ext.saving.model_dir import is_gguf_file  # noqa: PLC0415 (imports torch)
 
     from .engines.llamacpp import gguf_exportable, llama_cpp_installed  # noqa: PLC0415 (imports torch)
 
@@ -279,7 +280,7 @@ def embedded_engine(args, model: str):
     with the flags' overrides."""
     import torch  # noqa: PLC0415 (heavy: only once the arguments and the model directory are checked)
 
-    from hf_ext.runtime import return_freed_memory_to_os  # noqa: PLC0415 (imports torch)
+    from hf_ext.runtime import return_freed_memory_to_os, usable_cores  # noqa: PLC0415 (imports torch)
 
     from .engines.local import LocalEngine  # noqa: PLC0415 (heavy: imports torch and transformers)
 
@@ -287,7 +288,11 @@ def embedded_engine(args, model: str):
     if engine_kind(args.engine, model) == "llamacpp":
         from .engines.llamacpp import LlamaCppEngine, served_gguf  # noqa: PLC0415 (heavy)
 
-        engine = LlamaCppEngine.from_pretrained(served_gguf(model, args.gguf_type), threads=torch.get_num_threads())
+        # one reply at a time on every core: llama.cpp's context takes replies in turn
+        threads = args.threads or int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or usable_cores()
+        engine = LlamaCppEngine.from_pretrained(served_gguf(model, args.gguf_type), threads=threads)
+        # llama.cpp's threads do the work; torch's (a reply's logits processors) would spin on the same cores
+        torch.set_num_threads(1)
         engine.info["path"] = str(model)  # what it was asked to serve (a Promote's run folder); the file: "gguf"
     else:
         quantize = resolve_quantize(args.quantize, args.dtype)

@@ -32,7 +32,6 @@ from transformers import (
     AutoTokenizer,
     GenerationConfig,
     LogitsProcessorList,
-    MinNewTokensLengthLogitsProcessor,
     NoRepeatNGramLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
@@ -132,10 +131,9 @@ class LlamaCppEngine(LocalEngine):
         # llama.cpp's context freed while the interpreter still runs (its own finalizer fails at exit)
         weakref.finalize(self, llm.close)
         self._vocab = int(llm.n_vocab())
-        unused = sorted(
-            key for key, value in generation_config.to_diff_dict().items()
-            if key not in HONOURED and key.endswith(("penalty", "_size", "_ids", "_tokens")) and value
-        )  # fmt: skip
+        set_here = generation_config.to_diff_dict().items()
+        suffixes = ("penalty", "_size", "_ids", "_tokens")
+        unused = sorted(key for key, value in set_here if key not in HONOURED and key.endswith(suffixes) and value)
         if unused:
             logger.warning("llama.cpp engine: the model's generation defaults %s are not applied here", unused)
 
@@ -190,26 +188,22 @@ class LlamaCppEngine(LocalEngine):
         return engine
 
     def describe(self) -> str:
-        return " · ".join(
-            [self.name, f"llama.cpp {self.info.get('file_type', 'GGUF')}", f"{self.info.get('threads')} threads",
-             f"context window {self.max_input_length} tokens", "one beam"]
-        )  # fmt: skip
+        kind, threads = self.info.get("file_type", "GGUF"), self.info.get("threads")
+        window = f"context window {self.max_input_length} tokens"
+        return " · ".join([self.name, f"llama.cpp {kind}", f"{threads} threads", window, "one beam"])
 
     # ---- generation ------------------------------------------------------------------------------------------
 
-    def _processors(self, config, prompt_length: int, sampling) -> tuple[LogitsProcessorList, LogitsProcessorList]:
-        """``(processors, warpers)`` for ``config``, in ``generate``'s order: the model's penalties, the reply's
-        shortest length, the request's sampling (which may turn ``config`` greedy), then the sampling warpers."""
-        processors = LogitsProcessorList()
+    def _processors(self, config, prompt_length: int, sampling) -> tuple[list, list, LogitsProcessorList]:
+        """``(the model's penalties, the request's sampling, the sampling warpers)`` for ``config``, in ``generate``'s
+        order; the reply's shortest length goes between the first two (:meth:`_tokens`). The request's sampling may
+        turn ``config`` greedy (a seeded reply samples in its processor)."""
+        penalties = []
         if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
-            processors.append(RepetitionPenaltyLogitsProcessor(config.repetition_penalty))
+            penalties.append(RepetitionPenaltyLogitsProcessor(config.repetition_penalty))
         if config.no_repeat_ngram_size:
-            processors.append(NoRepeatNGramLogitsProcessor(config.no_repeat_ngram_size))
-        if config.min_new_tokens:
-            processors.append(
-                MinNewTokensLengthLogitsProcessor(prompt_length, config.min_new_tokens, config.eos_token_id)
-            )
-        processors.extend(sampling_processors(sampling, config, prompt_length))
+            penalties.append(NoRepeatNGramLogitsProcessor(config.no_repeat_ngram_size))
+        requested = list(sampling_processors(sampling, config, prompt_length))
         warpers = LogitsProcessorList()
         if config.do_sample:
             if config.temperature is not None and config.temperature != 1.0:
@@ -218,7 +212,7 @@ class LlamaCppEngine(LocalEngine):
                 warpers.append(TopKLogitsWarper(config.top_k))
             if config.top_p is not None and config.top_p < 1.0:
                 warpers.append(TopPLogitsWarper(config.top_p))
-        return processors, warpers
+        return penalties, requested, warpers
 
     def reply(self, request: Request) -> Reply:
         stream = self.stream(request)
@@ -235,10 +229,10 @@ class LlamaCppEngine(LocalEngine):
     def _pieces(self, request: Request) -> Generator[str, None, Reply]:
         ids = self.encode(request)
         config = self._generation_config(self._settings(request))
-        processors, warpers = self._processors(config, len(ids), request.sampling)
+        processors = self._processors(config, len(ids), request.sampling)
         started = time.perf_counter()
         generated: list[int] = []
-        tokens = self._tokens(ids, config, processors, warpers, generated)
+        tokens = self._tokens(ids, config, processors, generated)
         text = ""
         try:
             for piece in stripped_pieces(self._text(tokens, generated)):
@@ -264,11 +258,13 @@ class LlamaCppEngine(LocalEngine):
         if len(text) > len(shown):
             yield text[len(shown) :]
 
-    def _tokens(self, ids: list[int], config, processors, warpers, generated: list[int]):
+    def _tokens(self, ids: list[int], config, processors, generated: list[int]):
         """Generate after ``ids`` into ``generated``, yielding after each token, under the context's lock."""
-        import llama_cpp  # noqa: PLC0415
+        import llama_cpp  # noqa: PLC0415 (an extra that compiles at install)
 
         ends = set(config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id])
+        ends_ids = torch.tensor(sorted(ends))
+        penalties, requested, warpers = processors
         with self._lock:
             llm = self.llm
             cached = llm.input_ids[: llm.n_tokens].tolist()
@@ -280,7 +276,13 @@ class LlamaCppEngine(LocalEngine):
             sequence = torch.tensor([ids], dtype=torch.long)
             while len(generated) < min(config.max_new_tokens, self.max_positions - len(ids)):
                 logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(self._vocab,))
-                scores = processors(sequence, torch.from_numpy(logits.copy()).unsqueeze(0))
+                scores = torch.from_numpy(logits.copy()).unsqueeze(0)
+                for processor in penalties:  # one by one: LogitsProcessorList inspects each one's signature per call
+                    scores = processor(sequence, scores)
+                if len(generated) < config.min_new_tokens:  # the reply's shortest length: its end held off
+                    scores[:, ends_ids] = float("-inf")  # (generate's processor builds a vocabulary mask each call)
+                for processor in requested:
+                    scores = processor(sequence, scores)
                 if config.do_sample:
                     probs = torch.softmax(warpers(sequence, scores), dim=-1)
                     token = int(torch.multinomial(probs, 1)[0, 0])
@@ -297,7 +299,7 @@ class LlamaCppEngine(LocalEngine):
 def _file_type(path: Path) -> str:
     """The GGUF file's weight type as llama.cpp names it (``F16``, ``Q8_0``, ``Q4_K_M``, ...)."""
     try:
-        import gguf  # noqa: PLC0415
+        import gguf  # noqa: PLC0415 (an extra)
 
         value = gguf_fields(path).get("general.file_type")
         return (

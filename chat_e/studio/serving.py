@@ -94,9 +94,9 @@ class ServingDesk:
         F16, Q8_0 and Q4_K_M in its output dir's ``gguf/`` folder (the files ``chat-e --engine llamacpp`` serves);
         ``ValueError`` in one line when it cannot be written."""
         from hf_ext.saving.export import export_gguf  # noqa: PLC0415 (heavy: torch and the gguf package)
-        from hf_ext.saving.gguf import GGUF_SET, GGUFError  # noqa: PLC0415
+        from hf_ext.saving.gguf import GGUF_SET, GGUFError  # noqa: PLC0415 (heavy: torch and the gguf package)
 
-        from ..engines.llamacpp import gguf_path  # noqa: PLC0415
+        from ..engines.llamacpp import gguf_path  # noqa: PLC0415 (heavy: imports torch)
 
         out = self.finished_run(run_id)["output_dir"]
         written = []

@@ -51,7 +51,7 @@ def export_command(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         if args.format == "gguf":
-            from ..saving.export import export_gguf  # noqa: PLC0415
+            from ..saving.export import export_gguf  # noqa: PLC0415 (torch and transformers: only once a command runs)
 
             print(export_gguf(args.src, args.out, args.gguf_type, base_model=args.base_model))
             return 0

@@ -127,7 +127,7 @@ def export_gguf(src: str | Path, out: str | Path, kind: str = "f16", *, base_mod
     """Export ``src`` (see the module docstring; an adapter is merged into its base) as one GGUF file ``out`` of type
     ``kind`` (:data:`hf_ext.saving.gguf.GGUF_TYPES`) with its tokenizer, chat template and generation defaults,
     all-or-nothing; returns ``out``."""
-    import tempfile  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415 (the gguf package: an extra)
 
     from .gguf import GGUFError, write_gguf  # noqa: PLC0415 (the gguf package: an extra)
 

@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -65,7 +66,7 @@ def read_gguf(path: str | Path, dtype=None):
     """``(model, tokenizer)`` of the GGUF file ``path``, dequantized to ``dtype``, as a plain model (no GGUF
     quantization config: ``save_pretrained`` takes it; tied embeddings stay tied)."""
     import torch  # noqa: PLC0415 (heavy: this module's names are read by CLI parsers)
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 (an extra)
 
     dtype = dtype or torch.float32
 
@@ -143,7 +144,7 @@ def pre_tokenizer(tokenizer) -> str:
 
 
 def _add_vocabulary(writer, tokenizer, vocab_size: int, tokenizer_dir: Path) -> None:
-    import gguf  # noqa: PLC0415
+    import gguf  # noqa: PLC0415 (an extra)
 
     by_id = {i: token for token, i in tokenizer.get_vocab().items()}
     added = tokenizer.added_tokens_decoder
@@ -191,9 +192,9 @@ def _add_hyperparameters(writer, config, name: str, file_type) -> None:
 def _tensors(model, dtype: str):
     """``(gguf name, array)`` of every weight: 2-D weights in ``dtype``, norms in F32, q/k permuted, a tied head
     left out."""
-    import gguf  # noqa: PLC0415
-    import numpy as np  # noqa: PLC0415
-    import torch  # noqa: PLC0415
+    import gguf  # noqa: PLC0415 (an extra)
+    import numpy as np  # noqa: PLC0415 (heavy: this module is read by CLI parsers)
+    import torch  # noqa: PLC0415 (heavy: this module is read by CLI parsers)
 
     config = model.config
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
@@ -214,7 +215,7 @@ def _tensors(model, dtype: str):
 
 
 def _write_plain(model, tokenizer, path: Path, dtype: str, name: str, generation_config) -> None:
-    import gguf  # noqa: PLC0415
+    import gguf  # noqa: PLC0415 (an extra)
 
     file_type = gguf.LlamaFileType.MOSTLY_F16 if dtype == "f16" else gguf.LlamaFileType.ALL_F32
     scratch = work_path(path)
@@ -243,17 +244,39 @@ def quantize_gguf(src: str | Path, out: str | Path, kind: str, threads: int = 0)
         import llama_cpp  # noqa: PLC0415 (an extra that compiles at install)
     except ImportError as err:
         raise GGUFError(f"GGUF {kind.upper()} is made by llama.cpp's quantizer; install it: {GGUF_INSTALL}") from err
-    # llama.cpp logs a line per tensor through llama-cpp-python's logger: its errors only
-    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, QUANTIZED[kind])
     params.nthread = threads
     out = Path(out)
-    with atomic_file(out) as staged:
+    with atomic_file(out) as staged, _c_stderr() as said:
         status = llama_cpp.llama_model_quantize(str(src).encode(), str(staged).encode(), params)
         if status != 0:
-            raise GGUFError(f"llama.cpp could not quantize {src} to {kind.upper()} (status {status}).")
+            raise GGUFError(f"llama.cpp could not quantize {src} to {kind.upper()} (status {status}): {said()[-500:]}")
     return out
+
+
+@contextlib.contextmanager
+def _c_stderr():
+    """What C code writes to the process's standard error meanwhile (llama.cpp's quantizer: a line per tensor),
+    kept in a temporary file and logged at debug level; yields a function that returns it so far."""
+    import sys  # noqa: PLC0415 (the standard library, for the capture only)
+    import tempfile  # noqa: PLC0415 (the standard library, for the capture only)
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+
+        def said() -> str:
+            captured.seek(0)
+            return captured.read().decode(errors="replace")
+
+        try:
+            yield said
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            logger.debug("llama.cpp: %s", said())
 
 
 def write_gguf(

@@ -25,13 +25,13 @@ OWN = {"hf_ext", "chat_e", "recipes", "scripts", "benchmarks", "tests", "app", "
        "stop_at_phase", "sitecustomize"}  # fmt: skip
 #: folder -> the extras that install what it imports ("" is the core dependencies)
 INSTALLED_WITH = {
-    "hf_ext": ("", "trl", "ray"),
-    "chat_e": ("", "chat", "app"),
+    "hf_ext": ("", "trl", "ray", "gguf"),
+    "chat_e": ("", "chat", "app", "gguf"),
     "app": ("", "chat", "app"),
     "recipes": ("", "chat", "app"),
     "scripts": ("", "chat", "app"),
-    "benchmarks": ("", "dev"),
-    "tests": ("", "dev"),
+    "benchmarks": ("", "dev", "gguf"),
+    "tests": ("", "dev", "gguf"),
 }
 #: imported only when a user asks for that integration, inside the function that needs it; not a dependency
 OPTIONAL = {"trackio": "hf_ext/evaluation/bleu.py, when report_to names trackio"}
