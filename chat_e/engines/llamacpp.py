@@ -28,7 +28,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from transformers import (
-    AutoConfig,
     AutoTokenizer,
     GenerationConfig,
     LogitsProcessorList,
@@ -112,12 +111,11 @@ class LlamaCppEngine(LocalEngine):
     Args:
         llm: a ``llama_cpp.Llama`` over the file.
         tokenizer: the Transformers tokenizer of the same vocabulary.
-        config: the model's Transformers config (its window and family).
         generation_config: generation defaults.
         name: how the model is shown.
     """
 
-    def __init__(self, llm, tokenizer, config, generation_config: GenerationConfig, name: str = ""):
+    def __init__(self, llm, tokenizer, generation_config: GenerationConfig, name: str = ""):
         self.llm = llm
         self.model = None
         self.tokenizer = tokenizer
@@ -156,7 +154,6 @@ class LlamaCppEngine(LocalEngine):
         try:
             fields = gguf_fields(path)
             tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-            config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
             threads = threads or torch.get_num_threads()
             window = int(fields.get(f"{fields.get('general.architecture', 'llama')}.context_length", MAX_WINDOW))
             llm = llama_cpp.Llama(
@@ -176,12 +173,12 @@ class LlamaCppEngine(LocalEngine):
         generation = GenerationConfig.from_dict(fields["generation_config"] or {})
         if generation.eos_token_id is None:
             generation.eos_token_id = tokenizer.eos_token_id
-        engine = cls(llm, tokenizer, config, generation, name=str(path))
+        engine = cls(llm, tokenizer, generation, name=str(path))
         engine.info = {
             "path": str(path),
             "gguf": str(path),
             "kind": "gguf",
-            "file_type": _file_type(path),
+            "file_type": _file_type(fields),
             "threads": threads,
             "load_seconds": round(time.perf_counter() - started, 2),
         }
@@ -296,16 +293,12 @@ class LlamaCppEngine(LocalEngine):
                 llm.eval([token])
 
 
-def _file_type(path: Path) -> str:
-    """The GGUF file's weight type as llama.cpp names it (``F16``, ``Q8_0``, ``Q4_K_M``, ...)."""
-    try:
-        import gguf  # noqa: PLC0415 (an extra)
+def _file_type(fields: dict) -> str:
+    """A GGUF file's weight type as llama.cpp names it (``F16``, ``Q8_0``, ``Q4_K_M``, ...), from its metadata."""
+    import gguf  # noqa: PLC0415 (an extra)
 
-        value = gguf_fields(path).get("general.file_type")
-        return (
-            gguf.LlamaFileType(value).name.removeprefix("MOSTLY_").removeprefix("ALL_")
-            if value is not None
-            else "GGUF"
-        )
-    except (ValueError, GGUFError):
+    value = fields.get("general.file_type")
+    try:
+        return gguf.LlamaFileType(value).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+    except ValueError:
         return "GGUF"
