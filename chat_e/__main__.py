@@ -19,7 +19,7 @@ from typing import Any
 
 from hf_ext.saving.gguf import GGUF_SET
 from hf_ext.saving.model_dir import ModelDirError as ModelLoadError
-from hf_ext.saving.model_dir import describe_model_dir
+from hf_ext.saving.model_dir import describe_model_dir, is_gguf_file
 
 from .data.limits import ChatLimits
 from .data.settings import SETTINGS, resolve_quantize, setting_type
@@ -227,7 +227,8 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="What runs the model: torch (PyTorch, --dtype and --quantize), llamacpp (llama.cpp on a GGUF file: a "
         "--model ending in .gguf, or a model directory exported to --gguf_type once, into its gguf/ folder), or auto "
         "(default): llamacpp for a GGUF file, or for a Llama-architecture directory when llama-cpp-python is "
-        "installed (the fastest CPU path with the same greedy replies: docs/benchmarks.md, 'llama.cpp'), else torch.",
+        "installed and neither --quantize nor --dtype is given (the fastest CPU path with the same greedy replies: "
+        "docs/benchmarks.md, 'llama.cpp'), else torch.",
     )
     parser.add_argument(
         "--gguf_type",
@@ -261,16 +262,16 @@ def torch_threads(requested: int | None, concurrency: int) -> int:
 ENGINES = ("auto", "torch", "llamacpp")
 
 
-def engine_kind(choice: str, model: str) -> str:
-    """``torch`` or ``llamacpp`` for ``--engine choice`` on ``model`` (a directory or a GGUF file): a GGUF file is
-    llama.cpp's; ``auto`` takes llama.cpp for a Llama-architecture directory when llama-cpp-python is installed."""
-    from hf_ext.saving.model_dir import is_gguf_file  # noqa: PLC0415 (imports torch)
-
+def engine_kind(args, model: str) -> str:
+    """``torch`` or ``llamacpp`` for ``model`` (a directory or a GGUF file) under ``args``: a GGUF file is llama.cpp's;
+    ``--engine auto`` takes llama.cpp for a Llama-architecture directory when llama-cpp-python is installed, unless a
+    flag only PyTorch honours was given (``--quantize int8|none``, ``--dtype bf16``)."""
     from .engines.llamacpp import gguf_exportable, llama_cpp_installed  # noqa: PLC0415 (imports torch)
 
-    if is_gguf_file(model) or choice == "llamacpp":
+    if is_gguf_file(model) or args.engine == "llamacpp":
         return "llamacpp"
-    if choice == "auto" and llama_cpp_installed() and gguf_exportable(model):
+    torch_flags = args.quantize != "auto" or args.dtype != "fp32"
+    if args.engine == "auto" and not torch_flags and llama_cpp_installed() and gguf_exportable(model):
         return "llamacpp"
     return "torch"
 
@@ -285,7 +286,7 @@ def embedded_engine(args, model: str):
     from .engines.local import LocalEngine  # noqa: PLC0415 (heavy: imports torch and transformers)
 
     torch.set_num_threads(torch_threads(args.threads, args.concurrency))
-    if engine_kind(args.engine, model) == "llamacpp":
+    if engine_kind(args, model) == "llamacpp":
         from .engines.llamacpp import LlamaCppEngine, served_gguf  # noqa: PLC0415 (heavy)
 
         # one reply at a time on every core: llama.cpp's context takes replies in turn

@@ -26,7 +26,8 @@ class SpaceServer(ChatEServer):
         flags = [f"--{k}={v}" for k, v in TEST_SETTINGS.items() if k != "do_sample"] + ["--no-do_sample"]
         env = launch_env(
             CHAT_E_MODEL=model,
-            CHAT_E_ARGS=" ".join([*flags, "--threads", "1", "--quantize", "none"]),
+            # PyTorch, as on a Space: its requirements leave out llama-cpp-python, which compiles at install
+            CHAT_E_ARGS=" ".join([*flags, "--threads", "1", "--quantize", "none", "--engine", "torch"]),
             GRADIO_SERVER_NAME="127.0.0.1",
             GRADIO_SERVER_PORT=self.port,
             GRADIO_ANALYTICS_ENABLED="False",

@@ -239,3 +239,19 @@ def test_a_chat_s_next_turn_after_the_cache_is_the_fresh_reply(engines, files):
     fresh = LlamaCppEngine.from_pretrained(files["f32"], threads=1).reply(greedy(f32, *second))
     assert (cached.text, cached.tokens) == (fresh.text, fresh.tokens)
     assert cached.text == torch_engine.reply(greedy(torch_engine, *second)).text
+
+
+def test_chat_e_picks_llama_cpp_for_a_llama_model_unless_a_pytorch_flag_asks_otherwise(
+    chat_model, tiny_model_dir, files
+):
+    from chat_e.__main__ import engine_kind, parse
+
+    def kind(model, *flags):
+        args, _ = parse(["--model", str(model), *flags])
+        return engine_kind(args, str(model))
+
+    assert kind(chat_model) == "llamacpp"
+    assert kind(chat_model, "--quantize", "int8") == kind(chat_model, "--dtype", "bf16") == "torch"
+    assert kind(chat_model, "--engine", "torch") == "torch"
+    assert kind(tiny_model_dir) == "torch"  # BlenderBot: not llama.cpp's Llama graph
+    assert kind(files["q8_0"], "--engine", "torch") == "llamacpp"  # a GGUF file has one engine
