@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> dict:
     form = RunForm(method=args.method, max_steps=args.steps, lora_rank=args.lora_rank, learning_rate=args.learning_rate,
                    launcher="torchrun", nproc=args.nproc, held_out=args.held_out, max_length=192,
                    replay=args.replay)  # fmt: skip
-    report: dict = {"users": args.users, "messages_per_user": args.messages, "votes_per_user": args.votes}
+    report: dict = {"users": args.users, "messages_per_user": args.messages, "votes_per_user": args.votes,
+                    "seed": args.seed}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="bench-loop-") as tmp:
         tmp = Path(tmp)
         extra = [

@@ -18,6 +18,7 @@ from pathlib import Path
 def label(report: dict) -> str:
     run = report["run"]
     replay = f", replay {run['replay']}" if run.get("replay") else ""
+    replay += f", users' seed {report['seed']}" if report.get("seed") else ""  # recorded since the KTO runs
     return (f"{run['method'].upper()} {run['steps']} steps, LoRA {run['lora_rank']}, lr {run['learning_rate']:g}"
             f"{replay}\n({report['feedback_rows']} feedback rows)")  # fmt: skip
 
