@@ -96,6 +96,21 @@ class ChatEngine(Protocol):
         """:meth:`reply`'s reply in pieces as they come; closing the stream stops generation."""
 
 
+class StreamedEngine:
+    """An engine whose pieces are its only way of replying: :meth:`stream` wraps the subclass's ``_pieces(request)``
+    (a generator of the pieces returning the :class:`~chat_e.data.settings.Reply`), and :meth:`reply` is the stream
+    read to its end."""
+
+    def reply(self, request: Request) -> Reply:
+        stream = self.stream(request)
+        for _ in stream:
+            pass
+        return stream.reply
+
+    def stream(self, request: Request) -> ReplyStream:
+        return ReplyStream(self._pieces(request), self.name)
+
+
 class ProxyEngine(ChatEngine):
     """An engine in front of another (:attr:`target`): its name, window, description and defaults are the target's,
     and so are its replies unless a subclass adds something."""

@@ -33,9 +33,6 @@ from transformers import (
     LogitsProcessorList,
     NoRepeatNGramLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
 )
 
 from hf_ext.saving.export import export_gguf
@@ -46,9 +43,9 @@ from hf_ext.saving.model_dir import describe_model_dir, is_gguf_file
 from ..data.limits import Request
 from ..data.messages import stripped_pieces
 from ..data.settings import GenerationSettings, Reply
-from .base import ReplyStream, StopReply
+from .base import StopReply, StreamedEngine
 from .local import LocalEngine, _one_line
-from .sampling import sampling_processors
+from .sampling import sampling_processors, sampling_warpers
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +102,7 @@ def served_gguf(model: str | Path, kind: str = "f16") -> Path:
     return out
 
 
-class LlamaCppEngine(LocalEngine):
+class LlamaCppEngine(StreamedEngine, LocalEngine):
     """A GGUF model under llama.cpp, with its Transformers tokenizer and generation defaults (from the file).
 
     Args:
@@ -201,24 +198,8 @@ class LlamaCppEngine(LocalEngine):
         if config.no_repeat_ngram_size:
             penalties.append(NoRepeatNGramLogitsProcessor(config.no_repeat_ngram_size))
         requested = list(sampling_processors(sampling, config, prompt_length))
-        warpers = LogitsProcessorList()
-        if config.do_sample:
-            if config.temperature is not None and config.temperature != 1.0:
-                warpers.append(TemperatureLogitsWarper(config.temperature))
-            if config.top_k:
-                warpers.append(TopKLogitsWarper(config.top_k))
-            if config.top_p is not None and config.top_p < 1.0:
-                warpers.append(TopPLogitsWarper(config.top_p))
+        warpers = sampling_warpers(config) if config.do_sample else LogitsProcessorList()
         return penalties, requested, warpers
-
-    def reply(self, request: Request) -> Reply:
-        stream = self.stream(request)
-        for _ in stream:
-            pass
-        return stream.reply
-
-    def stream(self, request: Request) -> ReplyStream:
-        return ReplyStream(self._pieces(request), self.name)
 
     def _settings(self, request: Request) -> GenerationSettings:
         return super()._settings(request).replace(num_beams=1)  # llama.cpp has no beam search

@@ -22,7 +22,7 @@ from ..data.dialogue import chat_messages, make_header, normalize_mode
 from ..data.limits import Request
 from ..data.messages import stripped_pieces
 from ..data.settings import STOP, GenerationSettings, Reply, RequestSampling
-from .base import BackendError, ChatEngine, ReplyStream, StopReply
+from .base import BackendError, ChatEngine, StopReply, StreamedEngine
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ DEFAULT_MAX_POSITIONS = 4096
 CONNECT_TIMEOUT, READ_TIMEOUT = 10.0, 600.0
 
 
-class RemoteEngine(ChatEngine):
+class RemoteEngine(StreamedEngine, ChatEngine):
     """A model served by a remote OpenAI-compatible server, with :class:`~chat_e.engines.base.ChatEngine`'s interface.
 
     Args:
@@ -105,19 +105,9 @@ class RemoteEngine(ChatEngine):
             fields.update({k: v for k, v in given.items() if v is not None})
         return fields
 
-    def reply(self, request: Request) -> Reply:
-        """The remote model's reply (:meth:`chat_e.engines.base.ChatEngine.reply`)."""
-        stream = self.stream(request)
-        for _ in stream:
-            pass
-        return stream.reply
-
-    def stream(self, request: Request) -> ReplyStream:
+    def _pieces(self, request: Request) -> Generator[str, None, Reply]:
         """The reply in pieces as the remote server streams it (stripped, as the embedded engine's); closing the
         stream closes the remote one. The reply's finish reason is the server's."""
-        return ReplyStream(self._pieces(request), self.name)
-
-    def _pieces(self, request: Request) -> Generator[str, None, Reply]:
         import openai  # noqa: PLC0415 (optional extra: app)
 
         fields = self.request_fields(request.settings or self.settings, request.sampling)

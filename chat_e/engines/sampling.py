@@ -23,6 +23,18 @@ from transformers import (
 from ..data.settings import RequestSampling
 
 
+def sampling_warpers(config) -> LogitsProcessorList:
+    """transformers' own warpers for ``config``'s sampling, in ``generate``'s order: temperature, top-k, top-p."""
+    warpers = LogitsProcessorList()
+    if config.temperature is not None and config.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(config.temperature))
+    if config.top_k:
+        warpers.append(TopKLogitsWarper(config.top_k))
+    if config.top_p is not None and config.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(config.top_p))
+    return warpers
+
+
 class OpenAIPenalties(LogitsProcessor):
     """OpenAI's presence and frequency penalties on the tokens after the first ``prompt_length`` (the reply's)."""
 
@@ -41,14 +53,7 @@ class SeededSampling(LogitsProcessor):
 
     def __init__(self, seed: int, config):
         self.generator = torch.Generator().manual_seed(int(seed))
-        warpers = []
-        if config.temperature is not None and config.temperature != 1.0:
-            warpers.append(TemperatureLogitsWarper(config.temperature))
-        if config.top_k:
-            warpers.append(TopKLogitsWarper(config.top_k))
-        if config.top_p is not None and config.top_p < 1.0:
-            warpers.append(TopPLogitsWarper(config.top_p))
-        self.warpers = LogitsProcessorList(warpers)
+        self.warpers = sampling_warpers(config)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         probs = torch.softmax(self.warpers(input_ids, scores).float(), dim=-1)

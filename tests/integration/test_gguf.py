@@ -34,7 +34,7 @@ from ..conftest import ROOT, launch_env, run_side_by_side
 pytestmark = pytest.mark.slow
 
 HF_EXT = str(Path(sys.executable).parent / "hf-ext")  # the installed command
-WORKER = ROOT / "tests" / "integration" / "workers" / "gguf_kill.py"
+WORKER = ROOT / "tests" / "integration" / "workers" / "export_kill.py"
 #: every mode, a history, a persona and a topic: what the engine encodes must be what PyTorch's encodes
 REQUESTS = [
     ("Hi! Who are you?", [], "none", None),
@@ -114,7 +114,8 @@ def test_an_export_killed_at_any_write_leaves_the_old_file_or_the_new(chat_model
     """The old content is the F32 file, the new one the F16 export; each export kills itself at one write event."""
     listed = tmp_path / "listed.gguf"
     shutil.copy(files["f32"], listed)
-    proc = subprocess.run([sys.executable, str(WORKER), str(chat_model), str(listed), "--list", str(tmp_path / "ev")],
+    worker = [sys.executable, str(WORKER), str(chat_model)]
+    proc = subprocess.run([*worker, str(listed), "--gguf_type", "f16", "--list", str(tmp_path / "ev")],
                           cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     events = json.loads((tmp_path / "ev").read_text())
@@ -124,7 +125,7 @@ def test_an_export_killed_at_any_write_leaves_the_old_file_or_the_new(chat_model
     for path in outs.values():
         shutil.copy(files["f32"], path)
     killed = run_side_by_side(
-        [[sys.executable, str(WORKER), str(chat_model), str(path), "--kill_at", str(k)] for k, path in outs.items()],
+        [[*worker, str(path), "--gguf_type", "f16", "--kill_at", str(k)] for k, path in outs.items()],
         timeout=600,
     )
     for (k, path), proc in zip(outs.items(), killed):

@@ -1,7 +1,9 @@
 """``hf-ext export`` in a process that SIGKILLs itself at the K-th write event (a shard, the index, the fsync, the
-swap), or lists the events of an uninterrupted export.
+swap; with ``--gguf_type``, ``--format gguf``'s: the header, the metadata, the tensors written, the rename), or lists
+the events of an uninterrupted export.
 
     python export_kill.py SRC OUT --dtype bf16 --max_shard_size 200KB (--kill_at K | --list FILE)
+    python export_kill.py SRC OUT.gguf --gguf_type f16 (--kill_at K | --list FILE)
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ def main() -> int:
     parser.add_argument("out")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--max_shard_size", default="5GB")
+    parser.add_argument("--gguf_type", default=None)
     parser.add_argument("--kill_at", type=int, default=None)
     parser.add_argument("--list", default=None)
     opts = parser.parse_args()
@@ -50,12 +53,21 @@ def main() -> int:
 
         setattr(module, name, wrapped)
 
-    after(modeling_utils, "safe_save_file", "shard written")
-    before(atomic, "fsync_tree", "fsync")
-    before(atomic, "_exchange", "swap")
-    after(atomic, "_exchange", "swapped")
-    before(atomic.shutil, "rmtree", "remove")
-    argv = ["export", opts.src, "--out", opts.out, "--max_shard_size", opts.max_shard_size]
+    if opts.gguf_type:
+        import gguf
+
+        after(gguf.GGUFWriter, "write_header_to_file", "header written")
+        after(gguf.GGUFWriter, "write_kv_data_to_file", "metadata written")
+        after(gguf.GGUFWriter, "write_tensors_to_file", "tensors written")
+        before(atomic.os, "replace", "rename")
+        argv = ["export", opts.src, "--out", opts.out, "--format", "gguf", "--gguf_type", opts.gguf_type]
+    else:
+        after(modeling_utils, "safe_save_file", "shard written")
+        before(atomic, "fsync_tree", "fsync")
+        before(atomic, "_exchange", "swap")
+        after(atomic, "_exchange", "swapped")
+        before(atomic.shutil, "rmtree", "remove")
+        argv = ["export", opts.src, "--out", opts.out, "--max_shard_size", opts.max_shard_size]
     if opts.dtype:
         argv += ["--dtype", opts.dtype]
     code = cli_main(argv)
