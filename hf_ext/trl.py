@@ -18,12 +18,17 @@ What TRL needs beyond the plain Trainer (docs/trl.md):
 * TRL's trainers add a model card to every checkpoint in their ``_save_checkpoint``, which hf-ext's replaces: the
   card is written here, then hf-ext's atomic checkpoint.
 
+One addition to a loss: ``KTOConfig(sft_weight=w)`` adds ``w`` times the NLL per token of the batch's desirable
+completions to KTO's loss, as DPO's ``loss_type=["sigmoid", "sft"]`` adds the chosen replies' NLL to DPO's. KTO's own
+loss only asks a desirable reply to be likelier than under the reference model and saturates once it is; the SFT
+term keeps asking, so rows trained on to keep what the model knew (rehearsal) hold their likelihood.
+
 ``tests/unit/test_private_surface.py`` pins the TRL code these rely on.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 try:
@@ -31,6 +36,7 @@ try:
 except ImportError as err:  # an optional extra
     raise ImportError("hf_ext.trl needs TRL: pip install 'hf-ext[trl]'") from err
 
+import torch
 from transformers import AutoConfig
 
 from .evaluation.settings import GenerationEvalArguments
@@ -98,7 +104,27 @@ class DPOConfig(_TrlConfig, trl.DPOConfig):
 
 @dataclass
 class KTOConfig(_TrlConfig, trl.KTOConfig):
-    __doc__ = args_doc(trl.KTOConfig, TrainingArgumentsMixin)
+    __doc__ = (
+        args_doc(trl.KTOConfig, TrainingArgumentsMixin)
+        + """
+        sft_weight (`float`, *optional*, defaults to `0.0`):
+            Adds this weight times the NLL per token of the batch's desirable completions to KTO's loss (logged as
+            `sft_loss`); 0 trains KTO's loss alone.
+"""
+    )
+
+    sft_weight: float = field(
+        default=0.0,
+        metadata={
+            "help": "Adds this weight times the NLL per token of the batch's desirable completions to KTO's loss "
+            "(logged as sft_loss); 0 trains KTO's loss alone."
+        },
+    )
+
+    def __post_init__(self):
+        if self.sft_weight < 0:
+            raise ValueError(f"sft_weight={self.sft_weight}: give 0 (KTO's loss alone) or a positive weight.")
+        super().__post_init__()
 
 
 class SFTTrainer(_TrlTrainer, trl.SFTTrainer):
@@ -117,3 +143,29 @@ class KTOTrainer(_TrlTrainer, trl.KTOTrainer):
     """:class:`trl.KTOTrainer` with hf-ext's features; its reference model starts from the same resolved config."""
 
     args_class = KTOConfig
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if not self.args.sft_weight:
+            return result
+        loss, outputs = result if return_outputs else (result, None)
+        loss = loss + self.args.sft_weight * self._desirable_nll(model, inputs)
+        return (loss, outputs) if return_outputs else loss
+
+    def _desirable_nll(self, model, inputs) -> torch.Tensor:
+        """The mean NLL per token of the desirable rows' completions in ``inputs`` (0 where the batch has none),
+        through the fused LM head TRL's trainer gives the model. Every row goes through the forward, so that each
+        rank runs the same modules whatever its labels (ZeRO-3 gathers parameters collectively in the forward)."""
+        ids = inputs["input_ids"]
+        desirable = torch.as_tensor(inputs["label"], dtype=torch.bool, device=ids.device)
+        keep = (inputs["completion_mask"] != 0) & desirable[:, None]
+        out = model(
+            input_ids=ids,
+            attention_mask=inputs["attention_mask"],
+            labels=ids.masked_fill(~keep, -100),
+            fused_lm_head=True,
+            use_cache=False,
+        )
+        mode = "train" if self.model.training else "eval"
+        self._metrics[mode]["sft_loss"].append(self.accelerator.gather_for_metrics(out.loss.detach()).mean().item())
+        return out.loss

@@ -3,7 +3,7 @@ its log on disk, its progress read back, cancelled with a checkpoint and resumed
 feedback database (:class:`chat_e.feedback.store.TrainingRun`).
 
 * **Start** exports the database's rows of the run's method (:data:`METHOD_RUNS`: DPO pairs, KTO labels, or DPO
-  pairs for SFT on their chosen replies) into the run's folder, then
+  pairs for SFT on their chosen replies; KTO labels for KTO+SFT) into the run's folder, then
   starts ``chat-e train`` (:mod:`chat_e.training.launch`) under ``nice`` (the ranks inherit it), in a new session
   (so that it outlives a restarted server), with ``CHAT_E_PROGRESS_FILE`` set (:mod:`chat_e.training.progress`). One run at a
   time: a second Start while one runs is refused in one line.
@@ -94,11 +94,14 @@ def held_out_line(before: dict, after: dict) -> str:
 #: train`` method and the flags it adds. SFT learns the chosen reply of each pair (corrections, choices after
 #: Regenerate, arena winners) with TRL's DPO trainer and its ``sft`` loss, so that it holds out the same sessions
 #: and reports the same before/after as DPO (the model's own preference on held-out pairs). SFT on every endorsed
-#: reply, thumbs up included, is the dialogue recipe's: ``chat-e feedback export --format sft``.
+#: reply, thumbs up included, is the dialogue recipe's: ``chat-e feedback export --format sft``. KTO+SFT is KTO's
+#: loss plus the desirable replies' NLL per token (hf_ext.trl.KTOConfig's ``sft_weight``), so that replayed rows
+#: keep their likelihood, which KTO's loss alone does not ask (docs/benchmarks.md, "What the loop buys").
 METHOD_RUNS = {
     "dpo": ("dpo", "dpo", []),
     "kto": ("kto", "kto", []),
     "sft": ("dpo", "dpo", ["--loss_type", "sft"]),
+    "kto+sft": ("kto", "kto", ["--sft_weight", "1"]),
 }
 APP_METHODS = tuple(METHOD_RUNS)
 #: the preemption's record a run's rank 0 writes in the run's folder (hf_ext.exit_status)
@@ -178,7 +181,7 @@ def method_rows(method: str) -> str:
     pair)"."""
     rows_format = METHOD_RUNS[method][1]
     return f"{method.upper()} rows" + (
-        f" (the chosen reply of each {rows_format.upper()} pair)" if rows_format != method else ""
+        f" (the chosen reply of each {rows_format.upper()} pair)" if rows_format != method.split("+")[0] else ""
     )
 
 

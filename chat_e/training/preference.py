@@ -149,7 +149,8 @@ class PreferenceDataArguments:
         metadata={
             "help": "Rehearsal against forgetting: this many rows of replay_dataset's train split (context and "
             "human reply) added to the training rows, never to the held-out ones. DPO: pairs whose rejected "
-            "reply is the chosen one, which only an sft part of loss_type learns from; KTO: desirable replies."
+            "reply is the chosen one, which only an sft part of loss_type learns from; KTO: desirable replies, "
+            "whose likelihood only --sft_weight holds."
         },
     )
     replay_dataset: str = field(
@@ -638,6 +639,7 @@ def main(argv: list[str] | None = None) -> dict:  # long: the run's numbered ste
         "train_rows": len(train_rows),
         "eval_rows": len(eval_rows),
         "beta": training_args.beta,
+        "sft_weight": getattr(training_args, "sft_weight", None),  # KTO's SFT term (hf_ext.trl.KTOConfig)
         "steps": trainer.state.global_step,
         "train_runtime_s": result.metrics.get("train_runtime"),
         "before": before,
@@ -649,6 +651,8 @@ def main(argv: list[str] | None = None) -> dict:  # long: the run's numbered ste
         trained = loss.upper() + (
             f" (loss {' + '.join(loss_types)})" if loss_types != ["sigmoid"] and loss == "dpo" else ""
         )
+        if report["sft_weight"]:
+            trained += f" + {report['sft_weight']:g} x SFT on the desirable replies"
         print(f"\n=== {trained} on {source}: {len(eval_rows)} held-out rows ===")
         print(format_table(before, after, loss))
         print(f"\nChat with it: chat-e --model {out}")

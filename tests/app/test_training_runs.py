@@ -73,7 +73,7 @@ def store(tmp_path):
 
 
 @pytest.mark.parametrize("form, says", [
-    (RunForm(method="orpo"), "method='orpo': choose one of dpo, kto, sft"),
+    (RunForm(method="orpo"), "method='orpo': choose one of dpo, kto, sft, kto+sft"),
     (RunForm(max_steps=0), "steps=0: choose a whole number from 1 to 100,000"),
     (RunForm(lora_rank=-1), "LoRA rank=-1"),
     (RunForm(learning_rate=0), "learning rate=0"),
@@ -473,7 +473,9 @@ def test_the_operator_turns_feedback_into_a_served_model_in_the_browser(tiny_cha
             client.predict(api_name="/rollback")
 
         # a run whose process dies (SIGKILL, as the OOM killer would) is shown failed with its exit status
-        client.predict(*{**FORM, "method": "kto", "launcher": "python", "nproc": 1}.values(), api_name="/start")
+        client.predict(*{**FORM, "method": "kto+sft", "launcher": "python", "nproc": 1}.values(), api_name="/start")
+        command = store.runs()[0]["settings"]["command"]  # KTO's trainer with its SFT term, on the KTO rows
+        assert command[command.index("--loss") + 1] == "kto" and command[command.index("--sft_weight") + 1] == "1"
         os.killpg(store.runs()[0]["pid"], signal.SIGKILL)
         failed = wait_for(lambda: "**failed**" in (s := newest(client))["line"] and s)
         assert f"failed: exit status -{signal.SIGKILL.value}" in failed["line"]

@@ -25,7 +25,8 @@ RUNS = {
     # ZeRO-2 as hf-ext's preset, which DeepSpeed's launcher (make demo-preference's) implies (the blenderbot recipe's
     # deepspeed-zero2 run in tests/distributed/test_recipe_distributed.py shows it)
     "dpo": (TRAIN_LAUNCHER, ["--deepspeed", "zero2"]),
-    "kto": (TRAIN_LAUNCHER, ["--loss", "kto", "--max_steps", "6"]),
+    # KTO with its SFT term on the desirable replies (hf_ext.trl.KTOConfig.sft_weight), as the Train page's kto+sft
+    "kto": (TRAIN_LAUNCHER, ["--loss", "kto", "--max_steps", "6", "--sft_weight", "1"]),
 }
 
 
@@ -97,6 +98,9 @@ def test_kto_trains_and_reports_before_and_after(preference_runs):
         assert metrics_["preferred_sum"]["n"] == report["eval_rows"] // 2
     assert after["preferred_sum"]["k"] > before["preferred_sum"]["k"]
     assert "prefers chosen (desirable) (summed)" in log
+    # the SFT term ran on both ranks, was logged, and made the held-out human replies likelier
+    assert report["sft_weight"] == 1 and "'sft_loss':" in log and "+ 1 x SFT on the desirable replies" in log
+    assert after["reply_nll"] < before["reply_nll"]
 
 
 def test_the_output_serves_in_chat_e(preference_runs):

@@ -134,3 +134,41 @@ def test_trl_configs_resolve_every_deepspeed_form(given, tiny_chat_model_dir, tm
     assert {key for key, value in walk(resolved) if value == "auto"} <= deferred  # the model's keys, at the trainer
     if extra:
         assert config.memory_plan is not None
+
+
+def test_kto_sft_weight_adds_the_desirable_completions_nll(tiny_chat_model_dir, tmp_path):
+    """KTO's loss plus sft_weight times the NLL per token of the desirable completions, the NLL recomputed here from
+    the model's plain logits (not TRL's fused head); a batch without a desirable row adds 0, and a negative weight
+    is refused in one line."""
+    import torch
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_chat_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_chat_model_dir)
+    rows = [{"prompt": f"Hi {i}", "completion": [" Hello there!", " No.", " Fine, and you?", " Go."][i],
+             "label": i % 2 == 0} for i in range(4)]  # fmt: skip
+    args = hf_ext.trl.KTOConfig(output_dir=str(tmp_path), report_to=[], per_device_train_batch_size=4,
+                                sft_weight=0.5, use_cpu=True)  # fmt: skip
+    trainer = hf_ext.trl.KTOTrainer(
+        model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer
+    )
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    trainer.model.eval()
+    with torch.no_grad():
+        with_term = trainer.compute_loss(trainer.model, batch)
+        trainer.args.sft_weight = 0.0
+        kto_alone = trainer.compute_loss(trainer.model, batch)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+    logps = logits[:, :-1].log_softmax(-1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
+    counted = (batch["completion_mask"][:, 1:] != 0) & torch.as_tensor(batch["label"], dtype=torch.bool)[:, None]
+    assert 2 <= counted.any(-1).sum() < len(rows)  # desirable rows and undesirable ones in the batch
+    nll = -(logps * counted).sum() / counted.sum()
+    # the two paths differ only by summation order (float32 log-softmax over the vocabulary: ~1e-6)
+    assert (with_term - kto_alone).item() == pytest.approx(0.5 * nll.item(), abs=1e-5)
+
+    trainer.args.sft_weight = 0.5
+    only_bad = {**batch, "label": torch.zeros_like(torch.as_tensor(batch["label"]))}
+    assert trainer._desirable_nll(trainer.model, only_bad).item() == 0.0
+    assert trainer._metrics["eval"]["sft_loss"]  # the term's value is logged beside KTO's metrics
+
+    with pytest.raises(ValueError, match=r"^sft_weight=-1\.0: give 0"):
+        hf_ext.trl.KTOConfig(output_dir=str(tmp_path), report_to=[], sft_weight=-1.0)
