@@ -7,9 +7,10 @@ preference (short replies that end with a question and, asked, say the persona's
 1. **Feedback**: every user chats through the chat UI (``gradio_client``), ``--messages`` first messages each:
    thumbs, corrections built by rule, a choice after Regenerate on every other message.
 2. **Training**: a run started through the Train page's API (``/admin/``, ``/start``: ``--method``, ``--steps``,
-   LoRA rank ``--lora_rank``, ``--learning_rate``, torchrun with ``--nproc`` ranks), its honest held-out before/after
-   (the model's own preference on sessions it never trained on), then the page's eval of the run's model beside the
-   served one (``chat-e eval``: verifiable instructions, the human-reply NLL, mode adherence; paired 95 % intervals).
+   LoRA rank ``--lora_rank``, ``--learning_rate``, kto+sft's ``--sft_weight``, torchrun with ``--nproc`` ranks), its
+   honest held-out before/after (the model's own preference on sessions it never trained on), then the page's eval of
+   the run's model beside the served one (``chat-e eval``: verifiable instructions, the human-reply NLL, mode
+   adherence; paired 95 % intervals).
 3. **Blind votes**: the operator opens the app's arena between the served model and the run's (``/open_arena``);
    every user sends ``--votes`` messages none of them used for feedback and votes by their preference.
 
@@ -37,7 +38,7 @@ from benchmarks.simulated_users import HELD_OUT_MESSAGES, give_feedback, populat
 from chat_e.data.stats import paired_difference, share
 from chat_e.feedback.leaderboard import two_model_summary
 from chat_e.feedback.store import DONE, RUNNING, FeedbackStore
-from chat_e.studio.runs import APP_METHODS, RunForm, RunManager, share_text
+from chat_e.studio.runs import APP_METHODS, SFT_TERM_METHOD, RunForm, RunManager, share_text
 from hf_ext.runtime import usable_cores
 
 ADMIN = ("operator", "bench-only-password")
@@ -86,8 +87,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--replay", type=int, default=0, help="The run's replay rows of make demo's corpus (default 0)."
     )
+    parser.add_argument("--sft_weight", type=float, default=1.0, help="kto+sft's SFT weight (default 1).")
     parser.add_argument("--seed", type=int, default=0, help="The population's and their choices' seed.")
     parser.add_argument("--eval_args", nargs="*", default=[], help="Flags of the Train page's chat-e eval.")
+    parser.add_argument(
+        "--train_args",
+        default="",
+        help="Flags every Train-page run gets before the form's (chat-e serve --train_args), such as "
+        "--train_args='--undesirable_weight 0.5'.",
+    )
     harness.add_publish_arguments(parser, out="runs/bench/loop.json", section="loop")
     args = parser.parse_args(argv)
     model = harness.served_model(parser, args)
@@ -96,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
     users = population(args.users, args.seed)
     form = RunForm(method=args.method, max_steps=args.steps, lora_rank=args.lora_rank, learning_rate=args.learning_rate,
                    launcher="torchrun", nproc=args.nproc, held_out=args.held_out, max_length=192,
-                   replay=args.replay)  # fmt: skip
+                   replay=args.replay, sft_weight=args.sft_weight)  # fmt: skip
     report: dict = {"users": args.users, "messages_per_user": args.messages, "votes_per_user": args.votes,
                     "seed": args.seed}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="bench-loop-") as tmp:
@@ -111,6 +119,8 @@ def main(argv: list[str] | None = None) -> dict:
             str(tmp / "train"),
             "--eval_args",
             " ".join(args.eval_args),
+            "--train_args",
+            args.train_args,
         ]
         server = Server(model, tmp / "chat-e.log", threads=max(1, usable_cores() // 2), new_tokens=None, extra=extra)
         store = FeedbackStore(f"sqlite:///{(tmp / 'chat-e.log').with_suffix('.feedback.db')}")
@@ -142,6 +152,8 @@ def main(argv: list[str] | None = None) -> dict:
             report["run"] = {
                 "id": run_id, "rows": record["rows"], "steps": args.steps, "method": args.method,
                 "lora_rank": args.lora_rank, "learning_rate": args.learning_rate, "replay": args.replay,
+                "sft_weight": args.sft_weight if args.method == SFT_TERM_METHOD else None,
+                "train_args": args.train_args,
                 "wall_s": round((record["ended_at"] - record["started_at"]).total_seconds(), 1),
                 "held_out_before": record["metrics_before"], "held_out_after": record["metrics_after"],
             }  # fmt: skip
@@ -202,6 +214,10 @@ def tables(report: dict, args) -> list[str]:
             "preferred_sum")), share_text(run["held_out_after"].get("preferred_sum")), ""],
     ]  # fmt: skip
     replayed = f", {run['replay']} replayed rows of make demo's corpus" if run.get("replay") else ""
+    if run.get("sft_weight") is not None:
+        replayed += f", SFT weight {run['sft_weight']:g}"
+    if run.get("train_args"):
+        replayed += f", `{run['train_args']}`"
     note = (
         f"{report['users']} simulated users, {report['messages_per_user']} feedback messages each: "
         f"**{report['feedback_rows']} feedback rows** ({report['feedback_kinds']}; the served model met the preference "

@@ -18,7 +18,9 @@ from pathlib import Path
 def label(report: dict) -> str:
     run = report["run"]
     replay = f", replay {run['replay']}" if run.get("replay") else ""
+    replay += f", SFT weight {run['sft_weight']:g}" if run.get("sft_weight") is not None else ""
     replay += f", users' seed {report['seed']}" if report.get("seed") else ""  # recorded since the KTO runs
+    replay += f", {run['train_args']}" if run.get("train_args") else ""
     return (f"{run['method'].upper()} {run['steps']} steps, LoRA {run['lora_rank']}, lr {run['learning_rate']:g}"
             f"{replay}\n({report['feedback_rows']} feedback rows)")  # fmt: skip
 

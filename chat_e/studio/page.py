@@ -13,6 +13,7 @@ the plotted points, the log lines, the runs table, the data summary and the newe
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import logging
 import time
@@ -39,6 +40,8 @@ from .serving import ServingDesk
 logger = logging.getLogger(__name__)
 
 TITLE = "Chat-E · Train"
+#: the form's fields, in the order of the page's inputs and of ``/start``'s values
+FORM_FIELDS = tuple(field.name for field in dataclasses.fields(RunForm))
 #: the runs table's columns
 RUN_COLUMNS = ["run", "method", "status", "rows", "steps", "started", "ended", "prefers chosen before",
                "prefers chosen after"]  # fmt: skip
@@ -153,22 +156,28 @@ def build_train_app(manager: RunManager, store, desk: ServingDesk | None = None,
         line, bar, points, log, table, evaluation = status_view(manager)
         return line, bar, points_frame(points), log, table, data_summary(store), evaluation
 
-    def start(
-        method, max_steps, lora_rank, learning_rate, launcher, nproc, preset, held_out, batch, max_length, replay
-    ):
+    #: the form's numbers: RunForm's field, read as a whole number or any number, under the field's name
+    numbers = {
+        "max_steps": (_int, "steps"),
+        "lora_rank": (_int, "LoRA rank"),
+        "learning_rate": (_float, "learning rate"),
+        "nproc": (_int, "ranks"),
+        "held_out": (_int, "held-out rows"),
+        "batch": (_int, "batch"),
+        "max_length": (_int, "max length"),
+        "replay": (_int, "replay rows"),
+        "sft_weight": (_float, "SFT weight"),
+    }
+
+    def start(*values):
+        """The form's values, in RunForm's field order (the page's inputs are listed in it below)."""
         try:
+            given = dict(zip(FORM_FIELDS, values, strict=True))
             form = RunForm(
-                method=method,
-                max_steps=_int(max_steps, "steps"),
-                lora_rank=_int(lora_rank, "LoRA rank"),
-                learning_rate=_float(learning_rate, "learning rate"),
-                launcher=launcher,
-                nproc=_int(nproc, "ranks"),
-                preset=preset,
-                held_out=_int(held_out, "held-out rows"),
-                batch=_int(batch, "batch"),
-                max_length=_int(max_length, "max length"),
-                replay=_int(replay, "replay rows"),
+                **{
+                    name: numbers[name][0](value, numbers[name][1]) if name in numbers else value
+                    for name, value in given.items()
+                }
             )
             run_id = manager.start(form)
         except ValueError as err:
@@ -221,6 +230,11 @@ def build_train_app(manager: RunManager, store, desk: ServingDesk | None = None,
                 "replay rows (make demo's chit-chat trained on beside the feedback, against forgetting; SFT and KTO)",
                 "train-replay",
             )
+            sft_weight = gr.Number(
+                defaults.sft_weight,
+                label="SFT weight (kto+sft: KTO's loss + this × the desirable replies' NLL per token)",
+                elem_id="train-sft-weight",
+            )
         with gr.Row():
             start_button = gr.Button("Start", variant="primary", elem_id="train-start")
             cancel_button = gr.Button("Cancel (save a checkpoint and stop)", elem_id="train-cancel")
@@ -234,19 +248,21 @@ def build_train_app(manager: RunManager, store, desk: ServingDesk | None = None,
         table = gr.Dataframe(headers=RUN_COLUMNS, value=[], label="runs", interactive=False, elem_id="train-runs")
         evaluation = gr.Markdown("", elem_id="train-eval")
         outputs = [status, bar, plot, log, table, summary, evaluation]
-        form = [
-            method,
-            max_steps,
-            lora_rank,
-            learning_rate,
-            launcher,
-            nproc,
-            preset,
-            held_out,
-            batch,
-            max_length,
-            replay,
-        ]
+        inputs = {
+            "method": method,
+            "max_steps": max_steps,
+            "lora_rank": lora_rank,
+            "learning_rate": learning_rate,
+            "launcher": launcher,
+            "nproc": nproc,
+            "preset": preset,
+            "held_out": held_out,
+            "batch": batch,
+            "max_length": max_length,
+            "replay": replay,
+            "sft_weight": sft_weight,
+        }
+        form = [inputs[name] for name in FORM_FIELDS]
         start_button.click(start, form, outputs, api_name="start")
         cancel_button.click(act(manager.cancel), None, outputs, api_name="cancel")
         resume_button.click(act(manager.resume), None, outputs, api_name="resume")

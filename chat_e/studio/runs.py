@@ -96,13 +96,16 @@ def held_out_line(before: dict, after: dict) -> str:
 #: and reports the same before/after as DPO (the model's own preference on held-out pairs). SFT on every endorsed
 #: reply, thumbs up included, is the dialogue recipe's: ``chat-e feedback export --format sft``. KTO+SFT is KTO's
 #: loss plus the desirable replies' NLL per token (hf_ext.trl.KTOConfig's ``sft_weight``), so that replayed rows
-#: keep their likelihood, which KTO's loss alone does not ask (docs/benchmarks.md, "What the loop buys").
+#: keep their likelihood, which KTO's loss alone does not ask (docs/benchmarks.md, "What the loop buys"); its weight
+#: is the form's ``sft_weight``.
 METHOD_RUNS = {
     "dpo": ("dpo", "dpo", []),
     "kto": ("kto", "kto", []),
     "sft": ("dpo", "dpo", ["--loss_type", "sft"]),
-    "kto+sft": ("kto", "kto", ["--sft_weight", "1"]),
+    "kto+sft": ("kto", "kto", []),
 }
+#: the method whose loss has the form's SFT weight
+SFT_TERM_METHOD = "kto+sft"
 APP_METHODS = tuple(METHOD_RUNS)
 #: the preemption's record a run's rank 0 writes in the run's folder (hf_ext.exit_status)
 PREEMPTION_RECORD = "preempted.json"
@@ -140,6 +143,8 @@ class RunForm:
     #: rows of make demo's corpus (human chit-chat) trained on beside the feedback, so that the model keeps what it
     #: knew (rehearsal); 0: the feedback alone
     replay: int = 0
+    #: kto+sft's SFT term: KTO's loss plus this times the desirable replies' NLL per token (other methods: unused)
+    sft_weight: float = 1.0
 
     def check(self) -> None:
         """A ``ValueError`` naming the first bad value and a fix, before anything starts."""
@@ -151,6 +156,8 @@ class RunForm:
             raise ValueError(f"LoRA rank={self.lora_rank!r}: choose 0 (every weight) to 1024.")
         if not 0 < float(self.learning_rate) <= 1:
             raise ValueError(f"learning rate={self.learning_rate!r}: choose a number above 0 and at most 1.")
+        if not 0 < float(self.sft_weight) <= 100:
+            raise ValueError(f"SFT weight={self.sft_weight!r}: choose a number above 0 and at most 100.")
         if self.launcher not in LAUNCHERS:
             raise ValueError(f"launcher={self.launcher!r}: choose one of {', '.join(LAUNCHERS)}.")
         cores = os.cpu_count() or 1
@@ -295,6 +302,8 @@ class RunManager:
             args += ["--deepspeed", form.preset]
         if form.replay:
             args += ["--replay", str(form.replay)]
+        if form.method == SFT_TERM_METHOD:
+            args += ["--sft_weight", f"{float(form.sft_weight):g}"]
         return args
 
     def _niced(self) -> list[str]:

@@ -77,6 +77,7 @@ def store(tmp_path):
     (RunForm(max_steps=0), "steps=0: choose a whole number from 1 to 100,000"),
     (RunForm(lora_rank=-1), "LoRA rank=-1"),
     (RunForm(learning_rate=0), "learning rate=0"),
+    (RunForm(method="kto+sft", sft_weight=0), "SFT weight=0: choose a number above 0 and at most 100"),
     (RunForm(nproc=1000, launcher="torchrun"), "ranks=1000: choose 1 to"),
     (RunForm(nproc=2), "The python launcher starts one rank"),
     (RunForm(preset="zero2"), "needs a distributed launcher"),
@@ -175,7 +176,7 @@ def wait_for(what, timeout: float = 180):
 ADMIN = ("op", "s3cret")
 STEPS = 30
 FORM = {"method": "dpo", "max_steps": STEPS, "lora_rank": 0, "learning_rate": 5e-4, "launcher": "torchrun", "nproc": 2,
-        "preset": "none", "held_out": 4, "batch": 4, "max_length": 128, "replay": 0}  # fmt: skip
+        "preset": "none", "held_out": 4, "batch": 4, "max_length": 128, "replay": 0, "sft_weight": 1}  # fmt: skip
 
 
 def train_page(server: ChatEServer):
@@ -473,9 +474,10 @@ def test_the_operator_turns_feedback_into_a_served_model_in_the_browser(tiny_cha
             client.predict(api_name="/rollback")
 
         # a run whose process dies (SIGKILL, as the OOM killer would) is shown failed with its exit status
-        client.predict(*{**FORM, "method": "kto+sft", "launcher": "python", "nproc": 1}.values(), api_name="/start")
+        client.predict(*{**FORM, "method": "kto+sft", "launcher": "python", "nproc": 1, "sft_weight": 2.5}.values(),
+                       api_name="/start")  # fmt: skip
         command = store.runs()[0]["settings"]["command"]  # KTO's trainer with its SFT term, on the KTO rows
-        assert command[command.index("--loss") + 1] == "kto" and command[command.index("--sft_weight") + 1] == "1"
+        assert command[command.index("--loss") + 1] == "kto" and command[command.index("--sft_weight") + 1] == "2.5"
         os.killpg(store.runs()[0]["pid"], signal.SIGKILL)
         failed = wait_for(lambda: "**failed**" in (s := newest(client))["line"] and s)
         assert f"failed: exit status -{signal.SIGKILL.value}" in failed["line"]
