@@ -180,19 +180,61 @@ def launch_env(**extra) -> dict:
 #: torchrun, accelerate's, Ray), test_multinode, test_comm_layer and test_fsdp.
 TRAIN_LAUNCHER = "ranks"
 
+#: the session's preloaded interpreter that forks the ranks of ``ranks`` launches (tests/launched/zygote.py): its
+#: process, or None where it could not start (the ranks then start fresh, as before)
+_ZYGOTE: dict[str, subprocess.Popen | None] = {}
+
+
+def start_zygote() -> None:
+    """Start tests/launched/zygote.py once per session, on the first ``ranks`` launch, and name its socket in this
+    process's environment: every launch's environment (:func:`launch_env`) then carries it to ``ranks.py``."""
+    if "server" in _ZYGOTE:
+        return
+    # every rank a fresh interpreter, as before: asked (to compare), or on a GPU machine, where a rank's CUDA must
+    # start in the rank itself (the server never touches CUDA, but the GPU tier is not where to find out)
+    if os.environ.get("HF_EXT_TEST_FRESH_RANKS") == "1" or _has_cuda():
+        _ZYGOTE["server"] = None
+        return
+    import atexit
+    import tempfile
+    import time
+
+    folder = Path(tempfile.mkdtemp(prefix="hf-ext-zygote-"))
+    path, log = folder / "socket", folder / "zygote.log"
+    env = launch_env(OMP_NUM_THREADS=os.environ.get(TEST_THREADS) or "1")  # what ranks.py gives its ranks
+    for hook in ("HF_EXT_TEST_SIGNAL_AT", "HF_EXT_TEST_CLOCK", "CHAT_E_TEST_STOP_AT_PHASE"):
+        env.pop(hook, None)
+    with log.open("w") as out:
+        server = subprocess.Popen([sys.executable, str(LAUNCHED_SITE / "zygote.py"), str(path)], env=env, cwd=ROOT,
+                                  stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + 300
+    while '"ready"' not in log.read_text() and server.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if '"ready"' not in log.read_text():
+        server.kill()
+        sys.stderr.write(f"tests/launched/zygote.py did not start (its log: {log}); the ranks start fresh\n")
+        _ZYGOTE["server"] = None
+        return
+    _ZYGOTE["server"] = server
+    os.environ["HF_EXT_TEST_ZYGOTE"] = str(path)
+    atexit.register(server.kill)
+
 
 def launcher_cmd(launcher: str, script: str | Path, nproc: int = 2, max_restarts: int = 0,
-                 store_per_attempt: bool = True) -> list[str]:  # fmt: skip
+                 store_per_attempt: bool = True, fresh: bool = False) -> list[str]:  # fmt: skip
     """The command prefix of ``launcher`` (deepspeed, torchrun, accelerate:<yaml>, ranks, python) for ``script``.
 
     ``max_restarts``: how many times torch's elastic agent (torchrun's, accelerate's) starts the workers again after
     one fails. They then meet through c10d's rendezvous with a store per attempt, the launch docs/cluster.md gives;
     ``store_per_attempt=False`` keeps the launcher's default rendezvous, whose store a restarted group cannot use
-    (``hf_ext.runtime.restart_hazard``)."""
+    (``hf_ext.runtime.restart_hazard``). ``fresh``: the ``ranks`` launcher starts fresh interpreters, not ranks forked
+    from the session's preloaded one (the memory measurements)."""
     port = free_port()
     if launcher == "ranks" and not max_restarts:
+        if not fresh:
+            start_zygote()
         return [sys.executable, str(LAUNCHED_SITE / "ranks.py"), "--nproc", str(nproc), "--master_port", str(port),
-                str(script)]  # fmt: skip
+                *(["--fresh"] if fresh else []), str(script)]  # fmt: skip
     if launcher == "deepspeed":
         return [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(port), str(script)]
     if launcher == "python":

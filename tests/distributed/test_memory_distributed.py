@@ -20,7 +20,7 @@ WORKER = ROOT / "tests" / "distributed" / "workers" / "memory_worker.py"
 
 
 def _command(model_dir, config: str, out: Path, *extra: str) -> list[str]:
-    return launcher_cmd(TRAIN_LAUNCHER, WORKER) + ["--model", str(model_dir), "--config", config, "--out", str(out),
+    return launcher_cmd(TRAIN_LAUNCHER, WORKER, fresh=True) + ["--model", str(model_dir), "--config", config, "--out", str(out),
                                              "--seq_len", "32", "--batch", "2", "--steps", "3", *extra]  # fmt: skip
 
 

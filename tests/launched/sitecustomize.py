@@ -36,17 +36,24 @@ def pytest_filters() -> list[str]:
 for _entry in pytest_filters():
     warnings.filterwarnings(*parse(_entry))
 
-if __import__("os").environ.get("HF_EXT_TEST_SIGNAL_AT"):  # the preemption tests' signal at an exact step
-    import signal_at
 
-    signal_at.install_from_env()
+def install_env_hooks() -> None:
+    """The hooks a launched process's environment asks for; called at start-up, and by ``zygote.py`` in each rank it
+    forks (its environment is the rank's only then)."""
+    import os
 
-if __import__("os").environ.get("HF_EXT_TEST_CLOCK"):  # benchmarks/bench_elastic.py's milestones
-    import step_clock
+    if os.environ.get("HF_EXT_TEST_SIGNAL_AT"):  # the preemption tests' signal at an exact step
+        import signal_at
 
-    step_clock.install_from_env()
+        signal_at.install_from_env()
+    if os.environ.get("HF_EXT_TEST_CLOCK"):  # benchmarks/bench_elastic.py's milestones
+        import step_clock
 
-if __import__("os").environ.get("CHAT_E_TEST_STOP_AT_PHASE"):  # the Train page's walk: a run held in a phase
-    import stop_at_phase
+        step_clock.install_from_env()
+    if os.environ.get("CHAT_E_TEST_STOP_AT_PHASE"):  # the Train page's walk: a run held in a phase
+        import stop_at_phase
 
-    stop_at_phase.install_from_env()
+        stop_at_phase.install_from_env()
+
+
+install_env_hooks()

@@ -1,0 +1,40 @@
+"""The tests' own launcher (tests/launched/ranks.py) forks its ranks from the session's preloaded interpreter
+(tests/launched/zygote.py): a forked rank sees what a fresh interpreter's rank sees after the same imports."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from ..conftest import LAUNCHED_SITE, ROOT, TRAIN_LAUNCHER, launch_env, launcher_cmd
+
+pytestmark = pytest.mark.distributed
+
+PROBE = ROOT / "tests" / "distributed" / "workers" / "rank_probe.py"
+
+
+def probe(out, fresh: bool) -> list[dict]:
+    cmd = launcher_cmd(TRAIN_LAUNCHER, PROBE, fresh=fresh) + [str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+def test_a_forked_rank_sees_what_a_fresh_one_sees(tmp_path):
+    forked, fresh = probe(tmp_path / "forked", fresh=False), probe(tmp_path / "fresh", fresh=True)
+    # the premise: the first launch's ranks were forked by the preloaded interpreter, the second's were not
+    assert {r["parent"] for r in forked} == {str(LAUNCHED_SITE / "zygote.py")}
+    assert {r["parent"] for r in fresh} == {str(LAUNCHED_SITE / "ranks.py")}
+    for rank, (a, b) in enumerate(zip(forked, fresh)):
+        # the variables the imports set included; each launch has its own port
+        assert {**a["env"], "MASTER_PORT": ""} == {**b["env"], "MASTER_PORT": ""}, rank
+        assert a["argv"][1:] == [str(tmp_path / "forked")] and b["argv"][1:] == [str(tmp_path / "fresh")]
+        assert a["argv"][0] == b["argv"][0] == str(PROBE)
+        for key in ("path0", "main", "cwd", "handlers", "torch_threads"):
+            assert a[key] == b[key], key
+        # the launcher's process group (this process's: the launcher was started in it), as a child of it would be
+        assert a["process_group"] == b["process_group"] == os.getpgid(0)
+    assert forked[0]["random"] != forked[1]["random"]  # each rank its own entropy, as fresh interpreters have

@@ -1,0 +1,41 @@
+"""What a rank sees of its own process, after the imports a rank makes: written to OUT/rank{RANK}.json.
+
+python tests/launched/ranks.py --nproc 2 --master_port PORT tests/distributed/workers/rank_probe.py OUT
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import sys
+from pathlib import Path
+
+import deepspeed  # noqa: F401 - the imports a rank makes, before it looks
+import torch
+import transformers.trainer  # noqa: F401
+
+
+def handler_name(sig: signal.Signals) -> str:
+    handler = signal.getsignal(sig)
+    return getattr(handler, "__name__", str(handler))
+
+
+out = Path(sys.argv[1])
+seen = {
+    "env": dict(os.environ),
+    "argv": sys.argv,
+    "path0": sys.path[0],
+    "main": __name__,
+    "cwd": os.getcwd(),
+    "process_group": os.getpgid(0),
+    "handlers": {
+        sig.name: handler_name(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGPIPE, signal.SIGCHLD)
+    },
+    "torch_threads": torch.get_num_threads(),
+    "random": random.random(),
+    "parent": Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode().split("\0")[1],
+}
+out.mkdir(parents=True, exist_ok=True)
+(out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(seen))

@@ -1,0 +1,225 @@
+"""A preloaded interpreter that forks the tests' ranks: torch, transformers, DeepSpeed, PEFT, TRL, datasets and
+hf-ext are imported once per test session instead of once per rank.
+
+A rank's own work in the tests is a few seconds; importing its libraries costs each process about 7.5 s of a core
+(``python -X importtime``: transformers' import structure, torch's operator registrations, dataclasses), so a 2-rank
+launch spent most of its time importing. ``tests/conftest.py`` starts this server once, on the first launch of
+``tests/launched/ranks.py`` (the launcher of the launches whose fact is not the launcher), and ``ranks.py`` asks it
+for each rank. What stays as it was: torchrun, DeepSpeed's launcher, accelerate, Ray and every CLI start fresh
+interpreters; so do the memory measurements (``ranks.py --fresh``) and the benchmarks.
+
+    python tests/launched/zygote.py SOCKET
+
+Protocol, over a Unix socket, one connection per rank: the client sends one JSON line ``{"argv": [script, ...],
+"env": {...}, "cwd": ..., "pgid": ...}`` with its stdin, stdout and stderr attached (``SCM_RIGHTS``); the server
+answers ``{"pid": N}`` and, when that process has exited, ``{"status": WAITSTATUS}``; or ``{"fresh": "why"}`` when
+the rank must start as a fresh interpreter: its environment differs from the server's in a variable a library may
+read at import (only the variables below are set per rank), or its client runs in another session.
+
+The forked rank is what a fresh ``python script.py`` is after its imports: ``__main__`` is the script (``runpy``),
+``sys.argv`` and ``sys.path[0]`` are the script's, the environment and working directory are the request's, signal
+handlers are Python's defaults, it joins the client's process group, the env-gated test hooks of
+``sitecustomize.py`` are installed from its own environment, and it exits as the interpreter does (non-daemon
+threads joined, ``atexit`` run, the exit status of ``SystemExit`` or 1 after the traceback).
+"""
+
+from __future__ import annotations
+
+import array
+import importlib
+import json
+import os
+import pkgutil
+import selectors
+import signal
+import socket
+import sys
+
+#: the variables that may differ between the server and a rank: read at run time, never at import
+PER_RANK = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+            "PYTEST_CURRENT_TEST", "HF_EXT_TEST_SIGNAL_AT", "HF_EXT_TEST_CLOCK", "CHAT_E_TEST_STOP_AT_PHASE"}  # fmt: skip
+#: what the ranks' scripts import (tests/distributed/workers, recipes/)
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor", "numpy", "psutil",
+           "yaml", "safetensors.torch", "datasets", "sacrebleu", "accelerate", "deepspeed", "deepspeed.comm", "peft",
+           "transformers", "transformers.trainer", "transformers.integrations.deepspeed", "trl",
+           "matplotlib", "matplotlib.pyplot"]  # fmt: skip
+#: transformers' lazily loaded names the ranks use
+TRANSFORMERS_NAMES = ["Trainer", "Seq2SeqTrainer", "AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoTokenizer",
+                      "BlenderbotForConditionalGeneration", "LlamaForCausalLM", "DebertaV2ForSequenceClassification",
+                      "DataCollatorForSeq2Seq", "DataCollatorWithFlattening", "DataCollatorWithPadding"]  # fmt: skip
+#: first-party packages imported whole (but the app's, which the ranks never import)
+PACKAGES = ["hf_ext", "chat_e.data", "chat_e.training"]
+#: left to the ranks that import them: Ray's import sets a variable of its own (RAY_CLIENT_MODE), and the ranks this
+#: server forks never run under Ray
+NOT_PRELOADED = {"hf_ext.ray"}
+SOCKET_ENV = "HF_EXT_TEST_ZYGOTE"
+#: the server's environment before its imports: a rank's is compared with it
+START_ENV = dict(os.environ)
+
+
+def preload() -> list[str]:
+    """Import what the ranks use; the names that failed (a rank then imports them itself)."""
+    failed = []
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - a library that cannot be preloaded is imported by the rank as before
+            failed.append(name)
+    import transformers
+
+    for name in TRANSFORMERS_NAMES:
+        getattr(transformers, name)
+    for package in PACKAGES:
+        module = importlib.import_module(package)
+        for info in pkgutil.walk_packages(module.__path__, f"{package}."):
+            if info.name in NOT_PRELOADED:
+                continue
+            try:
+                importlib.import_module(info.name)
+            except Exception:  # noqa: BLE001
+                failed.append(info.name)
+    return failed
+
+
+def recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
+    fds = array.array("i")
+    data = b""
+    while not data.endswith(b"\n"):
+        msg, ancdata, _, _ = conn.recvmsg(1 << 20, socket.CMSG_SPACE(3 * fds.itemsize))
+        if not msg:
+            raise ConnectionError("closed before a request")
+        data += msg
+        for level, kind, payload in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+    return json.loads(data), list(fds)
+
+
+def send_request(conn: socket.socket, request: dict) -> None:
+    """The client's side: the request with this process's stdin, stdout and stderr."""
+    conn.sendmsg([json.dumps(request).encode() + b"\n"],
+                 [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])  # fmt: skip
+
+
+def differing(env: dict) -> list[str]:
+    keys = (set(env) | set(START_ENV)) - PER_RANK - {SOCKET_ENV}
+    return sorted(k for k in keys if env.get(k) != START_ENV.get(k))
+
+
+def rank_environment(env: dict) -> dict:
+    """The request's environment with what the imports changed in it, as the rank's own imports would have (torch
+    and Ray set variables of their own)."""
+    changed = {k: v for k, v in os.environ.items() if START_ENV.get(k) != v}
+    removed = set(START_ENV) - set(os.environ)
+    return {k: v for k, v in {**env, **changed}.items() if k not in removed}
+
+
+def run_rank(request: dict, fds: list[int]) -> None:
+    """In the forked child: become the rank, run its script, exit as the interpreter would. Never returns."""
+    code = 1
+    try:
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as Python sets it at start-up
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.setpgid(0, request["pgid"])
+        env = rank_environment(request["env"])
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(request["cwd"])
+        script = os.path.abspath(request["argv"][0])
+        sys.argv = list(request["argv"])
+        sys.path[0] = os.path.dirname(script)
+        import random
+
+        random.seed()  # a fresh interpreter's own entropy, not the server's state
+        import sitecustomize
+
+        sitecustomize.install_env_hooks()
+        import runpy
+        import threading
+
+        try:
+            runpy.run_path(script, run_name="__main__")
+            code = 0
+        except SystemExit as exit_:
+            if exit_.code is None or isinstance(exit_.code, int):
+                code = exit_.code or 0
+            else:
+                print(exit_.code, file=sys.stderr)
+                code = 1
+        except BaseException:  # noqa: BLE001 - reported as the interpreter reports it
+            sys.excepthook(*sys.exc_info())
+            code = 1
+        threading._shutdown()  # the interpreter's own exit: non-daemon threads first, then atexit
+        import atexit
+
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
+def serve(path: str) -> None:
+    failed = preload()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ)
+    waiting: dict[int, socket.socket] = {}  # pid -> its client's connection
+    print(json.dumps({"ready": os.getpid(), "not_preloaded": failed}), flush=True)
+    while True:
+        for key, _ in selector.select(timeout=0.02):
+            if key.fileobj is listener:
+                conn, _ = listener.accept()
+                try:
+                    request, fds = recv_request(conn)
+                except (ConnectionError, ValueError):
+                    conn.close()
+                    continue
+                why = differing(request["env"])
+                if os.getsid(request["client"]) != os.getsid(0):  # a process group it could not join
+                    why = ["another session"]
+                if why:
+                    for fd in fds:
+                        os.close(fd)
+                    conn.sendall(json.dumps({"fresh": ", ".join(why)}).encode() + b"\n")
+                    conn.close()
+                    continue
+                sys.stdout.flush()
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:
+                    selector.close()
+                    listener.close()
+                    for other in waiting.values():
+                        other.close()
+                    conn.close()
+                    run_rank(request, fds)
+                for fd in fds:
+                    os.close(fd)
+                conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+                waiting[pid] = conn
+        while waiting:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            conn = waiting.pop(pid, None)
+            if conn is not None:
+                try:
+                    conn.sendall(json.dumps({"status": status}).encode() + b"\n")
+                except OSError:
+                    pass
+                conn.close()
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
