@@ -29,8 +29,20 @@ logger = logging.getLogger(__name__)
 # Read once, at import, before accelerate or DeepSpeed rewrite them: only the user's and the launcher's values count
 # (accelerate's PartialState overwrites LOCAL_WORLD_SIZE, with 1, under DeepSpeed's launcher).
 _LAUNCH_KEYS = ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
-LAUNCH_ENV = {key: os.environ[key] for key in _LAUNCH_KEYS if key in os.environ}
-USER_OMP_NUM_THREADS = LAUNCH_ENV.get("OMP_NUM_THREADS")
+
+
+def read_launch_env() -> None:
+    """Keep the launcher's and the user's values of the variables above, as this process's environment has them now.
+    Called at import; a process forked after its imports with another environment (the tests' preloaded interpreter,
+    tests/launched/zygote.py) calls it again."""
+    global LAUNCH_ENV, USER_OMP_NUM_THREADS
+    LAUNCH_ENV = {key: os.environ[key] for key in _LAUNCH_KEYS if key in os.environ}
+    USER_OMP_NUM_THREADS = LAUNCH_ENV.get("OMP_NUM_THREADS")
+
+
+LAUNCH_ENV: dict[str, str] = {}
+USER_OMP_NUM_THREADS: str | None = None
+read_launch_env()
 
 
 def detect_launcher(env=None) -> str:

@@ -33,7 +33,8 @@ def test_a_forked_rank_sees_what_a_fresh_one_sees(tmp_path):
         assert {**a["env"], "MASTER_PORT": ""} == {**b["env"], "MASTER_PORT": ""}, rank
         assert a["argv"][1:] == [str(tmp_path / "forked")] and b["argv"][1:] == [str(tmp_path / "fresh")]
         assert a["argv"][0] == b["argv"][0] == str(PROBE)
-        for key in ("path0", "main", "cwd", "handlers", "torch_threads"):
+        assert a["launch_env"] == {"OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "2"}
+        for key in ("path0", "main", "cwd", "handlers", "torch_threads", "launch_env"):
             assert a[key] == b[key], key
         # the launcher's process group (this process's: the launcher was started in it), as a child of it would be
         assert a["process_group"] == b["process_group"] == os.getpgid(0)

@@ -19,7 +19,8 @@ read at import (only the variables below are set per rank), or its client runs i
 The forked rank is what a fresh ``python script.py`` is after its imports: ``__main__`` is the script (``runpy``),
 ``sys.argv`` and ``sys.path[0]`` are the script's, the environment and working directory are the request's, signal
 handlers are Python's defaults, it joins the client's process group, the env-gated test hooks of
-``sitecustomize.py`` are installed from its own environment, and it exits as the interpreter does (non-daemon
+``sitecustomize.py`` are installed and hf-ext's launch variables read (``hf_ext.runtime.read_launch_env``) from its
+own environment, and it exits as the interpreter does (non-daemon
 threads joined, ``atexit`` run, the exit status of ``SystemExit`` or 1 after the traceback).
 """
 
@@ -139,6 +140,9 @@ def run_rank(request: dict, fds: list[int]) -> None:
         import sitecustomize
 
         sitecustomize.install_env_hooks()
+        import hf_ext.runtime
+
+        hf_ext.runtime.read_launch_env()  # the one value hf-ext reads from the environment at import
         import runpy
         import threading
 

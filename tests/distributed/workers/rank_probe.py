@@ -16,6 +16,8 @@ import deepspeed  # noqa: F401 - the imports a rank makes, before it looks
 import torch
 import transformers.trainer  # noqa: F401
 
+import hf_ext.runtime
+
 
 def handler_name(sig: signal.Signals) -> str:
     handler = signal.getsignal(sig)
@@ -34,6 +36,7 @@ seen = {
         sig.name: handler_name(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGPIPE, signal.SIGCHLD)
     },
     "torch_threads": torch.get_num_threads(),
+    "launch_env": hf_ext.runtime.LAUNCH_ENV,  # what hf-ext read from the environment at import
     "random": random.random(),
     "parent": Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode().split("\0")[1],
 }
