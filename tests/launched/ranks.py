@@ -57,11 +57,14 @@ class ForkedRank:
 
 def fork_rank(path: str, argv: list[str], env: dict[str, str]) -> ForkedRank | None:
     """Ask the preloaded interpreter at ``path`` to fork one rank; None where it says the rank must start fresh."""
-    from zygote import send_request  # noqa: PLC0415 - beside this file; only when a server is running
+    from zygote import INHERITED_SIGNALS, send_request  # noqa: PLC0415 - beside this file; only with a server
 
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(path)
-    send_request(conn, {"argv": argv, "env": env, "cwd": os.getcwd(), "pgid": os.getpgid(0), "client": os.getpid()})
+    # the signals this process ignores before it handles any: a fresh rank would inherit them ignored
+    ignored = [name for name in INHERITED_SIGNALS if signal.getsignal(signal.Signals[name]) == signal.SIG_IGN]
+    send_request(conn, {"argv": argv, "env": env, "cwd": os.getcwd(), "pgid": os.getpgid(0), "client": os.getpid(),
+                        "ignored": ignored})  # fmt: skip
     line = b""
     while not line.endswith(b"\n"):
         data = conn.recv(4096)

@@ -11,14 +11,14 @@ interpreters; so do the memory measurements (``ranks.py --fresh``) and the bench
     python tests/launched/zygote.py SOCKET
 
 Protocol, over a Unix socket, one connection per rank: the client sends one JSON line ``{"argv": [script, ...],
-"env": {...}, "cwd": ..., "pgid": ...}`` with its stdin, stdout and stderr attached (``SCM_RIGHTS``); the server
+"env": {...}, "cwd": ..., "pgid": ..., "client": PID, "ignored": [the signals it ignores]}`` with its stdin, stdout and stderr attached (``SCM_RIGHTS``); the server
 answers ``{"pid": N}`` and, when that process has exited, ``{"status": WAITSTATUS}``; or ``{"fresh": "why"}`` when
 the rank must start as a fresh interpreter: its environment differs from the server's in a variable a library may
 read at import (only the variables below are set per rank), or its client runs in another session.
 
 The forked rank is what a fresh ``python script.py`` is after its imports: ``__main__`` is the script (``runpy``),
 ``sys.argv`` and ``sys.path[0]`` are the script's, the environment and working directory are the request's, signal
-handlers are Python's defaults, it joins the client's process group, the env-gated test hooks of
+handlers are Python's defaults but where the launcher ignores the signal, it joins the client's process group, the env-gated test hooks of
 ``sitecustomize.py`` are installed and hf-ext's launch variables read (``hf_ext.runtime.read_launch_env``) from its
 own environment, and it exits as the interpreter does (non-daemon
 threads joined, ``atexit`` run, the exit status of ``SystemExit`` or 1 after the traceback).
@@ -54,6 +54,8 @@ PACKAGES = ["hf_ext", "chat_e.data", "chat_e.training"]
 #: server forks never run under Ray
 NOT_PRELOADED = {"hf_ext.ray"}
 SOCKET_ENV = "HF_EXT_TEST_ZYGOTE"
+#: the signals whose disposition a rank takes from its launcher (ignored, or Python's default)
+INHERITED_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGCHLD")
 #: the server's environment before its imports: a rank's is compared with it
 START_ENV = dict(os.environ)
 
@@ -122,10 +124,16 @@ def run_rank(request: dict, fds: list[int]) -> None:
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
-        for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
-            signal.signal(sig, signal.SIG_DFL)
-        signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as Python sets it at start-up
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        # what a fresh interpreter's are: a signal its launcher ignored stays ignored through exec (a job that
+        # nohup or a non-interactive shell started in the background: SIGHUP, SIGINT); otherwise Python's own
+        for name in INHERITED_SIGNALS:
+            sig = signal.Signals[name]
+            if name in request["ignored"]:
+                signal.signal(sig, signal.SIG_IGN)
+            else:
+                signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as Python sets them at start-up
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         os.setpgid(0, request["pgid"])
         env = rank_environment(request["env"])
         os.environ.clear()

@@ -32,9 +32,7 @@ seen = {
     "main": __name__,
     "cwd": os.getcwd(),
     "process_group": os.getpgid(0),
-    "handlers": {
-        sig.name: handler_name(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGPIPE, signal.SIGCHLD)
-    },
+    "handlers": {sig.name: handler_name(sig) for sig in signal.Signals if sig not in (signal.SIGKILL, signal.SIGSTOP)},
     "torch_threads": torch.get_num_threads(),
     "launch_env": hf_ext.runtime.LAUNCH_ENV,  # what hf-ext read from the environment at import
     "random": random.random(),
