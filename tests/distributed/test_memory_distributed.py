@@ -20,8 +20,10 @@ WORKER = ROOT / "tests" / "distributed" / "workers" / "memory_worker.py"
 
 
 def _command(model_dir, config: str, out: Path, *extra: str) -> list[str]:
-    return launcher_cmd(TRAIN_LAUNCHER, WORKER, fresh=True) + ["--model", str(model_dir), "--config", config, "--out", str(out),
-                                             "--seq_len", "32", "--batch", "2", "--steps", "3", *extra]  # fmt: skip
+    # fresh interpreters: a forked rank's resident memory starts at its parent's
+    return launcher_cmd(TRAIN_LAUNCHER, WORKER, fresh=True) + ["--model", str(model_dir), "--config", config,
+                                                              "--out", str(out), "--seq_len", "32", "--batch", "2",
+                                                              "--steps", "3", *extra]  # fmt: skip
 
 
 def _results(out: Path) -> list[dict]:

@@ -37,23 +37,23 @@ for _entry in pytest_filters():
     warnings.filterwarnings(*parse(_entry))
 
 
+#: the hooks a launched process's environment can ask for: variable -> the module beside this file that installs it
+ENV_HOOKS = {
+    "HF_EXT_TEST_SIGNAL_AT": "signal_at",  # the preemption tests' signal at an exact step
+    "HF_EXT_TEST_CLOCK": "step_clock",  # benchmarks/bench_elastic.py's milestones
+    "CHAT_E_TEST_STOP_AT_PHASE": "stop_at_phase",  # the Train page's walk: a run held in a phase
+}
+
+
 def install_env_hooks() -> None:
-    """The hooks a launched process's environment asks for; called at start-up, and by ``zygote.py`` in each rank it
-    forks (its environment is the rank's only then)."""
+    """The hooks of :data:`ENV_HOOKS` this process's environment asks for; called at start-up, and by ``zygote.py``
+    in each rank it forks (its environment is the rank's only then)."""
+    import importlib
     import os
 
-    if os.environ.get("HF_EXT_TEST_SIGNAL_AT"):  # the preemption tests' signal at an exact step
-        import signal_at
-
-        signal_at.install_from_env()
-    if os.environ.get("HF_EXT_TEST_CLOCK"):  # benchmarks/bench_elastic.py's milestones
-        import step_clock
-
-        step_clock.install_from_env()
-    if os.environ.get("CHAT_E_TEST_STOP_AT_PHASE"):  # the Train page's walk: a run held in a phase
-        import stop_at_phase
-
-        stop_at_phase.install_from_env()
+    for variable, module in ENV_HOOKS.items():
+        if os.environ.get(variable):
+            importlib.import_module(module).install_from_env()
 
 
 install_env_hooks()

@@ -11,16 +11,17 @@ interpreters; so do the memory measurements (``ranks.py --fresh``) and the bench
     python tests/launched/zygote.py SOCKET
 
 Protocol, over a Unix socket, one connection per rank: the client sends one JSON line ``{"argv": [script, ...],
-"env": {...}, "cwd": ..., "pgid": ..., "client": PID, "ignored": [the signals it ignores]}`` with its stdin, stdout and stderr attached (``SCM_RIGHTS``); the server
-answers ``{"pid": N}`` and, when that process has exited, ``{"status": WAITSTATUS}``; or ``{"fresh": "why"}`` when
-the rank must start as a fresh interpreter: its environment differs from the server's in a variable a library may
-read at import (only the variables below are set per rank), or its client runs in another session.
+"env": {...}, "cwd": ..., "pgid": ..., "client": PID, "ignored": [the signals it ignores]}`` with its stdin, stdout
+and stderr attached (``SCM_RIGHTS``); the server answers ``{"pid": N}`` and, when that process has exited,
+``{"status": WAITSTATUS}``; or ``{"fresh": "why"}`` when the rank must start as a fresh interpreter: its environment
+differs from the server's in a variable a library may read at import (only the variables below are set per rank), or
+its client runs in another session.
 
 The forked rank is what a fresh ``python script.py`` is after its imports: ``__main__`` is the script (``runpy``),
 ``sys.argv`` and ``sys.path[0]`` are the script's, the environment and working directory are the request's, signal
-handlers are Python's defaults but where the launcher ignores the signal, it joins the client's process group, the env-gated test hooks of
-``sitecustomize.py`` are installed and hf-ext's launch variables read (``hf_ext.runtime.read_launch_env``) from its
-own environment, and it exits as the interpreter does (non-daemon
+handlers are Python's defaults but where the launcher ignores the signal, it joins the client's process group, the
+env-gated test hooks of ``sitecustomize.py`` are installed and hf-ext's launch variables read
+(``hf_ext.runtime.read_launch_env``) from its own environment, and it exits as the interpreter does (non-daemon
 threads joined, ``atexit`` run, the exit status of ``SystemExit`` or 1 after the traceback).
 """
 
@@ -36,9 +37,11 @@ import signal
 import socket
 import sys
 
+from sitecustomize import ENV_HOOKS  # this folder's: on the path of every process the tests launch
+
 #: the variables that may differ between the server and a rank: read at run time, never at import
 PER_RANK = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-            "PYTEST_CURRENT_TEST", "HF_EXT_TEST_SIGNAL_AT", "HF_EXT_TEST_CLOCK", "CHAT_E_TEST_STOP_AT_PHASE"}  # fmt: skip
+            "PYTEST_CURRENT_TEST", *ENV_HOOKS}  # fmt: skip
 #: what the ranks' scripts import (tests/distributed/workers, recipes/)
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor", "numpy", "psutil",
            "yaml", "safetensors.torch", "datasets", "sacrebleu", "accelerate", "deepspeed", "deepspeed.comm", "peft",
@@ -177,6 +180,9 @@ def run_rank(request: dict, fds: list[int]) -> None:
 
 
 def serve(path: str) -> None:
+    asked = sorted(set(ENV_HOOKS) & set(START_ENV))
+    if asked:  # sitecustomize installed them here at start-up: every rank would have them
+        sys.exit(f"zygote.py: started with test hooks set ({', '.join(asked)}); they belong to one launch's ranks")
     failed = preload()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
