@@ -180,20 +180,36 @@ def launch_env(**extra) -> dict:
 #: torchrun, accelerate's, Ray), test_multinode, test_comm_layer and test_fsdp.
 TRAIN_LAUNCHER = "ranks"
 
-#: the session's preloaded interpreter that forks the ranks of ``ranks`` launches (tests/launched/zygote.py): its
-#: process, or None where it could not start (the ranks then start fresh, as before)
-_ZYGOTE: dict[str, subprocess.Popen | None] = {}
+#: the session's preloaded interpreters that fork the ranks of ``ranks`` launches and the scripts of ``python_cmd``
+#: (tests/launched/zygote.py), one per thread setting: its process, or None where it could not start (those processes
+#: then start fresh, as before)
+_ZYGOTES: dict[str | None, subprocess.Popen | None] = {}
 
 
-def start_zygote() -> None:
-    """Start tests/launched/zygote.py once per session, on the first ``ranks`` launch, and name its socket in this
-    process's environment: every launch's environment (:func:`launch_env`) then carries it to ``ranks.py``."""
-    if "server" in _ZYGOTE:
+def _zygote_names():
+    """tests/launched/zygote.py as a module, for its names (its imports are the standard library's)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hf_ext_tests_zygote", LAUNCHED_SITE / "zygote.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+#: where a launched process finds them: their sockets, separated by os.pathsep (tests/launched/ranks.py)
+ZYGOTES_ENV = _zygote_names().SOCKET_ENV
+
+
+def start_zygote(threads: str | None) -> None:
+    """Start tests/launched/zygote.py with ``OMP_NUM_THREADS=threads`` (None: unset, as :func:`launch_env` leaves it)
+    once per session, on the first launch that asks for it, and add its socket to this process's environment: every
+    launch's environment (:func:`launch_env`) then carries it to ``ranks.py`` and ``forked.py``."""
+    if threads in _ZYGOTES:
         return
-    # every rank a fresh interpreter, as before: asked (to compare), or on a GPU machine, where a rank's CUDA must
+    # every process a fresh interpreter, as before: asked (to compare), or on a GPU machine, where a rank's CUDA must
     # start in the rank itself (the server never touches CUDA, but the GPU tier is not where to find out)
     if os.environ.get("HF_EXT_TEST_FRESH_RANKS") == "1" or _has_cuda():
-        _ZYGOTE["server"] = None
+        _ZYGOTES[threads] = None
         return
     import atexit
     import tempfile
@@ -201,7 +217,7 @@ def start_zygote() -> None:
 
     folder = Path(tempfile.mkdtemp(prefix="hf-ext-zygote-"))
     path, log = folder / "socket", folder / "zygote.log"
-    env = launch_env(OMP_NUM_THREADS=os.environ.get(TEST_THREADS) or "1")  # what ranks.py gives its ranks
+    env = launch_env(**({"OMP_NUM_THREADS": threads} if threads else {}))
     with log.open("w") as out:
         server = subprocess.Popen([sys.executable, str(LAUNCHED_SITE / "zygote.py"), str(path)], env=env, cwd=ROOT,
                                   stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)  # fmt: skip
@@ -210,12 +226,21 @@ def start_zygote() -> None:
         time.sleep(0.05)
     if '"ready"' not in log.read_text():
         server.kill()
-        sys.stderr.write(f"tests/launched/zygote.py did not start (its log: {log}); the ranks start fresh\n")
-        _ZYGOTE["server"] = None
+        sys.stderr.write(f"tests/launched/zygote.py did not start (its log: {log}); its processes start fresh\n")
+        _ZYGOTES[threads] = None
         return
-    _ZYGOTE["server"] = server
-    os.environ["HF_EXT_TEST_ZYGOTE"] = str(path)
+    _ZYGOTES[threads] = server
+    os.environ[ZYGOTES_ENV] = os.pathsep.join(p for p in [os.environ.get(ZYGOTES_ENV, ""), str(path)] if p)
     atexit.register(server.kill)
+
+
+def python_cmd(script: str | Path) -> list[str]:
+    """``python script``, forked from the session's preloaded interpreter where the launch's environment is
+    :func:`launch_env`'s (tests/launched/forked.py: the same process to its caller, but for its pid). For the scripts
+    that a test runs to their end or that kill themselves; one a test kills from outside, or whose ``/proc`` it reads,
+    starts as ``[sys.executable, script]``."""
+    start_zygote(os.environ.get(TEST_THREADS))
+    return [sys.executable, str(LAUNCHED_SITE / "forked.py"), str(script)]
 
 
 def launcher_cmd(launcher: str, script: str | Path, nproc: int = 2, max_restarts: int = 0,
@@ -230,13 +255,13 @@ def launcher_cmd(launcher: str, script: str | Path, nproc: int = 2, max_restarts
     port = free_port()
     if launcher == "ranks" and not max_restarts:
         if not fresh:
-            start_zygote()
+            start_zygote(os.environ.get(TEST_THREADS) or "1")  # what ranks.py gives its ranks
         return [sys.executable, str(LAUNCHED_SITE / "ranks.py"), "--nproc", str(nproc), "--master_port", str(port),
                 *(["--fresh"] if fresh else []), str(script)]  # fmt: skip
     if launcher == "deepspeed":
         return [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(port), str(script)]
     if launcher == "python":
-        return [sys.executable, str(script)]
+        return python_cmd(script)
     if launcher != "torchrun" and not launcher.startswith("accelerate:"):
         raise ValueError(launcher)
     restarts = ["--max-restarts" if launcher == "torchrun" else "--max_restarts", str(max_restarts)]

@@ -1,15 +1,18 @@
-"""The tests' own launcher (tests/launched/ranks.py) forks its ranks from the session's preloaded interpreter
-(tests/launched/zygote.py): a forked rank sees what a fresh interpreter's rank sees after the same imports."""
+"""The tests' own launchers fork their processes from the session's preloaded interpreters (tests/launched/zygote.py):
+the ranks of tests/launched/ranks.py, and the scripts of tests/launched/forked.py (``python_cmd``). A forked process
+sees what a fresh interpreter sees after the same imports."""
 
 from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
+import sys
 
 import pytest
 
-from ..conftest import LAUNCHED_SITE, ROOT, TRAIN_LAUNCHER, launch_env, launcher_cmd
+from ..conftest import LAUNCHED_SITE, ROOT, TRAIN_LAUNCHER, launch_env, launcher_cmd, python_cmd
 
 pytestmark = pytest.mark.distributed
 
@@ -39,3 +42,29 @@ def test_a_forked_rank_sees_what_a_fresh_one_sees(tmp_path):
         # the launcher's process group (this process's: the launcher was started in it), as a child of it would be
         assert a["process_group"] == b["process_group"] == os.getpgid(0)
     assert forked[0]["random"] != forked[1]["random"]  # each rank its own entropy, as fresh interpreters have
+
+
+#: what a test's preexec_fn may set on the process it starts (the full-disk export's file-size limit)
+FILE_SIZE_LIMIT = 1 << 20
+
+
+def limit_file_size() -> None:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_SIZE_LIMIT, FILE_SIZE_LIMIT))
+
+
+def test_a_forked_script_sees_what_python_script_sees(tmp_path):
+    seen = {}
+    for name, cmd in (("forked", python_cmd(PROBE)), ("fresh", [sys.executable, str(PROBE)])):
+        proc = subprocess.run([*cmd, str(tmp_path / name)], cwd=ROOT, env=launch_env(), capture_output=True, text=True,
+                              timeout=300, preexec_fn=limit_file_size)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        seen[name] = json.loads((tmp_path / name / "rank.json").read_text())
+    forked, fresh = seen["forked"], seen["fresh"]
+    assert forked["parent"] == str(LAUNCHED_SITE / "zygote.py") != fresh["parent"]  # the premise
+    assert forked["env"] == fresh["env"]
+    assert forked["argv"] == [str(PROBE), str(tmp_path / "forked")] and fresh["argv"][1:] == [str(tmp_path / "fresh")]
+    # no OMP_NUM_THREADS: torch's default threads (this machine's cores), as in a fresh interpreter
+    assert "OMP_NUM_THREADS" not in forked["env"]
+    for key in ("path0", "main", "cwd", "handlers", "torch_threads", "launch_env", "rlimits", "process_group"):
+        assert forked[key] == fresh[key], key
+    assert forked["rlimits"]["RLIMIT_FSIZE"] == [FILE_SIZE_LIMIT, FILE_SIZE_LIMIT]  # the caller's limit reached it

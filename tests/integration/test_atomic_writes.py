@@ -12,7 +12,6 @@ import resource
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from transformers import BlenderbotForConditionalGeneration
 
 from hf_ext import atomic
 
-from ..conftest import ROOT, launch_env, run_side_by_side
+from ..conftest import ROOT, launch_env, python_cmd, run_side_by_side
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +29,7 @@ SHARD = "40KB"
 
 
 def export_cmd(src: Path, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, str(WORKER), str(src), str(out), "--max_shard_size", SHARD, *extra]
+    return [*python_cmd(WORKER), str(src), str(out), "--max_shard_size", SHARD, *extra]
 
 
 def export(src: Path, out: Path, *extra: str, preexec=None) -> subprocess.CompletedProcess:

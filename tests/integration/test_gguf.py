@@ -29,7 +29,7 @@ from chat_e.engines.local import LocalEngine
 from hf_ext.saving.gguf import GENERATION_CONFIG_KEY, gguf_fields, read_gguf
 
 from ..app.support import make_sensitive_model, request
-from ..conftest import ROOT, launch_env, run_side_by_side
+from ..conftest import ROOT, launch_env, python_cmd, run_side_by_side
 
 pytestmark = pytest.mark.slow
 
@@ -114,7 +114,7 @@ def test_an_export_killed_at_any_write_leaves_the_old_file_or_the_new(chat_model
     """The old content is the F32 file, the new one the F16 export; each export kills itself at one write event."""
     listed = tmp_path / "listed.gguf"
     shutil.copy(files["f32"], listed)
-    worker = [sys.executable, str(WORKER), str(chat_model)]
+    worker = [*python_cmd(WORKER), str(chat_model)]
     proc = subprocess.run([*worker, str(listed), "--gguf_type", "f16", "--list", str(tmp_path / "ev")],
                           cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -21,12 +21,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import select
 import signal
 import socket
 import subprocess
 import sys
 import threading
+
+from zygote import INHERITED_SIGNALS, SOCKET_ENV, send_request  # beside this file
 
 #: seconds a rank has after SIGTERM before SIGKILL (torchrun's default)
 GRACE_S = 30
@@ -57,14 +60,16 @@ class ForkedRank:
 
 def fork_rank(path: str, argv: list[str], env: dict[str, str]) -> ForkedRank | None:
     """Ask the preloaded interpreter at ``path`` to fork one rank; None where it says the rank must start fresh."""
-    from zygote import INHERITED_SIGNALS, send_request  # noqa: PLC0415 - beside this file; only with a server
-
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(path)
     # the signals this process ignores before it handles any: a fresh rank would inherit them ignored
     ignored = [name for name in INHERITED_SIGNALS if signal.getsignal(signal.Signals[name]) == signal.SIG_IGN]
+    # and its resource limits (a test's preexec_fn limit on this process), which a fresh rank would inherit too
+    limits = {
+        name: resource.getrlimit(getattr(resource, name)) for name in dir(resource) if name.startswith("RLIMIT_")
+    }
     send_request(conn, {"argv": argv, "env": env, "cwd": os.getcwd(), "pgid": os.getpgid(0), "client": os.getpid(),
-                        "ignored": ignored})  # fmt: skip
+                        "ignored": ignored, "rlimits": limits})  # fmt: skip
     line = b""
     while not line.endswith(b"\n"):
         data = conn.recv(4096)
@@ -76,6 +81,16 @@ def fork_rank(path: str, argv: list[str], env: dict[str, str]) -> ForkedRank | N
         conn.close()
         return None
     return ForkedRank(conn, answer["pid"])
+
+
+def fork(argv: list[str], env: dict[str, str]) -> ForkedRank | None:
+    """One process of ``argv`` forked by the first of the session's preloaded interpreters (``HF_EXT_TEST_ZYGOTE``,
+    one per thread setting) that has ``env``; None where none runs or none has it."""
+    for path in os.environ.get(SOCKET_ENV, "").split(os.pathsep):
+        rank = fork_rank(path, argv, env) if path else None
+        if rank is not None:
+            return rank
+    return None
 
 
 def main() -> int:
@@ -92,8 +107,7 @@ def main() -> int:
     args = parser.parse_args()
     threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     envs = [{**os.environ, **threads, **rank_env(rank, args.nproc, args.master_port)} for rank in range(args.nproc)]
-    server = None if args.fresh else os.environ.get("HF_EXT_TEST_ZYGOTE")
-    forked = [fork_rank(server, [args.script, *args.args], env) for env in envs] if server else []
+    forked = [] if args.fresh else [fork([args.script, *args.args], env) for env in envs]
     if forked and None in forked:  # the server said fresh for one: every rank starts fresh
         for rank in forked:
             if rank is not None:

@@ -32,19 +32,21 @@ import importlib
 import json
 import os
 import pkgutil
+import resource
 import selectors
 import signal
 import socket
 import sys
 
-from sitecustomize import ENV_HOOKS  # this folder's: on the path of every process the tests launch
-
-#: the variables that may differ between the server and a rank: read at run time, never at import
+#: the variables that may differ between the server and a rank: read at run time, never at import (and the test
+#: hooks', sitecustomize.ENV_HOOKS: :func:`test_hooks`)
 PER_RANK = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-            "PYTEST_CURRENT_TEST", *ENV_HOOKS}  # fmt: skip
+            "PYTEST_CURRENT_TEST"}  # fmt: skip
 #: what the ranks' scripts import (tests/distributed/workers, recipes/)
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor", "numpy", "psutil",
-           "yaml", "safetensors.torch", "datasets", "sacrebleu", "accelerate", "deepspeed", "deepspeed.comm", "peft",
+           "yaml", "safetensors.torch", "datasets", "sacrebleu", "accelerate", "deepspeed", "deepspeed.comm",
+           # what DeepSpeed's engine imports at its start (ZeRO's optimizer check: 0.7 s, inductor's modules)
+           "deepspeed.runtime.zero.muon.muon_optimizer", "peft",
            "transformers", "transformers.trainer", "transformers.integrations.deepspeed", "trl",
            "matplotlib", "matplotlib.pyplot"]  # fmt: skip
 #: transformers' lazily loaded names the ranks use
@@ -56,6 +58,7 @@ PACKAGES = ["hf_ext", "chat_e.data", "chat_e.training"]
 #: left to the ranks that import them: Ray's import sets a variable of its own (RAY_CLIENT_MODE), and the ranks this
 #: server forks never run under Ray
 NOT_PRELOADED = {"hf_ext.ray"}
+#: the servers' sockets, separated by os.pathsep: set by tests/conftest.py, read by ranks.py and forked.py
 SOCKET_ENV = "HF_EXT_TEST_ZYGOTE"
 #: the signals whose disposition a rank takes from its launcher (ignored, or Python's default)
 INHERITED_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGCHLD")
@@ -71,6 +74,12 @@ def preload() -> list[str]:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - a library that cannot be preloaded is imported by the rank as before
             failed.append(name)
+    try:  # DeepSpeed's probe of which ops this machine can build (a compiler run, 0.35 s): made once per process
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__  # noqa: B018 - computed and kept by the module on first access
+    except Exception:  # noqa: BLE001
+        failed.append("deepspeed.ops.__compatible_ops__")
     import transformers
 
     for name in TRANSFORMERS_NAMES:
@@ -107,9 +116,30 @@ def send_request(conn: socket.socket, request: dict) -> None:
                  [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])  # fmt: skip
 
 
+def test_hooks() -> set[str]:
+    """The test hooks' variables (imported here, not at the top: tests/conftest.py reads this file's names without
+    this folder's sitecustomize, which only the processes the tests launch run)."""
+    from sitecustomize import ENV_HOOKS  # this folder's: on the path of every process the tests launch
+
+    return set(ENV_HOOKS)
+
+
 def differing(env: dict) -> list[str]:
-    keys = (set(env) | set(START_ENV)) - PER_RANK - {SOCKET_ENV}
+    keys = (set(env) | set(START_ENV)) - PER_RANK - test_hooks() - {SOCKET_ENV}
     return sorted(k for k in keys if env.get(k) != START_ENV.get(k))
+
+
+def unsettable_limits(rlimits: dict) -> list[str]:
+    """The client's resource limits a forked rank could not take: a hard limit above this process's (only root may
+    raise one)."""
+    if os.geteuid() == 0:
+        return []
+    unlimited = resource.RLIM_INFINITY
+
+    def above(limit: int, own: int) -> bool:
+        return own != unlimited and (limit == unlimited or limit > own)
+
+    return [name for name, (_, hard) in rlimits.items() if above(hard, resource.getrlimit(getattr(resource, name))[1])]
 
 
 def rank_environment(env: dict) -> dict:
@@ -138,6 +168,9 @@ def run_rank(request: dict, fds: list[int]) -> None:
         signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as Python sets them at start-up
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         os.setpgid(0, request["pgid"])
+        for name, limit in request["rlimits"].items():  # the client's, as a fresh rank inherits them
+            if resource.getrlimit(getattr(resource, name)) != tuple(limit):
+                resource.setrlimit(getattr(resource, name), tuple(limit))
         env = rank_environment(request["env"])
         os.environ.clear()
         os.environ.update(env)
@@ -180,7 +213,7 @@ def run_rank(request: dict, fds: list[int]) -> None:
 
 
 def serve(path: str) -> None:
-    asked = sorted(set(ENV_HOOKS) & set(START_ENV))
+    asked = sorted(test_hooks() & set(START_ENV))
     if asked:  # sitecustomize installed them here at start-up: every rank would have them
         sys.exit(f"zygote.py: started with test hooks set ({', '.join(asked)}); they belong to one launch's ranks")
     failed = preload()
@@ -200,7 +233,7 @@ def serve(path: str) -> None:
                 except (ConnectionError, ValueError):
                     conn.close()
                     continue
-                why = differing(request["env"])
+                why = differing(request["env"]) + unsettable_limits(request["rlimits"])
                 if os.getsid(request["client"]) != os.getsid(0):  # a process group it could not join
                     why = ["another session"]
                 if why:

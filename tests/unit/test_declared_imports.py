@@ -22,7 +22,7 @@ except ImportError:  # Python 3.10
 ROOT = Path(__file__).resolve().parents[2]
 #: the project's own top-level names (its packages, the test helpers ``tests/launched`` puts on the path)
 OWN = {"hf_ext", "chat_e", "recipes", "scripts", "benchmarks", "tests", "app", "signal_at", "step_clock",
-       "stop_at_phase", "sitecustomize", "zygote"}  # fmt: skip
+       "stop_at_phase", "sitecustomize", "zygote", "ranks"}  # fmt: skip
 #: folder -> the extras that install what it imports ("" is the core dependencies)
 INSTALLED_WITH = {
     "hf_ext": ("", "trl", "ray", "gguf"),

@@ -1,6 +1,8 @@
-"""What a rank sees of its own process, after the imports a rank makes: written to OUT/rank{RANK}.json.
+"""What a rank sees of its own process, after the imports a rank makes: written to OUT/rank{RANK}.json (OUT/rank.json
+where no ``RANK`` is set).
 
 python tests/launched/ranks.py --nproc 2 --master_port PORT tests/distributed/workers/rank_probe.py OUT
+python tests/launched/forked.py tests/distributed/workers/rank_probe.py OUT
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import resource
 import signal
 import sys
 from pathlib import Path
@@ -34,9 +37,12 @@ seen = {
     "process_group": os.getpgid(0),
     "handlers": {sig.name: handler_name(sig) for sig in signal.Signals if sig not in (signal.SIGKILL, signal.SIGSTOP)},
     "torch_threads": torch.get_num_threads(),
+    "rlimits": {
+        name: resource.getrlimit(getattr(resource, name)) for name in dir(resource) if name.startswith("RLIMIT_")
+    },
     "launch_env": hf_ext.runtime.LAUNCH_ENV,  # what hf-ext read from the environment at import
     "random": random.random(),
     "parent": Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode().split("\0")[1],
 }
 out.mkdir(parents=True, exist_ok=True)
-(out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(seen))
+(out / f"rank{os.environ.get('RANK', '')}.json").write_text(json.dumps(seen))  # "rank.json" without ranks
