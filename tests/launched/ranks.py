@@ -11,9 +11,10 @@ rank; ``OMP_NUM_THREADS`` is 1 unless set; when a rank fails the others get SIGT
 still there 30 s later (torchrun's grace period); it exits with the first failed rank's status (a rank killed by
 signal N: 128 + N), 0 when all succeed.
 
-Where the test session runs its preloaded interpreter (``tests/launched/zygote.py``, named by ``HF_EXT_TEST_ZYGOTE``),
-each rank is forked from it instead of starting a fresh interpreter (about 7.5 s of imports each); ``--fresh``, or a
-rank environment that differs from the server's beyond the rank's own variables, starts fresh ranks as before.
+Where the test session runs its preloaded interpreters (``tests/launched/zygote.py``, their sockets named by
+``HF_EXT_TEST_ZYGOTE``), each rank is forked by the one with the rank's environment instead of starting a fresh
+interpreter (about 7.5 s of imports each); ``--fresh``, or a rank environment that differs from every server's beyond
+the rank's own variables, starts fresh ranks as before.
 """
 
 from __future__ import annotations
@@ -28,8 +29,6 @@ import socket
 import subprocess
 import sys
 import threading
-
-from zygote import INHERITED_SIGNALS, SOCKET_ENV, send_request  # beside this file
 
 #: seconds a rank has after SIGTERM before SIGKILL (torchrun's default)
 GRACE_S = 30
@@ -60,6 +59,9 @@ class ForkedRank:
 
 def fork_rank(path: str, argv: list[str], env: dict[str, str]) -> ForkedRank | None:
     """Ask the preloaded interpreter at ``path`` to fork one rank; None where it says the rank must start fresh."""
+    # beside this file, imported where a server runs (the tests import this module for rank_env too)
+    from zygote import INHERITED_SIGNALS, send_request  # noqa: PLC0415
+
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(path)
     # the signals this process ignores before it handles any: a fresh rank would inherit them ignored
@@ -86,6 +88,8 @@ def fork_rank(path: str, argv: list[str], env: dict[str, str]) -> ForkedRank | N
 def fork(argv: list[str], env: dict[str, str]) -> ForkedRank | None:
     """One process of ``argv`` forked by the first of the session's preloaded interpreters (``HF_EXT_TEST_ZYGOTE``,
     one per thread setting) that has ``env``; None where none runs or none has it."""
+    from zygote import SOCKET_ENV  # noqa: PLC0415 - as in fork_rank
+
     for path in os.environ.get(SOCKET_ENV, "").split(os.pathsep):
         rank = fork_rank(path, argv, env) if path else None
         if rank is not None:

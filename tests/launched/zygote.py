@@ -3,23 +3,25 @@ hf-ext are imported once per test session instead of once per rank.
 
 A rank's own work in the tests is a few seconds; importing its libraries costs each process about 7.5 s of a core
 (``python -X importtime``: transformers' import structure, torch's operator registrations, dataclasses), so a 2-rank
-launch spent most of its time importing. ``tests/conftest.py`` starts this server once, on the first launch of
-``tests/launched/ranks.py`` (the launcher of the launches whose fact is not the launcher), and ``ranks.py`` asks it
-for each rank. What stays as it was: torchrun, DeepSpeed's launcher, accelerate, Ray and every CLI start fresh
-interpreters; so do the memory measurements (``ranks.py --fresh``) and the benchmarks.
+launch spent most of its time importing. ``tests/conftest.py`` starts one server per thread setting, on the first
+launch that needs it: ``OMP_NUM_THREADS=1`` for ``tests/launched/ranks.py`` (the launcher of the launches whose fact
+is not the launcher), which asks it for each rank, and the variable unset for ``tests/launched/forked.py`` (a test's
+``python script.py``: ``python_cmd``). What stays as it was: torchrun, DeepSpeed's launcher, accelerate, Ray, every
+CLI and server start fresh interpreters; so do the memory measurements (``ranks.py --fresh``) and the benchmarks.
 
     python tests/launched/zygote.py SOCKET
 
 Protocol, over a Unix socket, one connection per rank: the client sends one JSON line ``{"argv": [script, ...],
-"env": {...}, "cwd": ..., "pgid": ..., "client": PID, "ignored": [the signals it ignores]}`` with its stdin, stdout
-and stderr attached (``SCM_RIGHTS``); the server answers ``{"pid": N}`` and, when that process has exited,
-``{"status": WAITSTATUS}``; or ``{"fresh": "why"}`` when the rank must start as a fresh interpreter: its environment
-differs from the server's in a variable a library may read at import (only the variables below are set per rank), or
-its client runs in another session.
+"env": {...}, "cwd": ..., "pgid": ..., "client": PID, "ignored": [the signals it ignores], "rlimits": {...}}`` with
+its stdin, stdout and stderr attached (``SCM_RIGHTS``); the server answers ``{"pid": N}`` and, when that process has
+exited, ``{"status": WAITSTATUS}``; or ``{"fresh": "why"}`` when the rank must start as a fresh interpreter: its
+environment differs from the server's in a variable a library may read at import (only the variables below are set
+per rank), a resource limit is above what this process may set, or its client runs in another session.
 
 The forked rank is what a fresh ``python script.py`` is after its imports: ``__main__`` is the script (``runpy``),
 ``sys.argv`` and ``sys.path[0]`` are the script's, the environment and working directory are the request's, signal
-handlers are Python's defaults but where the launcher ignores the signal, it joins the client's process group, the
+handlers are Python's defaults but where the launcher ignores the signal, it joins the client's process group and
+takes its resource limits, the
 env-gated test hooks of ``sitecustomize.py`` are installed and hf-ext's launch variables read
 (``hf_ext.runtime.read_launch_env``) from its own environment, and it exits as the interpreter does (non-daemon
 threads joined, ``atexit`` run, the exit status of ``SystemExit`` or 1 after the traceback).
