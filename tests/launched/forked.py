@@ -16,7 +16,6 @@ interpreter runs, or none has this process's environment, this process execs ``p
 from __future__ import annotations
 
 import os
-import select
 import signal
 import sys
 
@@ -41,14 +40,9 @@ def main() -> None:
     for sig in RELAYED:
         if signal.getsignal(sig) != signal.SIG_IGN:  # an ignored signal stays ignored, as it is in the script
             signal.signal(sig, relay)
-    while True:
-        try:
-            select.select([child.conn], [], [])
-        except InterruptedError:
-            continue
+    status = None
+    while status is None:  # blocks until the server's line (Python retries the read a relayed signal interrupts)
         status = child.read_status()
-        if status is not None:
-            break
     if os.WIFSIGNALED(status):  # end as the script ended: killed by the same signal
         sig = os.WTERMSIG(status)
         if sig not in (signal.SIGKILL, signal.SIGSTOP):  # the two without a handler
