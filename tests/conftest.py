@@ -234,13 +234,15 @@ def start_zygote(threads: str | None) -> None:
     atexit.register(server.kill)
 
 
-def python_cmd(script: str | Path) -> list[str]:
+def python_cmd(script: str | Path, interpreter_exit: bool = False) -> list[str]:
     """``python script``, forked from the session's preloaded interpreter where the launch's environment is
     :func:`launch_env`'s (tests/launched/forked.py: the same process to its caller, but for its pid). For the scripts
     that a test runs to their end or that kill themselves; one a test kills from outside, or whose ``/proc`` it reads,
-    starts as ``[sys.executable, script]``."""
+    starts as ``[sys.executable, script]``. ``interpreter_exit``: the script's process ends through the interpreter's
+    whole exit, modules finalized (0.3 s more), for a test whose fact is how the process ends."""
     start_zygote(os.environ.get(TEST_THREADS))
-    return [sys.executable, str(LAUNCHED_SITE / "forked.py"), str(script)]
+    flag = ["--interpreter-exit"] if interpreter_exit else []
+    return [sys.executable, str(LAUNCHED_SITE / "forked.py"), *flag, str(script)]
 
 
 def launcher_cmd(launcher: str, script: str | Path, nproc: int = 2, max_restarts: int = 0,

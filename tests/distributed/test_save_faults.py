@@ -17,7 +17,6 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import torch
 
 from hf_ext import atomic
 
-from ..conftest import ROOT, TRAIN_LAUNCHER, free_port, launch_env, launcher_cmd, run_side_by_side
+from ..conftest import ROOT, TRAIN_LAUNCHER, free_port, launch_env, launcher_cmd, python_cmd, run_side_by_side
 from ..launched.ranks import rank_env
 from .test_saving_distributed import SCRIPT, assert_equal_weights, train
 from .workers.train_save import listing
@@ -135,7 +134,9 @@ def test_a_kill_during_the_final_save_leaves_the_old_or_the_new_weights(old_run,
 
 def start_ranks(cmd: list[str], logs: list[Path]) -> list[subprocess.Popen]:
     """The two ranks as plain processes, as a cluster scheduler starts them: nobody kills the survivor. Their output
-    goes to files (a pipe nobody reads while they run would block them)."""
+    goes to files (a pipe nobody reads while they run would block them). ``cmd`` is :func:`python_cmd`'s: each rank is
+    forked from the session's preloaded interpreter and ends through the interpreter's whole exit, as a fresh one's
+    does (``interpreter_exit``)."""
     port = free_port()
     procs = []
     for rank, log in enumerate(logs):
@@ -158,7 +159,7 @@ def failed_runs(old_run, tiny_model_dir, tmp_path_factory) -> dict:
         folder = root / where
         folder.mkdir()
         extra = {"resume": ["--resume", str(old_run / "old" / "checkpoint-4")], "evaluation": ["--eval_first"]}
-        cmd = [sys.executable, str(SCRIPT), "--model", str(tiny_model_dir), "--out", str(folder / "out"), *SMALL,
+        cmd = [*python_cmd(SCRIPT, interpreter_exit=True), "--model", str(tiny_model_dir), "--out", str(folder / "out"), *SMALL,
                *extra.get(where, []), "--raise_on_rank1", where]  # fmt: skip
         log_files = [folder / f"rank{rank}.log" for rank in (0, 1)]
         runs[where] = {"logs": log_files, "procs": start_ranks(cmd, log_files), "exited": {}}

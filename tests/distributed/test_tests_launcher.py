@@ -53,12 +53,17 @@ def limit_file_size() -> None:
 
 
 def test_a_forked_script_sees_what_python_script_sees(tmp_path):
-    seen = {}
-    for name, cmd in (("forked", python_cmd(PROBE)), ("fresh", [sys.executable, str(PROBE)])):
+    seen, ends = {}, {}
+    for name, cmd in (("forked", python_cmd(PROBE)), ("fresh", [sys.executable, str(PROBE)]),
+                      ("interpreter-exit", python_cmd(PROBE, interpreter_exit=True))):  # fmt: skip
         proc = subprocess.run([*cmd, str(tmp_path / name)], cwd=ROOT, env=launch_env(), capture_output=True, text=True,
                               timeout=300, preexec_fn=limit_file_size)  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-4000:]
         seen[name] = json.loads((tmp_path / name / "rank.json").read_text())
+        ends[name] = f"C runtime's exit: {tmp_path / name}" in proc.stdout  # the probe's last line
+    # a fresh process ends through the C runtime's exit; a forked one too where asked, otherwise with _exit
+    assert ends == {"forked": False, "fresh": True, "interpreter-exit": True}
+    assert seen["interpreter-exit"]["parent"] == str(LAUNCHED_SITE / "zygote.py")
     forked, fresh = seen["forked"], seen["fresh"]
     assert forked["parent"] == str(LAUNCHED_SITE / "zygote.py") != fresh["parent"]  # the premise
     assert forked["env"] == fresh["env"]

@@ -2,7 +2,11 @@
 runs with this process's environment: the single-process launches of the tests (``tests/conftest.py``,
 ``python_cmd``) skip the 7.5 s of a fresh interpreter's imports as the ranks of ``ranks.py`` do.
 
-    python tests/launched/forked.py SCRIPT [ARGS ...]
+    python tests/launched/forked.py [--interpreter-exit] SCRIPT [ARGS ...]
+
+``--interpreter-exit``: the script's process ends through the interpreter's whole exit, its modules finalized and the
+C runtime's exit run, as a fresh one's does (for a test whose fact is how the process ends; without it the forked
+process leaves with ``os._exit`` once ``atexit`` ran: ``zygote.run_rank``).
 
 To its caller it is the script's process: the script has this process's stdin, stdout, stderr, working directory,
 environment, process group, ignored signals and resource limits (a test's ``preexec_fn`` limit included); SIGTERM,
@@ -27,7 +31,9 @@ RELAYED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.
 
 def main() -> None:
     argv = sys.argv[1:]
-    child = fork(argv, dict(os.environ))
+    interpreter_exit = argv[:1] == ["--interpreter-exit"]
+    argv = argv[interpreter_exit:]
+    child = fork(argv, dict(os.environ), interpreter_exit)
     if child is None:
         os.execv(sys.executable, [sys.executable, *argv])
 

@@ -57,8 +57,9 @@ class ForkedRank:
         return json.loads(self.buffer)["status"]
 
 
-def fork_rank(path: str, argv: list[str], env: dict[str, str]) -> ForkedRank | None:
-    """Ask the preloaded interpreter at ``path`` to fork one rank; None where it says the rank must start fresh."""
+def fork_rank(path: str, argv: list[str], env: dict[str, str], interpreter_exit: bool = False) -> ForkedRank | None:
+    """Ask the preloaded interpreter at ``path`` to fork one rank; None where it says the rank must start fresh.
+    ``interpreter_exit``: the rank ends through the interpreter's whole exit, modules finalized (zygote.run_rank)."""
     # beside this file, imported where a server runs (the tests import this module for rank_env too)
     from zygote import INHERITED_SIGNALS, send_request  # noqa: PLC0415
 
@@ -71,7 +72,7 @@ def fork_rank(path: str, argv: list[str], env: dict[str, str]) -> ForkedRank | N
         name: resource.getrlimit(getattr(resource, name)) for name in dir(resource) if name.startswith("RLIMIT_")
     }
     send_request(conn, {"argv": argv, "env": env, "cwd": os.getcwd(), "pgid": os.getpgid(0), "client": os.getpid(),
-                        "ignored": ignored, "rlimits": limits})  # fmt: skip
+                        "ignored": ignored, "rlimits": limits, "interpreter_exit": interpreter_exit})  # fmt: skip
     line = b""
     while not line.endswith(b"\n"):
         data = conn.recv(4096)
@@ -85,13 +86,13 @@ def fork_rank(path: str, argv: list[str], env: dict[str, str]) -> ForkedRank | N
     return ForkedRank(conn, answer["pid"])
 
 
-def fork(argv: list[str], env: dict[str, str]) -> ForkedRank | None:
+def fork(argv: list[str], env: dict[str, str], interpreter_exit: bool = False) -> ForkedRank | None:
     """One process of ``argv`` forked by the first of the session's preloaded interpreters (``HF_EXT_TEST_ZYGOTE``,
     one per thread setting) that has ``env``; None where none runs or none has it."""
     from zygote import SOCKET_ENV  # noqa: PLC0415 - as in fork_rank
 
     for path in os.environ.get(SOCKET_ENV, "").split(os.pathsep):
-        rank = fork_rank(path, argv, env) if path else None
+        rank = fork_rank(path, argv, env, interpreter_exit) if path else None
         if rank is not None:
             return rank
     return None
