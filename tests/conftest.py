@@ -7,6 +7,7 @@ launches, marked ``distributed``), ``app/`` (server and browser)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import subprocess
@@ -29,6 +30,16 @@ def _has_cuda() -> bool:
 #: unless HF_EXT_GPU_DRYRUN=1 asks for its logic to be checked on CPU (``make test-gpu-dryrun``: same launches, no GPU)
 GPU_DRYRUN = os.environ.get("HF_EXT_GPU_DRYRUN") == "1"
 collect_ignore = [] if _has_cuda() or GPU_DRYRUN else ["gpu"]
+
+
+def pytest_collection_finish(session) -> None:
+    """What the collected test modules imported (torch, transformers, DeepSpeed, TRL, ...: millions of objects) goes to
+    the collector's permanent generation: the full collections Python starts on its own during the tests, and the
+    ones accelerate's ``free_memory`` asks for at each ``Trainer.train``, then walk what the tests made, not the
+    libraries (docs/testing.md, "The collector's work"). What a test makes is collected as before."""
+    gc.freeze()
+
+
 BIN = Path(sys.executable).parent
 # The environment's executables first for the whole session, this process and all it launches: DeepSpeed's launcher
 # and console scripts, and ninja. DeepSpeed's CPU ops are compiled once and reused while the compile command is the
