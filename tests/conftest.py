@@ -223,6 +223,7 @@ def start_zygote(threads: str | None) -> None:
         _ZYGOTES[threads] = None
         return
     import atexit
+    import shutil
     import tempfile
     import time
 
@@ -242,7 +243,13 @@ def start_zygote(threads: str | None) -> None:
         return
     _ZYGOTES[threads] = server
     os.environ[ZYGOTES_ENV] = os.pathsep.join(p for p in [os.environ.get(ZYGOTES_ENV, ""), str(path)] if p)
-    atexit.register(server.kill)
+
+    def stop() -> None:  # at the session's end: the server, then its socket and log
+        server.kill()
+        server.wait()
+        shutil.rmtree(folder, ignore_errors=True)
+
+    atexit.register(stop)
 
 
 def python_cmd(script: str | Path, interpreter_exit: bool = False) -> list[str]:
