@@ -159,8 +159,8 @@ def failed_runs(old_run, tiny_model_dir, tmp_path_factory) -> dict:
         folder = root / where
         folder.mkdir()
         extra = {"resume": ["--resume", str(old_run / "old" / "checkpoint-4")], "evaluation": ["--eval_first"]}
-        cmd = [*python_cmd(SCRIPT, interpreter_exit=True), "--model", str(tiny_model_dir), "--out", str(folder / "out"), *SMALL,
-               *extra.get(where, []), "--raise_on_rank1", where]  # fmt: skip
+        cmd = [*python_cmd(SCRIPT, interpreter_exit=True), "--model", str(tiny_model_dir), "--out",
+               str(folder / "out"), *SMALL, *extra.get(where, []), "--raise_on_rank1", where]  # fmt: skip
         log_files = [folder / f"rank{rank}.log" for rank in (0, 1)]
         runs[where] = {"logs": log_files, "procs": start_ranks(cmd, log_files), "exited": {}}
     deadline = time.time() + 300

@@ -216,14 +216,15 @@ def run_rank(request: dict, fds: list[int]) -> None:
         sys.excepthook(*sys.exc_info())
     if request.get("interpreter_exit"):
         raise SystemExit(code)
+    status = 1  # an int for os._exit whatever fails below: nothing may unwind into the server's loop
     try:
-        code = exit_status(code)
+        status = exit_status(code)
         threading._shutdown()  # the interpreter's own exit: non-daemon threads first, then atexit
         atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()
     finally:
-        os._exit(code)
+        os._exit(status)
 
 
 def exit_status(code) -> int:
